@@ -370,7 +370,8 @@ mod tests {
         assert_eq!(Decimal::parse("1E+999999"), Err(DecimalError::OutOfRange));
         assert!(Decimal::parse("1E+9999999").is_err());
         // A sum that needs 39 digits is refused, not rounded.
-        assert_eq!(d(&max).checked_add(Decimal::ONE), Err(DecimalError::TooPrecise));
+        assert_eq!(d(&max).checked_add(d("0.1")), Err(DecimalError::TooPrecise));
+        assert_eq!(d(&max).checked_add(Decimal::ONE).unwrap().to_string(), format!("1{}", "0".repeat(38)));
         assert_eq!(d("1E+20").checked_add(d("1E-20")), Err(DecimalError::TooPrecise));
         assert_eq!(d("1E+100").checked_mul(d("1E+100")), Err(DecimalError::OutOfRange));
     }
