@@ -1,1 +1,392 @@
-//! Configuration.
+//! Configuration: YAML text (plus `DDB_AGGREGATOR__A__B=value` environment overrides) ->
+//! raw serde structs -> a validated [`Config`] whose rules are compiled and checked.
+//!
+//! Every error names the path of the offending setting: `rules[1].measures.revenue.sum: ...`.
+
+mod loops;
+pub mod raw;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::pattern::{Pattern, PatternError, PatternOptions, PatternSet};
+use crate::rules::template::Template;
+use crate::rules::{Engine, Measure, MeasureKind, ReconcileSource, Rule, RESERVED_ATTRIBUTE_PREFIX};
+use raw::{RawConfig, RawRule};
+
+/// Prefix of environment variables that override settings; `__` separates path segments.
+pub const ENV_PREFIX: &str = "DDB_AGGREGATOR__";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartPosition {
+    TrimHorizon,
+    Latest,
+}
+
+#[derive(Debug, Clone)]
+pub struct SourceConfig {
+    pub table: String,
+    pub start_position: StartPosition,
+    pub batch_size: u32,
+    pub batching_window: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct StateConfig {
+    pub table: String,
+    pub create_table: bool,
+    pub lease_duration: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct DeadLetterConfig {
+    pub queue_url: String,
+    pub max_attempts: u32,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub source: SourceConfig,
+    pub state: StateConfig,
+    pub aggregates_table: String,
+    pub dead_letter: Option<DeadLetterConfig>,
+    /// None: no scheduled reconcile.
+    pub reconcile_interval: Option<Duration>,
+    pub metrics_listen: SocketAddr,
+    pub engine: Engine,
+}
+
+/// A configuration error: where and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{message}", if path.is_empty() { String::new() } else { format!("{path}: ") })]
+pub struct ConfigError {
+    pub path: String,
+    pub message: String,
+}
+
+fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError { path: path.into(), message: message.into() }
+}
+
+impl Config {
+    /// Reads, overrides from the process environment, and validates.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| err("", format!("cannot read {}: {e}", path.display())))?;
+        Config::from_yaml(&text, std::env::vars())
+    }
+
+    /// Parses YAML text; `env` supplies overrides (pass `std::env::vars()`).
+    pub fn from_yaml(text: &str, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
+        let mut doc: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| err("", format!("not valid YAML: {}", yaml_message(&e))))?;
+        if doc.is_null() {
+            return Err(err("", "the file is empty"));
+        }
+        let mut overridden = Vec::new();
+        for (key, value) in env {
+            if let Some(rest) = key.strip_prefix(ENV_PREFIX) {
+                apply_override(&mut doc, rest, &value).map_err(|m| err(key.clone(), m))?;
+                overridden.push(key);
+            }
+        }
+        let raw: RawConfig = serde_path_to_error::deserialize(doc).map_err(|e| {
+            let path = e.path().to_string();
+            let mut m = yaml_message(e.inner());
+            let path = if path == "." { String::new() } else { path };
+            if !overridden.is_empty() {
+                m.push_str(&format!(" (after environment overrides {})", overridden.join(", ")));
+            }
+            err(path, m)
+        })?;
+        validate(raw)
+    }
+
+    /// Variable names the rules' targets use: the flags of `reconcile`.
+    pub fn target_variables(&self) -> BTreeSet<String> {
+        self.engine.rules.iter().flat_map(|r| r.target.iter().flat_map(|(_, t)| t.variables().map(str::to_string))).collect()
+    }
+}
+
+fn yaml_message(e: &serde_yaml::Error) -> String {
+    // serde_yaml puts the path first ("rules[0]: missing field `name` at line 3 column 5").
+    e.to_string()
+}
+
+/// Sets `path` (segments separated by `__`, matched to existing keys case-insensitively,
+/// numbers index lists) to `value` parsed as a YAML scalar.
+fn apply_override(doc: &mut serde_yaml::Value, path: &str, value: &str) -> Result<(), String> {
+    let segments: Vec<&str> = path.split("__").collect();
+    if segments.iter().any(|s| s.is_empty()) {
+        return Err("empty path segment in environment override".into());
+    }
+    let parsed: serde_yaml::Value = match serde_yaml::from_str::<serde_yaml::Value>(value) {
+        Ok(v @ (serde_yaml::Value::Bool(_) | serde_yaml::Value::Number(_) | serde_yaml::Value::String(_))) => v,
+        _ => serde_yaml::Value::String(value.to_string()),
+    };
+    let mut node = doc;
+    for (i, seg) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        node = match node {
+            serde_yaml::Value::Sequence(items) => {
+                let idx: usize = seg.parse().map_err(|_| format!("{seg:?} must be a list index here"))?;
+                let len = items.len();
+                items.get_mut(idx).ok_or_else(|| format!("index {idx} is past the end of a list of {len}"))?
+            }
+            serde_yaml::Value::Mapping(map) => {
+                let existing = map.keys().find(|k| k.as_str().is_some_and(|k| k.eq_ignore_ascii_case(seg))).cloned();
+                let key = existing.unwrap_or_else(|| serde_yaml::Value::String(seg.to_ascii_lowercase()));
+                if !map.contains_key(&key) {
+                    let fresh = if last { serde_yaml::Value::Null } else { serde_yaml::Value::Mapping(Default::default()) };
+                    map.insert(key.clone(), fresh);
+                }
+                map.get_mut(&key).ok_or("internal: key vanished")?
+            }
+            _ => return Err(format!("cannot descend into {seg:?}: the value above it is not a mapping")),
+        };
+    }
+    *node = parsed;
+    Ok(())
+}
+
+/// `250ms`, `10s`, `5m`, `1h`, `1d`, `0s`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).ok_or_else(|| format!("duration {s:?} needs a unit (ms, s, m, h, d)"))?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("duration {s:?} must start with a whole number"))?;
+    let ms = match unit {
+        "ms" => Some(n),
+        "s" => n.checked_mul(1000),
+        "m" => n.checked_mul(60_000),
+        "h" => n.checked_mul(3_600_000),
+        "d" => n.checked_mul(86_400_000),
+        _ => return Err(format!("duration {s:?}: unknown unit {unit:?} (use ms, s, m, h, d)")),
+    };
+    ms.map(Duration::from_millis).ok_or_else(|| format!("duration {s:?} is too large"))
+}
+
+fn duration(path: &str, value: Option<&str>, default: &str) -> Result<Duration, ConfigError> {
+    parse_duration(value.unwrap_or(default)).map_err(|m| err(path, m))
+}
+
+fn table_name(path: &str, name: &str) -> Result<String, ConfigError> {
+    let ok = (3..=255).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if !ok {
+        return Err(err(path, format!("{name:?} is not a DynamoDB table name (3-255 characters: letters, digits, _ - .)")));
+    }
+    Ok(name.to_string())
+}
+
+fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    let source_table = table_name("source.table", &raw.source.table)?;
+    let start_position = match raw.source.start_position.as_deref().unwrap_or("trim_horizon") {
+        "trim_horizon" => StartPosition::TrimHorizon,
+        "latest" => StartPosition::Latest,
+        other => return Err(err("source.start_position", format!("{other:?}: use trim_horizon or latest"))),
+    };
+    let batch_size = raw.source.batch_size.unwrap_or(1000);
+    if !(1..=1000).contains(&batch_size) {
+        return Err(err("source.batch_size", format!("{batch_size}: GetRecords takes 1 to 1000")));
+    }
+    let batching_window = duration("source.batching_window", raw.source.batching_window.as_deref(), "0s")?;
+    if batching_window > Duration::from_secs(300) {
+        return Err(err("source.batching_window", "at most 300s (as Lambda)"));
+    }
+    let lease_duration = duration("state.lease_duration", raw.state.lease_duration.as_deref(), "10s")?;
+    if lease_duration < Duration::from_secs(1) {
+        return Err(err("state.lease_duration", "at least 1s (leases are renewed every third of it)"));
+    }
+    let state = StateConfig { table: table_name("state.table", &raw.state.table)?, create_table: raw.state.create_table.unwrap_or(false), lease_duration };
+    let aggregates_table = match &raw.aggregates {
+        Some(a) => table_name("aggregates.table", &a.table)?,
+        None => source_table.clone(),
+    };
+    if state.table == source_table || state.table == aggregates_table {
+        return Err(err("state.table", "must be a table of its own, not the source or aggregates table"));
+    }
+    let dead_letter = match raw.dead_letter {
+        Some(d) => {
+            if !(d.queue_url.starts_with("https://") || d.queue_url.starts_with("http://")) {
+                return Err(err("dead_letter.queue_url", format!("{:?} is not a queue URL (http:// or https://)", d.queue_url)));
+            }
+            let max_attempts = d.max_attempts.unwrap_or(5);
+            if !(1..=100).contains(&max_attempts) {
+                return Err(err("dead_letter.max_attempts", format!("{max_attempts}: use 1 to 100")));
+            }
+            Some(DeadLetterConfig { queue_url: d.queue_url, max_attempts })
+        }
+        None => None,
+    };
+    let interval = duration("reconcile.interval", raw.reconcile.as_ref().and_then(|r| r.interval.as_deref()), "1h")?;
+    let reconcile_interval = (!interval.is_zero()).then_some(interval);
+    let listen = raw.metrics.as_ref().and_then(|m| m.listen.as_deref()).unwrap_or("0.0.0.0:9464");
+    let metrics_listen: SocketAddr = listen.parse().map_err(|_| err("metrics.listen", format!("{listen:?} is not an address like 0.0.0.0:9464")))?;
+
+    if raw.rules.is_empty() {
+        return Err(err("rules", "at least one rule is needed"));
+    }
+    let key_names: Vec<String> = raw.rules[0].target.keys().cloned().collect();
+    let mut rules = Vec::with_capacity(raw.rules.len());
+    for (i, r) in raw.rules.iter().enumerate() {
+        let path = format!("rules[{i}]");
+        if rules.iter().any(|x: &Rule| *x.name == *r.name) {
+            return Err(err(format!("{path}.name"), format!("{:?} is used by an earlier rule", r.name)));
+        }
+        rules.push(validate_rule(&path, r, &key_names)?);
+    }
+    let engine = Engine { rules, key_names };
+    if aggregates_table == source_table {
+        loops::check(&engine)?;
+    }
+    Ok(Config {
+        source: SourceConfig { table: source_table, start_position, batch_size, batching_window },
+        state,
+        aggregates_table,
+        dead_letter,
+        reconcile_interval,
+        metrics_listen,
+        engine,
+    })
+}
+
+fn template(path: &str, text: &str) -> Result<Template, ConfigError> {
+    Template::parse(text).map_err(|m| err(path, m))
+}
+
+fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, ConfigError> {
+    if r.name.is_empty() || r.name.len() > 64 || !r.name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')) {
+        return Err(err(format!("{path}.name"), format!("{:?}: 1-64 letters, digits, _ - . (it is a metric label)", r.name)));
+    }
+    let options = PatternOptions { numeric_strings: r.numeric_strings };
+    let filter = match &r.filter {
+        None => None,
+        Some(v) => Some(PatternSet::compile(v, options).map_err(|e| pattern_err(&format!("{path}.filter"), e))?),
+    };
+    if r.source_key.is_empty() {
+        return Err(err(format!("{path}.source_key"), "name at least the partition key, e.g. PK: \"CUST#{customer}\""));
+    }
+    let mut source_key = Vec::new();
+    for (attr, text) in &r.source_key {
+        let at = format!("{path}.source_key.{attr}");
+        let t = template(&at, text)?;
+        t.check_capturing().map_err(|m| err(&at, m))?;
+        source_key.push((attr.clone(), t));
+    }
+    let captures: BTreeSet<&str> = source_key.iter().flat_map(|(_, t)| t.variables()).collect();
+    // Targets: the same key attributes as every other rule, put in the table's key order.
+    let mut names: Vec<&String> = r.target.keys().collect();
+    names.sort();
+    let mut expected: Vec<&String> = key_names.iter().collect();
+    expected.sort();
+    if names != expected {
+        return Err(err(format!("{path}.target"), format!("every rule writes to the same table, so targets need the same key attributes: expected {key_names:?}, found {:?}", r.target.keys().collect::<Vec<_>>())));
+    }
+    let mut target = Vec::new();
+    for name in key_names {
+        let at = format!("{path}.target.{name}");
+        let text = &r.target[name.as_str()];
+        let t = template(&at, text)?;
+        if t.text().is_empty() {
+            return Err(err(&at, "a key value may not be empty"));
+        }
+        target.push((name.clone(), t));
+    }
+    if r.measures.is_empty() {
+        return Err(err(format!("{path}.measures"), "at least one measure is needed, e.g. orderCount: count"));
+    }
+    let mut measures = Vec::new();
+    for (name, spec) in &r.measures {
+        let at = format!("{path}.measures.{name}");
+        let name_t = template(&at, name)?;
+        if name.is_empty() || name.starts_with(RESERVED_ATTRIBUTE_PREFIX) || key_names.iter().any(|k| k == name) {
+            return Err(err(&at, format!("attribute name may not be empty, a key attribute, or start with {RESERVED_ATTRIBUTE_PREFIX:?}")));
+        }
+        if name.contains('.') || name.contains('[') {
+            return Err(err(&at, "measures are top-level attributes: DynamoDB's ADD cannot create nested paths, so no '.' or '['"));
+        }
+        measures.push(validate_measure(&at, name_t, spec, options)?);
+    }
+    let reconcile = match &r.reconcile {
+        None => ReconcileSource::Scan,
+        Some(rec) => match (&rec.query, rec.scan) {
+            (Some(_), Some(true)) => return Err(err(format!("{path}.reconcile"), "give either query or scan: true, not both")),
+            (None, Some(true)) => ReconcileSource::Scan,
+            (None, _) => return Err(err(format!("{path}.reconcile"), "give query: {PK: ..., SK_begins_with: ...} or scan: true")),
+            (Some(q), _) => validate_query(&format!("{path}.reconcile.query"), q, &source_key, &target, &captures)?,
+        },
+    };
+    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile })
+}
+
+fn pattern_err(outer: &str, e: PatternError) -> ConfigError {
+    let e = e.within(outer);
+    ConfigError { path: e.path, message: e.message }
+}
+
+fn validate_measure(at: &str, name: Template, spec: &Value, options: PatternOptions) -> Result<Measure, ConfigError> {
+    let usage = "use count, {count: true}, {sum: ATTR} or {sum: \"ATTR * ATTR\"}, with an optional where";
+    let obj = match spec {
+        Value::String(s) if s == "count" => return Ok(Measure { name, kind: MeasureKind::Count, filter: None }),
+        Value::Object(o) => o,
+        _ => return Err(err(at, usage)),
+    };
+    for key in obj.keys() {
+        if !matches!(key.as_str(), "count" | "sum" | "where") {
+            return Err(err(format!("{at}.{key}"), format!("unknown key; {usage}")));
+        }
+    }
+    let kind = match (obj.get("count"), obj.get("sum")) {
+        (Some(Value::Bool(true)), None) => MeasureKind::Count,
+        (Some(_), None) => return Err(err(format!("{at}.count"), "must be true")),
+        (None, Some(Value::String(s))) => {
+            let parts: Vec<&str> = s.split('*').map(str::trim).collect();
+            let valid = |a: &str| !a.is_empty() && !a.contains(char::is_whitespace);
+            match parts.as_slice() {
+                [a] if valid(a) => MeasureKind::Sum(a.to_string()),
+                [a, b] if valid(a) && valid(b) => MeasureKind::Product(a.to_string(), b.to_string()),
+                _ => return Err(err(format!("{at}.sum"), format!("{s:?}: give an attribute name or \"ATTR * ATTR\""))),
+            }
+        }
+        (None, Some(_)) => return Err(err(format!("{at}.sum"), "must be an attribute name")),
+        (None, None) | (Some(_), Some(_)) => return Err(err(at, format!("exactly one of count or sum; {usage}"))),
+    };
+    let filter = match obj.get("where") {
+        None => None,
+        Some(w) => Some(Pattern::compile(w, options).map_err(|e| pattern_err(&format!("{at}.where"), e))?),
+    };
+    Ok(Measure { name, kind, filter })
+}
+
+fn validate_query(at: &str, q: &indexmap::IndexMap<String, String>, source_key: &[(String, Template)], target: &[(String, Template)], captures: &BTreeSet<&str>) -> Result<ReconcileSource, ConfigError> {
+    let partition = &source_key[0].0;
+    let mut pk = None;
+    let mut sk = None;
+    for (k, v) in q {
+        let t = template(&format!("{at}.{k}"), v)?;
+        if k == partition {
+            pk = Some(t);
+        } else if let Some(attr) = k.strip_suffix("_begins_with") {
+            if source_key.get(1).is_none_or(|(s, _)| s != attr) {
+                return Err(err(format!("{at}.{k}"), format!("{attr} is not the sort key named in source_key")));
+            }
+            sk = Some(t);
+        } else {
+            return Err(err(format!("{at}.{k}"), format!("unknown key: use {partition} and optionally <sort key>_begins_with")));
+        }
+    }
+    let pk = pk.ok_or_else(|| err(at, format!("the partition key {partition} is required")))?;
+    let target_vars: BTreeSet<&str> = target.iter().flat_map(|(_, t)| t.variables()).collect();
+    for t in pk.variables().chain(sk.iter().flat_map(|t| t.variables())) {
+        if !captures.contains(t) || !target_vars.contains(t) {
+            return Err(err(at, format!("{{{t}}} must be captured by source_key and used in target, so a target determines its query")));
+        }
+    }
+    Ok(ReconcileSource::Query { pk, sk_begins_with: sk })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,1 +1,319 @@
-//! Rules.
+//! Rules: which records matter, what each one changes, and by how much.
+//!
+//! For every record and every rule whose filter matches, the old and the new image each
+//! contribute values to attributes of a target item; the record's delta is new minus old.
+//! Everything here is exact decimal arithmetic, and anything a rule cannot evaluate is a
+//! [`Poison`] naming the rule, the measure and the attribute, never a silent zero.
+
+pub mod coalesce;
+pub mod record;
+pub mod template;
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::decimal::{Decimal, DecimalError};
+use crate::pattern::{Pattern, PatternSet};
+pub use coalesce::{Coalescer, TargetDelta};
+use record::{attribute, StreamRecord};
+use template::{ExpandError, Template, VarValue};
+
+/// Largest partition-key and sort-key values DynamoDB accepts, in bytes.
+pub const MAX_PARTITION_KEY_BYTES: usize = 2048;
+pub const MAX_SORT_KEY_BYTES: usize = 1024;
+
+/// Attribute names starting with this are the service's own (ledger); measures may not use it.
+pub const RESERVED_ATTRIBUTE_PREFIX: &str = "_agg";
+
+/// The key of a target item: values in the table's key order (partition key first).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TargetKey(pub Box<[Box<str>]>);
+
+/// Why a record could not be evaluated. `code` is a small fixed set (metrics labels, DLQ).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poison {
+    pub code: PoisonCode,
+    pub rule: Option<Arc<str>>,
+    pub message: String,
+    /// Variables captured from the item's key before the failure.
+    pub variables: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoisonCode {
+    MalformedRecord,
+    NonNumericSum,
+    OutOfRange,
+    KeyDelimiter,
+    EmptyKeyPart,
+    MissingVariable,
+    BadTimestamp,
+    KeyTooLong,
+    ReservedAttribute,
+}
+
+impl PoisonCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoisonCode::MalformedRecord => "malformed_record",
+            PoisonCode::NonNumericSum => "non_numeric_sum",
+            PoisonCode::OutOfRange => "out_of_range",
+            PoisonCode::KeyDelimiter => "key_delimiter",
+            PoisonCode::EmptyKeyPart => "empty_key_part",
+            PoisonCode::MissingVariable => "missing_variable",
+            PoisonCode::BadTimestamp => "bad_timestamp",
+            PoisonCode::KeyTooLong => "key_too_long",
+            PoisonCode::ReservedAttribute => "reserved_attribute",
+        }
+    }
+}
+
+impl fmt::Display for Poison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.rule {
+            Some(rule) => write!(f, "{} (rule {rule}): {}", self.code.as_str(), self.message),
+            None => write!(f, "{}: {}", self.code.as_str(), self.message),
+        }
+    }
+}
+
+/// What a measure adds per contributing image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MeasureKind {
+    Count,
+    Sum(String),
+    /// `sum: "qty * unitPrice"`
+    Product(String, String),
+}
+
+#[derive(Debug, Clone)]
+pub struct Measure {
+    /// The target attribute name; may hold variables (`orders_{status}`).
+    pub name: Template,
+    pub kind: MeasureKind,
+    pub filter: Option<Pattern>,
+}
+
+/// How reconcile finds a target's source items.
+#[derive(Debug, Clone)]
+pub enum ReconcileSource {
+    /// Query the partition `pk`, optionally only sort keys beginning with `sk_begins_with`.
+    Query { pk: Template, sk_begins_with: Option<Template> },
+    Scan,
+}
+
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub name: Arc<str>,
+    pub filter: Option<PatternSet>,
+    /// Key attribute -> capturing template.
+    pub source_key: Vec<(String, Template)>,
+    /// Target templates in the table's key order.
+    pub target: Vec<(String, Template)>,
+    pub measures: Vec<Measure>,
+    pub reconcile: ReconcileSource,
+}
+
+/// One record's effect on one target: attribute -> signed delta.
+pub type TargetDeltas = Vec<(TargetKey, Vec<(String, Decimal)>)>;
+
+impl Rule {
+    /// Whether the record passes this rule's filter (no filter: every record).
+    pub fn filter_matches(&self, record: &Value) -> bool {
+        self.filter.as_ref().is_none_or(|f| f.matches(record))
+    }
+
+    /// The record's deltas for this rule (new image minus old image), grouped by target.
+    /// Call only for records that passed [`Rule::filter_matches`].
+    pub fn deltas(&self, record: &StreamRecord<'_>) -> Result<TargetDeltas, Poison> {
+        let mut out: TargetDeltas = Vec::new();
+        if let Some(old) = record.old_image {
+            self.contribute(old, record, false, &mut out)?;
+        }
+        if let Some(new) = record.new_image {
+            self.contribute(new, record, true, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn poison(&self, code: PoisonCode, message: String, captures: &[(&str, &str)]) -> Poison {
+        Poison {
+            code,
+            rule: Some(self.name.clone()),
+            message,
+            variables: captures.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        }
+    }
+
+    /// Adds one image's contributions (negated for the old image) to `out`.
+    fn contribute<'i>(&self, image: &'i Value, record: &StreamRecord<'i>, positive: bool, out: &mut TargetDeltas) -> Result<(), Poison> {
+        let mut captures: Vec<(&str, &'i str)> = Vec::with_capacity(4);
+        for (attr, template) in &self.source_key {
+            let key = attribute(image, attr).or_else(|| record.keys.get(attr).and_then(|v| v.as_object()).and_then(|m| m.iter().next()).map(|(t, v)| (t.as_str(), v)));
+            let value = match key {
+                Some(("S" | "N", Value::String(s))) => s.as_str(),
+                _ => return Ok(()), // no such key attribute: not an item of this rule
+            };
+            if !template.capture(value, &mut captures) {
+                return Ok(());
+            }
+        }
+        // The same variable captured twice (in PK and SK) must agree.
+        for (i, (name, value)) in captures.iter().enumerate() {
+            if captures[..i].iter().any(|(n, v)| n == name && v != value) {
+                return Ok(());
+            }
+        }
+        // An N attribute used as a variable that is not a usable number: reported instead of
+        // "missing" when the expansion fails.
+        let bad_number: Cell<Option<(String, DecimalError)>> = Cell::new(None);
+        let mut lookup = |name: &str| -> Option<VarValue<'i>> {
+            if let Some((_, v)) = captures.iter().find(|(n, _)| *n == name) {
+                return Some(VarValue::Str(v));
+            }
+            match attribute(image, name) {
+                Some(("S", Value::String(s))) => Some(VarValue::Str(s)),
+                Some(("N", Value::String(s))) => match Decimal::parse(s) {
+                    Ok(n) => Some(VarValue::Num(n)),
+                    Err(e) => {
+                        bad_number.set(Some((name.to_string(), e)));
+                        None
+                    }
+                },
+                _ => None,
+            }
+        };
+        let mut key_parts = Vec::with_capacity(self.target.len());
+        for (i, (attr, template)) in self.target.iter().enumerate() {
+            let value = template.expand(&mut lookup).map_err(|e| self.expand_poison(e, bad_number.take(), &format!("target.{attr}"), &captures))?;
+            let limit = if i == 0 { MAX_PARTITION_KEY_BYTES } else { MAX_SORT_KEY_BYTES };
+            if value.len() > limit {
+                return Err(self.poison(PoisonCode::KeyTooLong, format!("target.{attr}: expanded key is {} bytes, DynamoDB allows {limit}", value.len()), &captures));
+            }
+            key_parts.push(value.into_boxed_str());
+        }
+        let target = TargetKey(key_parts.into_boxed_slice());
+        let mut values: Vec<(String, Decimal)> = Vec::with_capacity(self.measures.len());
+        for measure in &self.measures {
+            if let Some(filter) = &measure.filter {
+                if !filter.matches(image) {
+                    continue;
+                }
+            }
+            let at = || format!("measures.{}", measure.name);
+            let value = match &measure.kind {
+                MeasureKind::Count => Some(Decimal::ONE),
+                MeasureKind::Sum(attr) => self.number(image, attr, &at(), &captures)?,
+                MeasureKind::Product(a, b) => match (self.number(image, a, &at(), &captures)?, self.number(image, b, &at(), &captures)?) {
+                    (Some(x), Some(y)) => Some(x.checked_mul(y).map_err(|e| self.poison(PoisonCode::OutOfRange, format!("{}: {a} * {b}: {e}", at()), &captures))?),
+                    _ => None,
+                },
+            };
+            let Some(value) = value else { continue };
+            let name = measure.name.expand(&mut lookup).map_err(|e| self.expand_poison(e, bad_number.take(), &at(), &captures))?;
+            if name.starts_with(RESERVED_ATTRIBUTE_PREFIX) || self.target.iter().any(|(k, _)| *k == name) {
+                return Err(self.poison(PoisonCode::ReservedAttribute, format!("{}: expands to a key or reserved attribute name", at()), &captures));
+            }
+            values.push((name, if positive { value } else { value.neg() }));
+        }
+        if values.is_empty() {
+            return Ok(());
+        }
+        match out.iter_mut().find(|(t, _)| *t == target) {
+            Some((_, existing)) => {
+                for (name, v) in values {
+                    match existing.iter_mut().find(|(n, _)| *n == name) {
+                        Some((_, sum)) => *sum = sum.checked_add(v).map_err(|e| self.poison(PoisonCode::OutOfRange, format!("measure {name}: {e}"), &captures))?,
+                        None => existing.push((name, v)),
+                    }
+                }
+            }
+            None => out.push((target, values)),
+        }
+        Ok(())
+    }
+
+    /// A numeric attribute: None when absent or NULL (sparse data contributes nothing).
+    fn number(&self, image: &Value, attr: &str, at: &str, captures: &[(&str, &str)]) -> Result<Option<Decimal>, Poison> {
+        match attribute(image, attr) {
+            None | Some(("NULL", _)) => Ok(None),
+            Some(("N", Value::String(s))) => Decimal::parse(s).map(Some).map_err(|e| {
+                let code = match e {
+                    DecimalError::Syntax(_) => PoisonCode::NonNumericSum,
+                    _ => PoisonCode::OutOfRange,
+                };
+                self.poison(code, format!("{at}: attribute {attr}: {}", if code == PoisonCode::NonNumericSum { "N value is not a number".to_string() } else { e.to_string() }), captures)
+            }),
+            Some((t, _)) => Err(self.poison(PoisonCode::NonNumericSum, format!("{at}: attribute {attr} is of type {t}, a sum needs N"), captures)),
+        }
+    }
+
+    fn expand_poison(&self, e: ExpandError, bad_number: Option<(String, DecimalError)>, at: &str, captures: &[(&str, &str)]) -> Poison {
+        if let Some((name, e)) = bad_number {
+            let code = if matches!(e, DecimalError::Syntax(_)) { PoisonCode::NonNumericSum } else { PoisonCode::OutOfRange };
+            return self.poison(code, format!("{at}: variable {{{name}}}: N attribute is not a usable number ({e})"), captures);
+        }
+        let (code, message) = match e {
+            ExpandError::Missing(name) => (PoisonCode::MissingVariable, format!("{at}: variable {{{name}}} is neither a capture nor an S or N attribute of the image")),
+            ExpandError::Empty(name) => (PoisonCode::EmptyKeyPart, format!("{at}: variable {{{name}}} is empty")),
+            ExpandError::Delimiter(name) => (PoisonCode::KeyDelimiter, format!("{at}: variable {{{name}}} contains the key delimiter '#'")),
+            ExpandError::BadTimestamp { name, why } => (PoisonCode::BadTimestamp, format!("{at}: variable {{{name}}}: {why}")),
+        };
+        self.poison(code, message, captures)
+    }
+}
+
+/// All rules, in config order, with the target table's key attribute names.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    pub rules: Vec<Rule>,
+    pub key_names: Vec<String>,
+}
+
+/// What one record did.
+#[derive(Debug, Default)]
+pub struct RecordReport {
+    /// Rules whose filter matched.
+    pub matched: Vec<usize>,
+    pub poisons: Vec<Poison>,
+}
+
+impl Engine {
+    /// Evaluates `record` against every rule and adds the deltas to `batch`. A rule that
+    /// cannot evaluate the record reports a poison and adds nothing; other rules still apply.
+    pub fn apply(&self, record: &Value, batch: &mut Coalescer) -> RecordReport {
+        let mut report = RecordReport::default();
+        let decoded = match StreamRecord::decode(record) {
+            Ok(r) => r,
+            Err(message) => {
+                report.poisons.push(Poison { code: PoisonCode::MalformedRecord, rule: None, message, variables: BTreeMap::new() });
+                return report;
+            }
+        };
+        for (i, rule) in self.rules.iter().enumerate() {
+            if !rule.filter_matches(record) {
+                continue;
+            }
+            report.matched.push(i);
+            let result = rule.deltas(&decoded).and_then(|deltas| {
+                batch.add(decoded.sequence_number, &deltas).map_err(|e| Poison {
+                    code: PoisonCode::OutOfRange,
+                    rule: Some(rule.name.clone()),
+                    message: format!("the batch's running sum would leave DynamoDB's number range: {e}"),
+                    variables: BTreeMap::new(),
+                })
+            });
+            if let Err(p) = result {
+                report.poisons.push(p);
+            }
+        }
+        report
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+//! Feedback loops: when aggregates live in the source table, the target items' own stream
+//! records come back to the rules. A rule whose targets another rule's source_key and filter
+//! could accept would count its own writes, forever. Rejected at validation.
+
+use serde_json::{json, Map, Value};
+
+use super::{err, ConfigError};
+use crate::rules::template::{Part, Template, DELIMITER};
+use crate::rules::{Engine, Rule};
+
+pub(super) fn check(engine: &Engine) -> Result<(), ConfigError> {
+    for (i, writer) in engine.rules.iter().enumerate() {
+        for reader in &engine.rules {
+            if source_key_may_match(writer, reader) && filter_may_accept(writer, reader) {
+                return Err(err(
+                    format!("rules[{i}].target"),
+                    format!(
+                        "items written by rule {:?} could match rule {:?}'s source_key and filter, so it would aggregate its own writes (a feedback loop); use a target key that source_key cannot match (e.g. SK: PROFILE) or a separate aggregates.table",
+                        writer.name, reader.name
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn source_key_may_match(writer: &Rule, reader: &Rule) -> bool {
+    reader.source_key.iter().all(|(attr, source)| match writer.target.iter().find(|(a, _)| a == attr) {
+        Some((_, target)) => may_overlap(target, source),
+        None => false, // target items do not have this attribute
+    })
+}
+
+/// Could some expansion of `a` equal some expansion of `b`? Variables expand to non-empty
+/// text without `#`, so both must have the same number of `#`-separated segments and each
+/// pair of segments must be able to agree. Conservative: "maybe" counts as yes.
+fn may_overlap(a: &Template, b: &Template) -> bool {
+    let (sa, sb) = (segments(a), segments(b));
+    sa.len() == sb.len() && sa.iter().zip(&sb).all(|(x, y)| segment_may_match(x, y))
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Piece {
+    Lit(String),
+    Var,
+}
+
+fn segments(t: &Template) -> Vec<Vec<Piece>> {
+    let mut out = vec![Vec::new()];
+    for part in t.parts() {
+        match part {
+            Part::Var { .. } => out.last_mut().into_iter().for_each(|s| s.push(Piece::Var)),
+            Part::Literal(l) => {
+                for (i, chunk) in l.split(DELIMITER).enumerate() {
+                    if i > 0 {
+                        out.push(Vec::new());
+                    }
+                    if !chunk.is_empty() {
+                        out.last_mut().into_iter().for_each(|s| s.push(Piece::Lit(chunk.to_string())));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn literal(seg: &[Piece]) -> Option<String> {
+    seg.iter().map(|p| if let Piece::Lit(l) = p { Some(l.as_str()) } else { None }).collect()
+}
+
+fn segment_may_match(x: &[Piece], y: &[Piece]) -> bool {
+    match (literal(x), literal(y)) {
+        (Some(a), Some(b)) => a == b,
+        (Some(a), None) => glob(y, &a),
+        (None, Some(b)) => glob(x, &b),
+        (None, None) => {
+            // Both have variables: compatible unless their fixed ends disagree.
+            let first = |s: &[Piece]| if let Some(Piece::Lit(l)) = s.first() { l.clone() } else { String::new() };
+            let last = |s: &[Piece]| if let Some(Piece::Lit(l)) = s.last() { l.clone() } else { String::new() };
+            let (fx, fy, lx, ly) = (first(x), first(y), last(x), last(y));
+            (fx.starts_with(&fy) || fy.starts_with(&fx)) && (lx.ends_with(&ly) || ly.ends_with(&lx))
+        }
+    }
+}
+
+/// Does the piece sequence (variables = one or more characters) match `text`?
+fn glob(pieces: &[Piece], text: &str) -> bool {
+    match pieces.split_first() {
+        None => text.is_empty(),
+        Some((Piece::Lit(l), rest)) => text.strip_prefix(l.as_str()).is_some_and(|t| glob(rest, t)),
+        Some((Piece::Var, rest)) => text.char_indices().skip(1).map(|(i, _)| i).chain([text.len()]).any(|i| i > 0 && glob(rest, &text[i..])),
+    }
+}
+
+/// Builds the stream records a target item would produce (with a few sample values for its
+/// variables) and asks the reader's filter.
+fn filter_may_accept(writer: &Rule, reader: &Rule) -> bool {
+    let Some(filter) = &reader.filter else { return true };
+    ["x", "1", "2026-01-01"].iter().any(|sample| {
+        let mut image = Map::new();
+        for (attr, t) in &writer.target {
+            let value = t.expand(|_| Some(crate::rules::template::VarValue::Str(sample))).unwrap_or_else(|_| t.text().to_string());
+            image.insert(attr.clone(), json!({ "S": value }));
+        }
+        let keys = Value::Object(image.clone());
+        for m in &writer.measures {
+            let name = m.name.expand(|_| Some(crate::rules::template::VarValue::Str(sample))).unwrap_or_else(|_| m.name.text().to_string());
+            image.insert(name, json!({"N": "1"}));
+        }
+        let image = Value::Object(image);
+        ["INSERT", "MODIFY", "REMOVE"].iter().any(|event| {
+            let mut ddb = json!({ "Keys": keys, "SequenceNumber": "1", "ApproximateCreationDateTime": 1_764_460_800, "StreamViewType": "NEW_AND_OLD_IMAGES" });
+            if *event != "REMOVE" {
+                ddb["NewImage"] = image.clone();
+            }
+            if *event != "INSERT" {
+                ddb["OldImage"] = image.clone();
+            }
+            filter.matches(&json!({ "eventName": event, "eventSource": "aws:dynamodb", "dynamodb": ddb }))
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> Template {
+        Template::parse(s).unwrap()
+    }
+
+    #[test]
+    fn overlap() {
+        assert!(!may_overlap(&t("PROFILE"), &t("ORDER#{date}#{id}")));
+        assert!(may_overlap(&t("ORDER#{d}#total"), &t("ORDER#{date}#{id}")));
+        assert!(may_overlap(&t("CUST#{c}"), &t("CUST#{customer}")));
+        assert!(!may_overlap(&t("SALES#{d}"), &t("CUST#{customer}")));
+        assert!(may_overlap(&t("{x}"), &t("CUST")));
+        assert!(!may_overlap(&t("{x}"), &t("CUST#{c}")));
+        assert!(may_overlap(&t("A-{x}"), &t("{y}-B")));
+        assert!(!may_overlap(&t("A-{x}"), &t("B-{y}")));
+        assert!(may_overlap(&t("ORDERX"), &t("ORDER{x}")));
+        assert!(!may_overlap(&t("ORDER"), &t("ORDER{x}")), "a variable is never empty");
+    }
+}

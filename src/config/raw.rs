@@ -1,0 +1,129 @@
+//! The YAML file as written: serde structs that reject unknown keys. Nothing here is checked
+//! beyond types; `validate` turns this into a [`super::Config`] that cannot be invalid.
+
+use indexmap::IndexMap;
+use serde::{Deserialize, Deserializer};
+
+/// Durations and other text settings written as a bare number (`10`) arrive as numbers;
+/// take them as text so validation can say what is missing (a unit).
+fn text<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        S(String),
+        U(u64),
+        I(i64),
+        F(f64),
+    }
+    Ok(Option::<Text>::deserialize(d)?.map(|t| match t {
+        Text::S(s) => s,
+        Text::U(n) => n.to_string(),
+        Text::I(n) => n.to_string(),
+        Text::F(n) => n.to_string(),
+    }))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub source: RawSource,
+    pub state: RawState,
+    /// Defaults to the source table.
+    #[serde(default)]
+    pub aggregates: Option<RawAggregates>,
+    #[serde(default)]
+    pub dead_letter: Option<RawDeadLetter>,
+    #[serde(default)]
+    pub reconcile: Option<RawReconcile>,
+    #[serde(default)]
+    pub metrics: Option<RawMetrics>,
+    pub rules: Vec<RawRule>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSource {
+    /// Source table name; its stream ARN is resolved with DescribeTable.
+    pub table: String,
+    /// For shards without a checkpoint: `trim_horizon` (default) or `latest`.
+    #[serde(default)]
+    pub start_position: Option<String>,
+    /// GetRecords Limit, 1..=1000 (default 1000).
+    #[serde(default)]
+    pub batch_size: Option<u32>,
+    /// Wait up to this for more records before writing (default 0s).
+    #[serde(default, deserialize_with = "text")]
+    pub batching_window: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawState {
+    /// Lease and checkpoint table.
+    pub table: String,
+    /// Create the state table when missing (default false).
+    #[serde(default)]
+    pub create_table: Option<bool>,
+    /// Default 10s.
+    #[serde(default, deserialize_with = "text")]
+    pub lease_duration: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAggregates {
+    pub table: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDeadLetter {
+    pub queue_url: String,
+    /// Attempts before a poison record goes to the queue (default 5).
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawReconcile {
+    /// `0s` disables the schedule (default 1h).
+    #[serde(default, deserialize_with = "text")]
+    pub interval: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMetrics {
+    /// Default 0.0.0.0:9464.
+    #[serde(default, deserialize_with = "text")]
+    pub listen: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRule {
+    pub name: String,
+    /// A filter pattern or a list of them (any matches); absent: every record.
+    #[serde(default)]
+    pub filter: Option<serde_json::Value>,
+    /// Compare N values numerically in this rule's patterns (Lambda cannot).
+    #[serde(default)]
+    pub numeric_strings: bool,
+    pub source_key: IndexMap<String, String>,
+    pub target: IndexMap<String, String>,
+    /// Attribute name (template) -> `count` or `{count: true | sum: ATTR, where: PATTERN}`.
+    pub measures: IndexMap<String, serde_json::Value>,
+    #[serde(default)]
+    pub reconcile: Option<RawRuleReconcile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRuleReconcile {
+    /// `{PK: "CUST#{customer}", SK_begins_with: "ORDER#"}`
+    #[serde(default)]
+    pub query: Option<IndexMap<String, String>>,
+    #[serde(default)]
+    pub scan: Option<bool>,
+}

@@ -1,0 +1,140 @@
+use super::*;
+
+const DEMO: &str = include_str!("../../config/commerce.yaml");
+
+fn load(text: &str) -> Result<Config, ConfigError> {
+    Config::from_yaml(text, Vec::<(String, String)>::new())
+}
+
+fn load_err(text: &str) -> String {
+    load(text).unwrap_err().to_string()
+}
+
+/// The demo config with one line replaced.
+fn demo_with(from: &str, to: &str) -> String {
+    assert!(DEMO.contains(from), "{from}");
+    DEMO.replacen(from, to, 1)
+}
+
+#[test]
+fn demo_config_is_valid() {
+    let c = load(DEMO).unwrap();
+    assert_eq!(c.source.table, "commerce-main");
+    assert_eq!(c.source.batch_size, 1000);
+    assert_eq!(c.state.lease_duration, Duration::from_secs(10));
+    assert_eq!(c.reconcile_interval, Some(Duration::from_secs(3600)));
+    assert_eq!(c.engine.rules.len(), 2);
+    assert_eq!(c.engine.key_names, vec!["PK", "SK"]);
+    assert_eq!(c.target_variables().into_iter().collect::<Vec<_>>(), vec!["customer", "date"]);
+    assert_eq!(c.dead_letter.as_ref().unwrap().max_attempts, 5);
+}
+
+#[test]
+fn durations() {
+    assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+    assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+    assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+    assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
+    for bad in ["10", "s", "1.5s", "-1s", "10 sec", "", "99999999999999999999d"] {
+        assert!(parse_duration(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn environment_overrides() {
+    let env = vec![
+        ("DDB_AGGREGATOR__SOURCE__TABLE".to_string(), "other-table".to_string()),
+        ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE".to_string(), "50".to_string()),
+        ("DDB_AGGREGATOR__RULES__1__NAME".to_string(), "daily".to_string()),
+        ("DDB_AGGREGATOR__AGGREGATES__TABLE".to_string(), "aggs".to_string()),
+        ("UNRELATED".to_string(), "x".to_string()),
+    ];
+    let c = Config::from_yaml(DEMO, env).unwrap();
+    assert_eq!(c.source.table, "other-table");
+    assert_eq!(c.source.batch_size, 50);
+    assert_eq!(&*c.engine.rules[1].name, "daily");
+    assert_eq!(c.aggregates_table, "aggs");
+    let bad = Config::from_yaml(DEMO, vec![("DDB_AGGREGATOR__SOURCE__TABEL".to_string(), "x".to_string())]).unwrap_err().to_string();
+    assert!(bad.contains("unknown field `tabel`") && bad.contains("DDB_AGGREGATOR__SOURCE__TABEL"), "{bad}");
+    let bad = Config::from_yaml(DEMO, vec![("DDB_AGGREGATOR__RULES__9__NAME".to_string(), "x".to_string())]).unwrap_err().to_string();
+    assert!(bad.contains("past the end"), "{bad}");
+}
+
+#[test]
+fn errors_name_the_path() {
+    let cases: &[(&str, &str, &str)] = &[
+        ("  batch_size: 1000", "  batch_size: 5000", "source.batch_size: 5000"),
+        ("  batch_size: 1000", "  batch_size: 100\n  bogus: 1", "unknown field `bogus`"),
+        ("  lease_duration: 10s", "  lease_duration: 10", "state.lease_duration: duration \"10\" needs a unit"),
+        ("  interval: 1h", "  interval: 1 hour", "reconcile.interval"),
+        ("  listen: 0.0.0.0:9464", "  listen: nowhere", "metrics.listen"),
+        ("  start_position: trim_horizon", "  start_position: earliest", "source.start_position"),
+        ("      revenue: { sum: total }", "      revenue: { sum: \"\" }", "rules[0].measures.revenue.sum"),
+        ("      revenue: { sum: total }", "      revenue: { summ: total }", "rules[0].measures.revenue.summ: unknown key"),
+        ("      revenue: { sum: total }", "      revenue: { sum: total, count: true }", "rules[0].measures.revenue: exactly one of count or sum"),
+        ("      revenue: { sum: total }", "      revenue: sum", "rules[0].measures.revenue: use count"),
+        ("      orderCount: count", "      \"PK\": count", "rules[0].measures.PK: attribute name may not be"),
+        ("      orderCount: count", "      \"a.b\": count", "rules[0].measures.a.b: measures are top-level"),
+        ("      orderCount: count", "      \"_agg_x\": count", "or start with \"_agg\""),
+        ("          SK: { S: [{ prefix: \"ORDER#\" }] }", "          SK: { S: [{ prefix: 5 }] }", "rules[0].filter.dynamodb.Keys.SK.S[0].prefix: prefix match pattern must be a string"),
+        ("where: { status: { S: [PENDING, PAID] } } }\n      openOrders", "where: { status: { S: [] } } }\n      openOrders", "rules[0].measures.openRevenue.where.status.S: empty arrays"),
+        ("      PK: \"CUST#{customer}\"\n      SK: \"ORDER#{date}#{order_id}\"", "      PK: \"CUST#{customer\"\n      SK: \"ORDER#{date}#{order_id}\"", "rules[0].source_key.PK: unclosed"),
+        ("      SK: \"ORDER#{date}#{order_id}\"", "      SK: \"ORDER#{date}{order_id}\"", "rules[0].source_key.SK: capture {date} must be followed by '#'"),
+        ("    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }", "    target: { PK: \"SALES#{date|week}\", SK: \"TOTAL\" }", "rules[1].target.PK: unknown template function"),
+        ("    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }", "    target: { PK: \"SALES#{date|day}\" }", "rules[1].target: every rule writes to the same table"),
+        ("  - name: daily-sales", "  - name: customer-orders", "rules[1].name: \"customer-orders\" is used by an earlier rule"),
+        ("  - name: daily-sales", "  - name: daily sales", "rules[1].name"),
+        ("  table: ddb-aggregator-state", "  table: commerce-main", "state.table: must be a table of its own"),
+        ("  table: ddb-aggregator-state", "  table: x", "state.table: \"x\" is not a DynamoDB table name"),
+        ("  queue_url: http://localhost:9324/000000000000/ddb-aggregator-dlq", "  queue_url: ddb-aggregator-dlq", "dead_letter.queue_url"),
+        ("      query: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }", "      query: { PK: \"CUST#{order_id}\" }", "rules[0].reconcile.query: {order_id} must be captured by source_key and used in target"),
+        ("      query: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }", "      query: { GSI1PK: \"x\" }", "rules[0].reconcile.query.GSI1PK: unknown key"),
+        ("    target: { PK: \"CUST#{customer}\", SK: \"PROFILE\" }", "    target: { PK: \"CUST#{customer}\", SK: \"ORDER#{date}#total\" }", "rules[0].target: items written by rule \"customer-orders\" could match rule \"customer-orders\""),
+    ];
+    for (from, to, expected) in cases {
+        let e = load_err(&demo_with(from, to));
+        assert!(e.contains(expected), "{to:?}\n  expected: {expected}\n  got: {e}");
+    }
+    assert!(load_err("").contains("empty"));
+    assert!(load_err("source: [").contains("not valid YAML"), "{}", load_err("source: ["));
+    assert!(load_err(&DEMO.replace("rules:", "rules: []\nx:")).contains("unknown field `x`"));
+}
+
+#[test]
+fn a_separate_aggregates_table_cannot_loop() {
+    let looping = demo_with("    target: { PK: \"CUST#{customer}\", SK: \"PROFILE\" }", "    target: { PK: \"CUST#{customer}\", SK: \"ORDER#{date}#total\" }");
+    assert!(load(&looping).is_err());
+    let separate = looping.replacen("aggregates:\n  table: commerce-main", "aggregates:\n  table: commerce-aggregates", 1);
+    assert!(load(&separate).is_ok());
+}
+
+#[test]
+fn loop_check_asks_the_filter() {
+    // The target could match the source key, but the filter only accepts INSERTs of items
+    // with a `kind` attribute that aggregate items never have.
+    let text = demo_with(
+        "    target: { PK: \"CUST#{customer}\", SK: \"PROFILE\" }",
+        "    target: { PK: \"CUST#{customer}\", SK: \"ORDER#{date}#total\" }",
+    )
+    .replacen(
+        "    filter:\n      dynamodb:\n        Keys:\n          SK: { S: [{ prefix: \"ORDER#\" }] }",
+        "    filter:\n      dynamodb:\n        NewImage:\n          kind: { S: [order] }",
+        1,
+    )
+    .replacen("filter: { dynamodb: { Keys: { SK: { S: [{ prefix: \"ORDER#\" }] } } } }", "filter: { dynamodb: { NewImage: { kind: { S: [order] } } } }", 1);
+    load(&text).unwrap();
+}
+
+#[test]
+fn shipped_example_configs_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            Config::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            n += 1;
+        }
+    }
+    assert!(n >= 1);
+}

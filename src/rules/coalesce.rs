@@ -1,0 +1,158 @@
+//! Coalescing: the deltas of many records summed per target item, so a batch of 1,000 records
+//! touching 10 customers becomes at most 10 writes.
+
+use std::collections::BTreeMap;
+
+use super::TargetKey;
+use crate::decimal::{Decimal, DecimalError};
+
+/// The summed deltas of one target item, with the span of sequence numbers that fed it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TargetDelta {
+    /// Attribute -> summed delta. May hold zeros until [`Coalescer::into_targets`].
+    pub attributes: BTreeMap<String, Decimal>,
+    /// How many (record, rule) pairs contributed.
+    pub records: u64,
+    pub first_sequence: Option<String>,
+    pub last_sequence: Option<String>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Coalescer {
+    targets: BTreeMap<TargetKey, TargetDelta>,
+    records: u64,
+}
+
+/// Sequence numbers are decimal strings of varying length: compare as numbers.
+pub fn sequence_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    let a = a.trim_start_matches('0');
+    let b = b.trim_start_matches('0');
+    a.len().cmp(&b.len()).then_with(|| a.cmp(b))
+}
+
+impl Coalescer {
+    pub fn new() -> Coalescer {
+        Coalescer::default()
+    }
+
+    /// Adds one record's deltas. All or nothing: if any sum would leave DynamoDB's number
+    /// range, the sums already changed are restored and the error returned.
+    pub fn add(&mut self, sequence: Option<&str>, deltas: &[(TargetKey, Vec<(String, Decimal)>)]) -> Result<(), DecimalError> {
+        let mut applied: Vec<(&TargetKey, &str, Decimal)> = Vec::new();
+        let mut failure = None;
+        'outer: for (target, values) in deltas {
+            let entry = self.targets.entry(target.clone()).or_default();
+            for (name, v) in values {
+                let sum = entry.attributes.entry(name.clone()).or_insert(Decimal::ZERO);
+                match sum.checked_add(*v) {
+                    Ok(s) => {
+                        *sum = s;
+                        applied.push((target, name, *v));
+                    }
+                    Err(e) => {
+                        failure = Some(e);
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        if let Some(e) = failure {
+            for (target, name, v) in applied {
+                if let Some(sum) = self.targets.get_mut(target).and_then(|t| t.attributes.get_mut(name)) {
+                    // Restoring a value that was representable before cannot fail.
+                    *sum = sum.checked_sub(v).unwrap_or(*sum);
+                }
+            }
+            return Err(e);
+        }
+        self.records += 1;
+        for (target, _) in deltas {
+            if let Some(entry) = self.targets.get_mut(target) {
+                entry.records += 1;
+                if let Some(seq) = sequence {
+                    if entry.first_sequence.as_deref().is_none_or(|f| sequence_cmp(seq, f).is_lt()) {
+                        entry.first_sequence = Some(seq.to_string());
+                    }
+                    if entry.last_sequence.as_deref().is_none_or(|l| sequence_cmp(seq, l).is_gt()) {
+                        entry.last_sequence = Some(seq.to_string());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records added (that had at least one rule evaluate without poison).
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.targets.is_empty()
+    }
+
+    /// The non-zero deltas per target, sorted by target key; targets left with nothing to
+    /// change are dropped.
+    pub fn into_targets(self) -> Vec<(TargetKey, TargetDelta)> {
+        self.targets
+            .into_iter()
+            .filter_map(|(key, mut delta)| {
+                delta.attributes.retain(|_, v| !v.is_zero());
+                (!delta.attributes.is_empty()).then_some((key, delta))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(s: &str) -> TargetKey {
+        TargetKey(vec![Box::from(s), Box::from("PROFILE")].into_boxed_slice())
+    }
+
+    fn d(s: &str) -> Decimal {
+        Decimal::parse(s).unwrap()
+    }
+
+    #[test]
+    fn sums_per_target_and_drops_zeros() {
+        let mut c = Coalescer::new();
+        for i in 0..1000 {
+            let cust = format!("CUST#c{}", i % 10);
+            c.add(Some(&format!("{:021}", i + 1)), &[(key(&cust), vec![("orderCount".into(), Decimal::ONE), ("revenue".into(), d("0.1"))])]).unwrap();
+        }
+        c.add(Some("5000"), &[(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
+        let targets = c.into_targets();
+        assert_eq!(targets.len(), 10, "1,000 records on 10 customers: 10 writes");
+        let (k, first) = &targets[0];
+        assert_eq!(k, &key("CUST#c0"));
+        assert_eq!(first.attributes["orderCount"].to_string(), "100");
+        assert!(!first.attributes.contains_key("revenue"), "100 * 0.1 - 10 is exactly zero and dropped");
+        assert_eq!(first.first_sequence.as_deref(), Some("000000000000000000001"));
+        assert_eq!(first.last_sequence.as_deref(), Some("5000"));
+        assert_eq!(targets[1].1.attributes["revenue"].to_string(), "10");
+    }
+
+    #[test]
+    fn a_failing_record_changes_nothing() {
+        let mut c = Coalescer::new();
+        let max = d(&"9".repeat(38));
+        c.add(None, &[(key("a"), vec![("x".into(), max)])]).unwrap();
+        let err = c.add(None, &[(key("b"), vec![("y".into(), Decimal::ONE)]), (key("a"), vec![("x".into(), d("0.5"))])]);
+        assert!(err.is_err());
+        let targets = c.into_targets();
+        assert_eq!(targets.len(), 1, "b's partial sum was rolled back (zero, dropped)");
+        assert_eq!(targets[0].1.attributes["x"], max);
+        assert_eq!(targets[0].1.records, 1);
+    }
+
+    #[test]
+    fn sequence_numbers_compare_numerically() {
+        assert!(sequence_cmp("9", "10").is_lt());
+        assert!(sequence_cmp("000000000000000000009", "10").is_lt());
+        assert!(sequence_cmp("49658361752382621885697088319781165717078428243510427650", "49658361752382621885697088319781165717078428243510427651").is_lt());
+        assert!(sequence_cmp("010", "10").is_eq());
+    }
+}
