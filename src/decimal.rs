@@ -132,10 +132,7 @@ impl Decimal {
                             return Err(DecimalError::TooPrecise);
                         }
                         let scale = pow10(zeros + 1).ok_or(DecimalError::TooPrecise)?;
-                        coef = coef
-                            .checked_mul(scale)
-                            .and_then(|v| v.checked_add(d))
-                            .ok_or(DecimalError::TooPrecise)?;
+                        coef = coef.checked_mul(scale).and_then(|v| v.checked_add(d)).ok_or(DecimalError::TooPrecise)?;
                         pending_zeros = 0;
                     }
                 }
@@ -178,11 +175,7 @@ impl Decimal {
         // Brings both coefficients to the smaller exponent.
         let (lo, hi) = if a.exp <= b.exp { (a, b) } else { (b, a) };
         let shift = u32::try_from(i64::from(hi.exp) - i64::from(lo.exp)).map_err(|_| DecimalError::TooPrecise)?;
-        let scaled = if hi.coef == 0 {
-            0
-        } else {
-            pow10(shift).and_then(|p| hi.coef.checked_mul(p)).ok_or(DecimalError::TooPrecise)?
-        };
+        let scaled = if hi.coef == 0 { 0 } else { pow10(shift).and_then(|p| hi.coef.checked_mul(p)).ok_or(DecimalError::TooPrecise)? };
         if a.exp <= b.exp {
             Ok((lo.coef, scaled, i64::from(lo.exp)))
         } else {
@@ -203,7 +196,7 @@ impl Decimal {
     }
 
     pub fn checked_sub(self, other: Decimal) -> Result<Decimal, DecimalError> {
-        self.checked_add(other.neg())
+        self.checked_add(-other)
     }
 
     pub fn checked_mul(self, other: Decimal) -> Result<Decimal, DecimalError> {
@@ -212,11 +205,6 @@ impl Decimal {
         }
         let coef = self.coef.checked_mul(other.coef).ok_or(DecimalError::TooPrecise)?;
         Decimal::new(coef, i64::from(self.exp) + i64::from(other.exp))
-    }
-
-    pub fn neg(self) -> Decimal {
-        // |coef| < 10^38 so negation cannot overflow.
-        Decimal { coef: -self.coef, exp: self.exp }
     }
 
     /// The value as an integer when it is one and fits an i64.
@@ -238,6 +226,14 @@ impl Decimal {
             Some(p) => i64::try_from(self.coef / p).ok(),
             None => Some(0), // |value| < 1
         }
+    }
+}
+
+impl std::ops::Neg for Decimal {
+    type Output = Decimal;
+    fn neg(self) -> Decimal {
+        // |coef| < 10^38 so negation cannot overflow.
+        Decimal { coef: -self.coef, exp: self.exp }
     }
 }
 

@@ -45,7 +45,11 @@ fn all_aws_validated_cases() {
     }
     // The raw pair with duplicate keys in the pattern text: the last key wins.
     let event: Value = serde_json::from_str(&std::fs::read_to_string(data_dir().join("complex_multi_key_event.json")).unwrap()).unwrap();
-    let pattern = Pattern::parse(&std::fs::read_to_string(data_dir().join("complex_multi_key_event_pattern.json")).unwrap(), PatternOptions::default()).unwrap();
+    let pattern = Pattern::parse(
+        &std::fs::read_to_string(data_dir().join("complex_multi_key_event_pattern.json")).unwrap(),
+        PatternOptions::default(),
+    )
+    .unwrap();
     if !pattern.matches(&event) {
         failures.push("complex_multi_key_event: expected a match".into());
     }

@@ -90,7 +90,9 @@ fn glob(pieces: &[Piece], text: &str) -> bool {
     match pieces.split_first() {
         None => text.is_empty(),
         Some((Piece::Lit(l), rest)) => text.strip_prefix(l.as_str()).is_some_and(|t| glob(rest, t)),
-        Some((Piece::Var, rest)) => text.char_indices().skip(1).map(|(i, _)| i).chain([text.len()]).any(|i| i > 0 && glob(rest, &text[i..])),
+        Some((Piece::Var, rest)) => {
+            text.char_indices().skip(1).map(|(i, _)| i).chain([text.len()]).any(|i| i > 0 && glob(rest, &text[i..]))
+        }
     }
 }
 

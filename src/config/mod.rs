@@ -82,7 +82,8 @@ impl Config {
 
     /// Parses YAML text; `env` supplies overrides (pass `std::env::vars()`).
     pub fn from_yaml(text: &str, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
-        let mut doc: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| err("", format!("not valid YAML: {}", yaml_message(&e))))?;
+        let mut doc: serde_yaml::Value =
+            serde_yaml::from_str(text).map_err(|e| err("", format!("not valid YAML: {}", yaml_message(&e))))?;
         if doc.is_null() {
             return Err(err("", "the file is empty"));
         }
@@ -200,7 +201,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if lease_duration < Duration::from_secs(1) {
         return Err(err("state.lease_duration", "at least 1s (leases are renewed every third of it)"));
     }
-    let state = StateConfig { table: table_name("state.table", &raw.state.table)?, create_table: raw.state.create_table.unwrap_or(false), lease_duration };
+    let state = StateConfig {
+        table: table_name("state.table", &raw.state.table)?,
+        create_table: raw.state.create_table.unwrap_or(false),
+        lease_duration,
+    };
     let aggregates_table = match &raw.aggregates {
         Some(a) => table_name("aggregates.table", &a.table)?,
         None => source_table.clone(),
@@ -224,7 +229,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     let interval = duration("reconcile.interval", raw.reconcile.as_ref().and_then(|r| r.interval.as_deref()), "1h")?;
     let reconcile_interval = (!interval.is_zero()).then_some(interval);
     let listen = raw.metrics.as_ref().and_then(|m| m.listen.as_deref()).unwrap_or("0.0.0.0:9464");
-    let metrics_listen: SocketAddr = listen.parse().map_err(|_| err("metrics.listen", format!("{listen:?} is not an address like 0.0.0.0:9464")))?;
+    let metrics_listen: SocketAddr =
+        listen.parse().map_err(|_| err("metrics.listen", format!("{listen:?} is not an address like 0.0.0.0:9464")))?;
 
     if raw.rules.is_empty() {
         return Err(err("rules", "at least one rule is needed"));
@@ -283,7 +289,13 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
     let mut expected: Vec<&String> = key_names.iter().collect();
     expected.sort();
     if names != expected {
-        return Err(err(format!("{path}.target"), format!("every rule writes to the same table, so targets need the same key attributes: expected {key_names:?}, found {:?}", r.target.keys().collect::<Vec<_>>())));
+        return Err(err(
+            format!("{path}.target"),
+            format!(
+                "every rule writes to the same table, so targets need the same key attributes: expected {key_names:?}, found {:?}",
+                r.target.keys().collect::<Vec<_>>()
+            ),
+        ));
     }
     let mut target = Vec::new();
     for name in key_names {
@@ -361,7 +373,13 @@ fn validate_measure(at: &str, name: Template, spec: &Value, options: PatternOpti
     Ok(Measure { name, kind, filter })
 }
 
-fn validate_query(at: &str, q: &indexmap::IndexMap<String, String>, source_key: &[(String, Template)], target: &[(String, Template)], captures: &BTreeSet<&str>) -> Result<ReconcileSource, ConfigError> {
+fn validate_query(
+    at: &str,
+    q: &indexmap::IndexMap<String, String>,
+    source_key: &[(String, Template)],
+    target: &[(String, Template)],
+    captures: &BTreeSet<&str>,
+) -> Result<ReconcileSource, ConfigError> {
     let partition = &source_key[0].0;
     let mut pk = None;
     let mut sk = None;

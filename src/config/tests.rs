@@ -71,25 +71,65 @@ fn errors_name_the_path() {
         ("  start_position: trim_horizon", "  start_position: earliest", "source.start_position"),
         ("      revenue: { sum: total }", "      revenue: { sum: \"\" }", "rules[0].measures.revenue.sum"),
         ("      revenue: { sum: total }", "      revenue: { summ: total }", "rules[0].measures.revenue.summ: unknown key"),
-        ("      revenue: { sum: total }", "      revenue: { sum: total, count: true }", "rules[0].measures.revenue: exactly one of count or sum"),
+        (
+            "      revenue: { sum: total }",
+            "      revenue: { sum: total, count: true }",
+            "rules[0].measures.revenue: exactly one of count or sum",
+        ),
         ("      revenue: { sum: total }", "      revenue: sum", "rules[0].measures.revenue: use count"),
         ("      orderCount: count", "      \"PK\": count", "rules[0].measures.PK: attribute name may not be"),
         ("      orderCount: count", "      \"a.b\": count", "rules[0].measures.a.b: measures are top-level"),
         ("      orderCount: count", "      \"_agg_x\": count", "or start with \"_agg\""),
-        ("          SK: { S: [{ prefix: \"ORDER#\" }] }", "          SK: { S: [{ prefix: 5 }] }", "rules[0].filter.dynamodb.Keys.SK.S[0].prefix: prefix match pattern must be a string"),
-        ("where: { status: { S: [PENDING, PAID] } } }\n      openOrders", "where: { status: { S: [] } } }\n      openOrders", "rules[0].measures.openRevenue.where.status.S: empty arrays"),
-        ("      PK: \"CUST#{customer}\"\n      SK: \"ORDER#{date}#{order_id}\"", "      PK: \"CUST#{customer\"\n      SK: \"ORDER#{date}#{order_id}\"", "rules[0].source_key.PK: unclosed"),
-        ("      SK: \"ORDER#{date}#{order_id}\"", "      SK: \"ORDER#{date}{order_id}\"", "rules[0].source_key.SK: capture {date} must be followed by '#'"),
-        ("    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }", "    target: { PK: \"SALES#{date|week}\", SK: \"TOTAL\" }", "rules[1].target.PK: unknown template function"),
-        ("    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }", "    target: { PK: \"SALES#{date|day}\" }", "rules[1].target: every rule writes to the same table"),
+        (
+            "          SK: { S: [{ prefix: \"ORDER#\" }] }",
+            "          SK: { S: [{ prefix: 5 }] }",
+            "rules[0].filter.dynamodb.Keys.SK.S[0].prefix: prefix match pattern must be a string",
+        ),
+        (
+            "where: { status: { S: [PENDING, PAID] } } }\n      openOrders",
+            "where: { status: { S: [] } } }\n      openOrders",
+            "rules[0].measures.openRevenue.where.status.S: empty arrays",
+        ),
+        (
+            "      PK: \"CUST#{customer}\"\n      SK: \"ORDER#{date}#{order_id}\"",
+            "      PK: \"CUST#{customer\"\n      SK: \"ORDER#{date}#{order_id}\"",
+            "rules[0].source_key.PK: unclosed",
+        ),
+        (
+            "      SK: \"ORDER#{date}#{order_id}\"",
+            "      SK: \"ORDER#{date}{order_id}\"",
+            "rules[0].source_key.SK: capture {date} must be followed by '#'",
+        ),
+        (
+            "    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }",
+            "    target: { PK: \"SALES#{date|week}\", SK: \"TOTAL\" }",
+            "rules[1].target.PK: unknown template function",
+        ),
+        (
+            "    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }",
+            "    target: { PK: \"SALES#{date|day}\" }",
+            "rules[1].target: every rule writes to the same table",
+        ),
         ("  - name: daily-sales", "  - name: customer-orders", "rules[1].name: \"customer-orders\" is used by an earlier rule"),
         ("  - name: daily-sales", "  - name: daily sales", "rules[1].name"),
         ("  table: ddb-aggregator-state", "  table: commerce-main", "state.table: must be a table of its own"),
         ("  table: ddb-aggregator-state", "  table: x", "state.table: \"x\" is not a DynamoDB table name"),
         ("  queue_url: http://localhost:9324/000000000000/ddb-aggregator-dlq", "  queue_url: ddb-aggregator-dlq", "dead_letter.queue_url"),
-        ("      query: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }", "      query: { PK: \"CUST#{order_id}\" }", "rules[0].reconcile.query: {order_id} must be captured by source_key and used in target"),
-        ("      query: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }", "      query: { GSI1PK: \"x\" }", "rules[0].reconcile.query.GSI1PK: unknown key"),
-        ("    target: { PK: \"CUST#{customer}\", SK: \"PROFILE\" }", "    target: { PK: \"CUST#{customer}\", SK: \"ORDER#{date}#total\" }", "rules[0].target: items written by rule \"customer-orders\" could match rule \"customer-orders\""),
+        (
+            "      query: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }",
+            "      query: { PK: \"CUST#{order_id}\" }",
+            "rules[0].reconcile.query: {order_id} must be captured by source_key and used in target",
+        ),
+        (
+            "      query: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }",
+            "      query: { GSI1PK: \"x\" }",
+            "rules[0].reconcile.query.GSI1PK: unknown key",
+        ),
+        (
+            "    target: { PK: \"CUST#{customer}\", SK: \"PROFILE\" }",
+            "    target: { PK: \"CUST#{customer}\", SK: \"ORDER#{date}#total\" }",
+            "rules[0].target: items written by rule \"customer-orders\" could match rule \"customer-orders\"",
+        ),
     ];
     for (from, to, expected) in cases {
         let e = load_err(&demo_with(from, to));
@@ -102,7 +142,10 @@ fn errors_name_the_path() {
 
 #[test]
 fn a_separate_aggregates_table_cannot_loop() {
-    let looping = demo_with("    target: { PK: \"CUST#{customer}\", SK: \"PROFILE\" }", "    target: { PK: \"CUST#{customer}\", SK: \"ORDER#{date}#total\" }");
+    let looping = demo_with(
+        "    target: { PK: \"CUST#{customer}\", SK: \"PROFILE\" }",
+        "    target: { PK: \"CUST#{customer}\", SK: \"ORDER#{date}#total\" }",
+    );
     assert!(load(&looping).is_err());
     let separate = looping.replacen("aggregates:\n  table: commerce-main", "aggregates:\n  table: commerce-aggregates", 1);
     assert!(load(&separate).is_ok());
@@ -121,7 +164,11 @@ fn loop_check_asks_the_filter() {
         "    filter:\n      dynamodb:\n        NewImage:\n          kind: { S: [order] }",
         1,
     )
-    .replacen("filter: { dynamodb: { Keys: { SK: { S: [{ prefix: \"ORDER#\" }] } } } }", "filter: { dynamodb: { NewImage: { kind: { S: [order] } } } }", 1);
+    .replacen(
+        "filter: { dynamodb: { Keys: { SK: { S: [{ prefix: \"ORDER#\" }] } } } }",
+        "filter: { dynamodb: { NewImage: { kind: { S: [order] } } } }",
+        1,
+    );
     load(&text).unwrap();
 }
 

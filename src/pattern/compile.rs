@@ -196,7 +196,9 @@ fn lowercase(s: &str) -> Box<str> {
 fn strings(arg: &Value, at: &str, what: &str, allow_empty_string: bool) -> Result<Vec<String>, PatternError> {
     let one = |v: &Value, at: &str| -> Result<String, PatternError> {
         match v {
-            Value::String(s) if s.is_empty() && !allow_empty_string => Err(PatternError::new(at, format!("an empty {what} is not allowed inside anything-but"))),
+            Value::String(s) if s.is_empty() && !allow_empty_string => {
+                Err(PatternError::new(at, format!("an empty {what} is not allowed inside anything-but")))
+            }
             Value::String(s) => Ok(s.clone()),
             _ => Err(PatternError::new(at, format!("{what} match pattern must be a string or an array of strings"))),
         }
@@ -220,7 +222,12 @@ fn anything_but(arg: &Value, at: &str) -> Result<AnythingBut, PatternError> {
                 let at_i = index(at, i);
                 match v {
                     Value::String(_) | Value::Number(_) => values.push(literal(v, &at_i)?),
-                    _ => return Err(PatternError::new(&at_i, "inside an anything-but list only strings and numbers are allowed (null, booleans, objects and arrays are not)")),
+                    _ => {
+                        return Err(PatternError::new(
+                            &at_i,
+                            "inside an anything-but list only strings and numbers are allowed (null, booleans, objects and arrays are not)",
+                        ))
+                    }
                 }
             }
             let strings = values.iter().filter(|l| matches!(l, Literal::Str(_))).count();
@@ -240,7 +247,9 @@ fn anything_but(arg: &Value, at: &str) -> Result<AnythingBut, PatternError> {
             match op.as_str() {
                 "prefix" => Ok(AnythingBut::Prefixes(strings(v, &at_op, "prefix", false)?.into_iter().map(Into::into).collect())),
                 "suffix" => Ok(AnythingBut::Suffixes(strings(v, &at_op, "suffix", false)?.into_iter().map(Into::into).collect())),
-                "equals-ignore-case" => Ok(AnythingBut::IgnoreCase(strings(v, &at_op, "equals-ignore-case", true)?.iter().map(|s| lowercase(s)).collect())),
+                "equals-ignore-case" => {
+                    Ok(AnythingBut::IgnoreCase(strings(v, &at_op, "equals-ignore-case", true)?.iter().map(|s| lowercase(s)).collect()))
+                }
                 "wildcard" => {
                     let list = strings(v, &at_op, "wildcard", true)?;
                     let mut out = Vec::with_capacity(list.len());
@@ -252,7 +261,10 @@ fn anything_but(arg: &Value, at: &str) -> Result<AnythingBut, PatternError> {
                 other => Err(PatternError::new(&at_op, format!("unsupported anything-but pattern: {other:?}"))),
             }
         }
-        _ => Err(PatternError::new(at, "anything-but must be a string, a number, an array of them, or an object with prefix, suffix, equals-ignore-case or wildcard")),
+        _ => Err(PatternError::new(
+            at,
+            "anything-but must be a string, a number, an array of them, or an object with prefix, suffix, equals-ignore-case or wildcard",
+        )),
     }
 }
 
@@ -266,7 +278,10 @@ fn numeric(arg: &Value, at: &str) -> Result<NumericRange, PatternError> {
     let op_at = |i: usize, allowed: &[&str]| -> Result<String, PatternError> {
         match items.get(i) {
             Some(Value::String(s)) if allowed.contains(&s.as_str()) => Ok(s.clone()),
-            Some(Value::String(s)) => Err(PatternError::new(&index(at, i), format!("unrecognized numeric operator {s:?} here (expected one of {})", allowed.join(" ")))),
+            Some(Value::String(s)) => Err(PatternError::new(
+                &index(at, i),
+                format!("unrecognized numeric operator {s:?} here (expected one of {})", allowed.join(" ")),
+            )),
             Some(other) => Err(PatternError::new(&index(at, i), format!("expected a numeric operator, found {other}"))),
             None => Err(PatternError::new(at, "missing numeric operator")),
         }
@@ -292,7 +307,10 @@ fn numeric(arg: &Value, at: &str) -> Result<NumericRange, PatternError> {
         return Ok(range);
     }
     if range.lower.is_none() {
-        return Err(PatternError::new(at, "too many elements in numeric expression: only a lower bound (> or >=) may be followed by an upper bound"));
+        return Err(PatternError::new(
+            at,
+            "too many elements in numeric expression: only a lower bound (> or >=) may be followed by an upper bound",
+        ));
     }
     let second = op_at(2, &["<", "<="])?;
     let second_value = num_at(3, &second)?;

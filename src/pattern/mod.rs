@@ -80,7 +80,10 @@ impl PatternSet {
         match value {
             Value::Array(items) => {
                 if items.is_empty() {
-                    return Err(PatternError::new("", "an empty list of patterns matches nothing; leave the filter out to match everything"));
+                    return Err(PatternError::new(
+                        "",
+                        "an empty list of patterns matches nothing; leave the filter out to match everything",
+                    ));
                 }
                 let mut patterns = Vec::with_capacity(items.len());
                 for (i, item) in items.iter().enumerate() {

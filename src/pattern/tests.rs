@@ -160,7 +160,10 @@ fn wildcards() {
 
 #[test]
 fn errors_say_where() {
-    assert_eq!(err(json!({"dynamodb": {"Keys": {"SK": {"S": [{"prefix": 5}]}}}})), "dynamodb.Keys.SK.S[0].prefix: prefix match pattern must be a string");
+    assert_eq!(
+        err(json!({"dynamodb": {"Keys": {"SK": {"S": [{"prefix": 5}]}}}})),
+        "dynamodb.Keys.SK.S[0].prefix: prefix match pattern must be a string"
+    );
     assert_eq!(err(json!({"dynamodb": {"Keys": {"SK": {"S": []}}}})), "dynamodb.Keys.SK.S: empty arrays are not allowed");
     assert_eq!(err(json!({"eventName": "INSERT"})), "eventName: \"eventName\" must be an object or an array");
     assert!(err(json!({"a": [{"numeric": [">", 5, "<", 1]}]})).starts_with("a[0].numeric: bottom"));

@@ -121,7 +121,11 @@ mod tests {
         let mut c = Coalescer::new();
         for i in 0..1000 {
             let cust = format!("CUST#c{}", i % 10);
-            c.add(Some(&format!("{:021}", i + 1)), &[(key(&cust), vec![("orderCount".into(), Decimal::ONE), ("revenue".into(), d("0.1"))])]).unwrap();
+            c.add(
+                Some(&format!("{:021}", i + 1)),
+                &[(key(&cust), vec![("orderCount".into(), Decimal::ONE), ("revenue".into(), d("0.1"))])],
+            )
+            .unwrap();
         }
         c.add(Some("5000"), &[(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
         let targets = c.into_targets();
@@ -152,7 +156,11 @@ mod tests {
     fn sequence_numbers_compare_numerically() {
         assert!(sequence_cmp("9", "10").is_lt());
         assert!(sequence_cmp("000000000000000000009", "10").is_lt());
-        assert!(sequence_cmp("49658361752382621885697088319781165717078428243510427650", "49658361752382621885697088319781165717078428243510427651").is_lt());
+        assert!(sequence_cmp(
+            "49658361752382621885697088319781165717078428243510427650",
+            "49658361752382621885697088319781165717078428243510427651"
+        )
+        .is_lt());
         assert!(sequence_cmp("010", "10").is_eq());
     }
 }

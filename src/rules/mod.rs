@@ -102,7 +102,10 @@ pub struct Measure {
 #[derive(Debug, Clone)]
 pub enum ReconcileSource {
     /// Query the partition `pk`, optionally only sort keys beginning with `sk_begins_with`.
-    Query { pk: Template, sk_begins_with: Option<Template> },
+    Query {
+        pk: Template,
+        sk_begins_with: Option<Template>,
+    },
     Scan,
 }
 
@@ -153,7 +156,8 @@ impl Rule {
     fn contribute<'i>(&self, image: &'i Value, record: &StreamRecord<'i>, positive: bool, out: &mut TargetDeltas) -> Result<(), Poison> {
         let mut captures: Vec<(&str, &'i str)> = Vec::with_capacity(4);
         for (attr, template) in &self.source_key {
-            let key = attribute(image, attr).or_else(|| record.keys.get(attr).and_then(|v| v.as_object()).and_then(|m| m.iter().next()).map(|(t, v)| (t.as_str(), v)));
+            let key = attribute(image, attr)
+                .or_else(|| record.keys.get(attr).and_then(|v| v.as_object()).and_then(|m| m.iter().next()).map(|(t, v)| (t.as_str(), v)));
             let value = match key {
                 Some(("S" | "N", Value::String(s))) => s.as_str(),
                 _ => return Ok(()), // no such key attribute: not an item of this rule
@@ -189,10 +193,15 @@ impl Rule {
         };
         let mut key_parts = Vec::with_capacity(self.target.len());
         for (i, (attr, template)) in self.target.iter().enumerate() {
-            let value = template.expand(&mut lookup).map_err(|e| self.expand_poison(e, bad_number.take(), &format!("target.{attr}"), &captures))?;
+            let value =
+                template.expand(&mut lookup).map_err(|e| self.expand_poison(e, bad_number.take(), &format!("target.{attr}"), &captures))?;
             let limit = if i == 0 { MAX_PARTITION_KEY_BYTES } else { MAX_SORT_KEY_BYTES };
             if value.len() > limit {
-                return Err(self.poison(PoisonCode::KeyTooLong, format!("target.{attr}: expanded key is {} bytes, DynamoDB allows {limit}", value.len()), &captures));
+                return Err(self.poison(
+                    PoisonCode::KeyTooLong,
+                    format!("target.{attr}: expanded key is {} bytes, DynamoDB allows {limit}", value.len()),
+                    &captures,
+                ));
             }
             key_parts.push(value.into_boxed_str());
         }
@@ -209,16 +218,31 @@ impl Rule {
                 MeasureKind::Count => Some(Decimal::ONE),
                 MeasureKind::Sum(attr) => self.number(image, attr, &at(), &captures)?,
                 MeasureKind::Product(a, b) => match (self.number(image, a, &at(), &captures)?, self.number(image, b, &at(), &captures)?) {
-                    (Some(x), Some(y)) => Some(x.checked_mul(y).map_err(|e| self.poison(PoisonCode::OutOfRange, format!("{}: {a} * {b}: {e}", at()), &captures))?),
+                    (Some(x), Some(y)) => Some(
+                        x.checked_mul(y)
+                            .map_err(|e| self.poison(PoisonCode::OutOfRange, format!("{}: {a} * {b}: {e}", at()), &captures))?,
+                    ),
                     _ => None,
                 },
             };
             let Some(value) = value else { continue };
-            let name = measure.name.expand(&mut lookup).map_err(|e| self.expand_poison(e, bad_number.take(), &at(), &captures))?;
+            // A measure named after an attribute the item does not have (`orders_{status}`
+            // without status) contributes nothing, like a sum over an absent attribute.
+            let name = match measure.name.expand(&mut lookup) {
+                Ok(name) => name,
+                Err(e) => match (e, bad_number.take()) {
+                    (ExpandError::Missing(_), None) => continue,
+                    (e, bad) => return Err(self.expand_poison(e, bad, &at(), &captures)),
+                },
+            };
             if name.starts_with(RESERVED_ATTRIBUTE_PREFIX) || self.target.iter().any(|(k, _)| *k == name) {
-                return Err(self.poison(PoisonCode::ReservedAttribute, format!("{}: expands to a key or reserved attribute name", at()), &captures));
+                return Err(self.poison(
+                    PoisonCode::ReservedAttribute,
+                    format!("{}: expands to a key or reserved attribute name", at()),
+                    &captures,
+                ));
             }
-            values.push((name, if positive { value } else { value.neg() }));
+            values.push((name, if positive { value } else { -value }));
         }
         if values.is_empty() {
             return Ok(());
@@ -227,7 +251,11 @@ impl Rule {
             Some((_, existing)) => {
                 for (name, v) in values {
                     match existing.iter_mut().find(|(n, _)| *n == name) {
-                        Some((_, sum)) => *sum = sum.checked_add(v).map_err(|e| self.poison(PoisonCode::OutOfRange, format!("measure {name}: {e}"), &captures))?,
+                        Some((_, sum)) => {
+                            *sum = sum
+                                .checked_add(v)
+                                .map_err(|e| self.poison(PoisonCode::OutOfRange, format!("measure {name}: {e}"), &captures))?
+                        }
                         None => existing.push((name, v)),
                     }
                 }
@@ -246,9 +274,18 @@ impl Rule {
                     DecimalError::Syntax(_) => PoisonCode::NonNumericSum,
                     _ => PoisonCode::OutOfRange,
                 };
-                self.poison(code, format!("{at}: attribute {attr}: {}", if code == PoisonCode::NonNumericSum { "N value is not a number".to_string() } else { e.to_string() }), captures)
+                self.poison(
+                    code,
+                    format!(
+                        "{at}: attribute {attr}: {}",
+                        if code == PoisonCode::NonNumericSum { "N value is not a number".to_string() } else { e.to_string() }
+                    ),
+                    captures,
+                )
             }),
-            Some((t, _)) => Err(self.poison(PoisonCode::NonNumericSum, format!("{at}: attribute {attr} is of type {t}, a sum needs N"), captures)),
+            Some((t, _)) => {
+                Err(self.poison(PoisonCode::NonNumericSum, format!("{at}: attribute {attr} is of type {t}, a sum needs N"), captures))
+            }
         }
     }
 
@@ -258,7 +295,10 @@ impl Rule {
             return self.poison(code, format!("{at}: variable {{{name}}}: N attribute is not a usable number ({e})"), captures);
         }
         let (code, message) = match e {
-            ExpandError::Missing(name) => (PoisonCode::MissingVariable, format!("{at}: variable {{{name}}} is neither a capture nor an S or N attribute of the image")),
+            ExpandError::Missing(name) => (
+                PoisonCode::MissingVariable,
+                format!("{at}: variable {{{name}}} is neither a capture nor an S or N attribute of the image"),
+            ),
             ExpandError::Empty(name) => (PoisonCode::EmptyKeyPart, format!("{at}: variable {{{name}}} is empty")),
             ExpandError::Delimiter(name) => (PoisonCode::KeyDelimiter, format!("{at}: variable {{{name}}} contains the key delimiter '#'")),
             ExpandError::BadTimestamp { name, why } => (PoisonCode::BadTimestamp, format!("{at}: variable {{{name}}}: {why}")),

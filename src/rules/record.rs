@@ -63,7 +63,9 @@ impl<'a> StreamRecord<'a> {
         match (event_name, new_image.is_some(), old_image.is_some()) {
             (EventName::Insert, false, _) => return Err("an INSERT record has no NewImage (the stream must be NEW_AND_OLD_IMAGES)".into()),
             (EventName::Remove, _, false) => return Err("a REMOVE record has no OldImage (the stream must be NEW_AND_OLD_IMAGES)".into()),
-            (EventName::Modify, n, o) if !(n && o) => return Err("a MODIFY record needs NewImage and OldImage (the stream must be NEW_AND_OLD_IMAGES)".into()),
+            (EventName::Modify, n, o) if !(n && o) => {
+                return Err("a MODIFY record needs NewImage and OldImage (the stream must be NEW_AND_OLD_IMAGES)".into())
+            }
             _ => {}
         }
         // Only the image that the event name implies counts: an INSERT's OldImage would be
@@ -80,7 +82,9 @@ impl<'a> StreamRecord<'a> {
         };
         let approximate_creation = match ddb.get("ApproximateCreationDateTime") {
             None | Some(Value::Null) => None,
-            Some(Value::Number(n)) => Some(Decimal::parse(n.as_str()).map_err(|_| "dynamodb.ApproximateCreationDateTime is not a usable number")?),
+            Some(Value::Number(n)) => {
+                Some(Decimal::parse(n.as_str()).map_err(|_| "dynamodb.ApproximateCreationDateTime is not a usable number")?)
+            }
             Some(_) => return Err("dynamodb.ApproximateCreationDateTime must be a number (epoch seconds)".into()),
         };
         Ok(StreamRecord { raw, event_name, keys, new_image, old_image, sequence_number, approximate_creation })
@@ -118,7 +122,10 @@ mod tests {
             (json!({"eventName": "MODIFY", "dynamodb": {"Keys": {}, "NewImage": {}}}), "NEW_AND_OLD_IMAGES"),
             (json!({"eventName": "INSERT", "dynamodb": {"Keys": {}, "NewImage": 5}}), "must be an object"),
             (json!({"eventName": "INSERT", "dynamodb": {"Keys": {}, "NewImage": {}, "SequenceNumber": 12}}), "SequenceNumber"),
-            (json!({"eventName": "INSERT", "dynamodb": {"Keys": {}, "NewImage": {}, "ApproximateCreationDateTime": "x"}}), "ApproximateCreationDateTime"),
+            (
+                json!({"eventName": "INSERT", "dynamodb": {"Keys": {}, "NewImage": {}, "ApproximateCreationDateTime": "x"}}),
+                "ApproximateCreationDateTime",
+            ),
         ] {
             let err = StreamRecord::decode(&bad).unwrap_err();
             assert!(err.contains(why), "{bad}: {err}");

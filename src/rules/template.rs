@@ -91,7 +91,9 @@ impl Template {
             let inner = &after[..close];
             let (name, func) = match inner.split_once('|') {
                 Some((n, f)) => {
-                    let func = TimeFunc::parse(f.trim()).ok_or_else(|| format!("unknown template function {:?} in {{{inner}}} (known: day, hour, month, year)", f.trim()))?;
+                    let func = TimeFunc::parse(f.trim()).ok_or_else(|| {
+                        format!("unknown template function {:?} in {{{inner}}} (known: day, hour, month, year)", f.trim())
+                    })?;
                     (n.trim(), Some(func))
                 }
                 None => (inner.trim(), None),

@@ -1,0 +1,278 @@
+//! The offline commands as a user meets them: the real binary, files, stdout, stderr, exit codes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ddb_aggregator::decimal::Decimal;
+use serde_json::Value;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ddb-aggregator"))
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("run ddb-aggregator")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+const DEMO: &str = "config/commerce.yaml";
+
+fn demo() -> String {
+    root().join(DEMO).to_string_lossy().into_owned()
+}
+
+/// Target attribute -> value, from simulate's (or the oracle's) JSON lines.
+fn deltas(text: &str) -> BTreeMap<(String, String, String), Decimal> {
+    let mut out = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        let key = (
+            v["target"]["PK"].as_str().unwrap().to_string(),
+            v["target"]["SK"].as_str().unwrap().to_string(),
+            v["attribute"].as_str().unwrap().to_string(),
+        );
+        let value = Decimal::parse(v["delta"].as_str().unwrap()).unwrap();
+        assert!(!value.is_zero(), "zero sums are left out: {line}");
+        assert!(out.insert(key, value).is_none(), "duplicate line {line}");
+    }
+    out
+}
+
+/// simulate over 10,000 generated records equals the totals that an independent Python
+/// program computed from the final state of the table (tests/tools/gen_records.py).
+#[test]
+fn simulate_equals_the_independent_truth() {
+    let dir = tempfile::tempdir().unwrap();
+    for (seed, lambda_event) in [(7, false), (2026, true)] {
+        let records = dir.path().join(format!("records-{seed}.json"));
+        let expect = dir.path().join(format!("expect-{seed}.jsonl"));
+        let mut gen = Command::new("python3");
+        gen.arg(root().join("tests/tools/gen_records.py"))
+            .args(["--seed", &seed.to_string(), "--records", "10000", "--out"])
+            .arg(&records)
+            .arg("--expect")
+            .arg(&expect);
+        if lambda_event {
+            gen.arg("--lambda-event");
+        }
+        let g = gen.output().expect("python3 is needed for this test");
+        assert!(g.status.success(), "generator failed: {}", String::from_utf8_lossy(&g.stderr));
+        let out = run(&["simulate", "--config", &demo(), "--records", records.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let got = deltas(&stdout(&out));
+        let want = deltas(&std::fs::read_to_string(&expect).unwrap());
+        assert!(want.len() > 400, "the oracle produced a real workload ({} values)", want.len());
+        for (k, v) in &want {
+            assert_eq!(got.get(k), Some(v), "seed {seed}: {k:?}");
+        }
+        assert_eq!(got.len(), want.len(), "seed {seed}: no extra target attributes");
+        // Output order: target (PK, then SK), then attribute; byte order.
+        let keys: Vec<_> = stdout(&out)
+            .lines()
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).unwrap();
+                (
+                    v["target"]["PK"].as_str().unwrap().to_string(),
+                    v["target"]["SK"].as_str().unwrap().to_string(),
+                    v["attribute"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        assert_eq!(keys, sorted);
+        assert!(stderr(&out).contains("10000 records"), "{}", stderr(&out));
+    }
+}
+
+#[test]
+fn simulate_prints_the_documented_format_and_reports_poison() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = |seq: u32, event: &str, total: &str, status: &str, pk: &str| {
+        format!(
+            r#"{{"eventID":"e{seq}","eventName":"{event}","dynamodb":{{"Keys":{{"PK":{{"S":"{pk}"}},"SK":{{"S":"ORDER#2026-11-30#o{seq}"}}}},"NewImage":{{"PK":{{"S":"{pk}"}},"SK":{{"S":"ORDER#2026-11-30#o{seq}"}},"status":{{"S":"{status}"}},"total":{total}}},"SequenceNumber":"{seq}"}}}}"#
+        )
+    };
+    let lines = [
+        rec(1, "INSERT", r#"{"N":"10.2"}"#, "PAID", "CUST#c1"),
+        rec(2, "INSERT", r#"{"N":"5.3"}"#, "PENDING", "CUST#c1"),
+        rec(3, "INSERT", r#"{"S":"ten"}"#, "PAID", "CUST#c1"),
+        String::new(),
+        rec(4, "INSERT", r#"{"N":"1"}"#, "PAID", "CUST#c2"),
+        r#"{"eventName":"INSERT"}"#.to_string(),
+    ];
+    let path = write(dir.path(), "records.jsonl", &lines.join("\n"));
+    let out = run(&["simulate", "--config", &demo(), "--records", &path]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let first = text.lines().next().unwrap();
+    assert_eq!(first, r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"openOrders","delta":"2"}"#);
+    assert!(text.contains(r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"revenue","delta":"15.5"}"#), "{text}");
+    assert!(text.contains(r#"{"target":{"PK":"SALES#2026-11-30","SK":"TOTAL"},"attribute":"revenue","delta":"16.5"}"#), "{text}");
+    let err = stderr(&out);
+    // Record 3's sum is poison for both rules; line 6 is not a stream record.
+    assert!(
+        err.contains(":3: poison record: non_numeric_sum (rule customer-orders): measures.revenue: attribute total is of type S"),
+        "{err}"
+    );
+    assert!(err.contains(":3: poison record: non_numeric_sum (rule daily-sales)"), "{err}");
+    assert!(err.contains(":6: poison record: malformed_record: dynamodb is missing"), "{err}");
+    assert!(!err.contains("ten"), "item values stay out of messages: {err}");
+    assert!(err.contains("5 records, 4 matched a rule, 3 poison"), "blank lines are skipped: {err}");
+    // A poison record adds nothing to the rule it poisoned: not even its count.
+    assert!(text.contains(r#""PK":"CUST#c1","SK":"PROFILE"},"attribute":"orderCount","delta":"2"}"#), "{text}");
+}
+
+#[test]
+fn simulate_rejects_broken_input_with_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(dir.path(), "bad.jsonl", "{\"eventName\":\"INSERT\",\"dynamodb\":{}}\n{not json\n");
+    let out = run(&["simulate", "--config", &demo(), "--records", &bad]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("bad.jsonl:2: not valid JSON"), "{}", stderr(&out));
+    let broken_doc = write(dir.path(), "event.json", "{\n  \"Records\": [\n    {\"eventName\": \n");
+    let out = run(&["simulate", "--config", &demo(), "--records", &broken_doc]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("event.json: not valid JSON") && stderr(&out).contains("line 4"), "{}", stderr(&out));
+    let not_records = write(dir.path(), "n.json", "{\"Records\": 5}");
+    let out = run(&["simulate", "--config", &demo(), "--records", &not_records]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("Records must be an array"), "{}", stderr(&out));
+    let out = run(&["simulate", "--config", &demo(), "--records", "/nonexistent/records.jsonl"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("/nonexistent/records.jsonl: cannot read"), "{}", stderr(&out));
+}
+
+#[test]
+fn simulate_reads_standard_input() {
+    use std::io::Write;
+    let mut child = bin()
+        .args(["simulate", "--config", &demo(), "--records", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(br#"{"eventName":"REMOVE","dynamodb":{"Keys":{"PK":{"S":"CUST#c9"},"SK":{"S":"ORDER#2026-01-02T03:04:05Z#x"}},"OldImage":{"PK":{"S":"CUST#c9"},"SK":{"S":"ORDER#2026-01-02T03:04:05Z#x"},"total":{"N":"0.1"}}}}"#).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert!(
+        stdout(&out).contains(r#"{"target":{"PK":"SALES#2026-01-02","SK":"TOTAL"},"attribute":"revenue","delta":"-0.1"}"#),
+        "{}",
+        stdout(&out)
+    );
+}
+
+#[test]
+fn validate_reports_paths_and_exit_codes() {
+    let out = run(&["validate", "--config", &demo()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("valid")
+            && stdout(&out).contains("rule customer-orders")
+            && stdout(&out).contains("reconcile flags: --customer --date"),
+        "{}",
+        stdout(&out)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(root().join(DEMO))
+        .unwrap()
+        .replace("revenue: { sum: total }", "revenue: { sum: total, where: { status: { S: [{ wildcard: \"a**\" }] } } }");
+    let bad = write(dir.path(), "bad.yaml", &text);
+    let out = run(&["validate", "--config", &bad]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(err.contains("bad.yaml: rules[0].measures.revenue.where.status.S[0].wildcard: consecutive wildcard characters"), "{err}");
+    let out = bin().args(["validate", "--config", &demo()]).env("DDB_AGGREGATOR__SOURCE__BATCH_SIZE", "0").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("source.batch_size: 0"), "{}", stderr(&out));
+    let out = run(&["validate"]);
+    assert_eq!(out.status.code(), Some(2), "missing flag is a usage error");
+    assert!(stderr(&out).contains("--config"));
+}
+
+#[test]
+fn every_shipped_config_validates() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(root().join("config")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let out = run(&["validate", "--config", path.to_str().unwrap()]);
+            assert!(out.status.success(), "{}: {}", path.display(), stderr(&out));
+            n += 1;
+        }
+    }
+    assert!(n >= 3, "commerce, saas and ledger examples ship ({n} found)");
+}
+
+#[test]
+fn test_pattern_like_the_aws_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = write(
+        dir.path(),
+        "event.json",
+        r#"{"eventName":"INSERT","dynamodb":{"Keys":{"SK":{"S":"ORDER#1"}},"NewImage":{"total":{"N":"150"}}}}"#,
+    );
+    let yes = write(dir.path(), "yes.json", r#"{"dynamodb":{"Keys":{"SK":{"S":[{"prefix":"ORDER#"}]}}}}"#);
+    let no = write(dir.path(), "no.json", r#"{"eventName":["REMOVE"]}"#);
+    let numeric = write(dir.path(), "numeric.json", r#"{"dynamodb":{"NewImage":{"total":{"N":[{"numeric":[">",100]}]}}}}"#);
+    let dup = write(dir.path(), "dup.json", r#"{"eventName":["REMOVE"],"eventName":["INSERT"]}"#);
+    for (pattern, extra, expected) in [
+        (&yes, None, "true"),
+        (&no, None, "false"),
+        (&numeric, None, "false"),
+        (&numeric, Some("--numeric-strings"), "true"),
+        (&dup, None, "true"),
+    ] {
+        let mut args = vec!["test-pattern", "--pattern", pattern, "--event", &record];
+        args.extend(extra);
+        let out = run(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert_eq!(stdout(&out), format!("{expected}\n"), "{pattern}");
+    }
+    let invalid = write(dir.path(), "invalid.json", r#"{"dynamodb":{"Keys":{"SK":{"S":[{"prefix":["ORDER#"]}]}}}}"#);
+    let out = run(&["test-pattern", "--pattern", &invalid, "--event", &record]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stdout(&out).is_empty());
+    assert!(
+        stderr(&out).contains("invalid pattern: dynamodb.Keys.SK.S[0].prefix: prefix match pattern must be a string"),
+        "{}",
+        stderr(&out)
+    );
+    let bad_event = write(dir.path(), "bad.json", "{\"a\": ");
+    let out = run(&["test-pattern", "--pattern", &yes, "--event", &bad_event]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("event is not valid JSON"), "{}", stderr(&out));
+    let out = run(&["test-pattern", "--pattern", "/nope.json", "--event", &record]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn help_explains_the_commands() {
+    let out = run(&["--help"]);
+    assert!(out.status.success());
+    for cmd in ["validate", "test-pattern", "simulate"] {
+        assert!(stdout(&out).contains(cmd), "{}", stdout(&out));
+    }
+    let out = run(&["simulate", "--help"]);
+    assert!(stdout(&out).contains("JSON lines") && stdout(&out).contains("Records"), "{}", stdout(&out));
+}
