@@ -1,0 +1,333 @@
+//! Property tests of the pure core: exact deltas for any history and interleaving, and no
+//! panic on any input to the pattern compiler, the record decoder or the engine.
+
+use std::collections::BTreeMap;
+
+use ddb_aggregator::config::Config;
+use ddb_aggregator::decimal::Decimal;
+use ddb_aggregator::pattern::{Pattern, PatternOptions, PatternSet};
+use ddb_aggregator::rules::template::{Template, VarValue};
+use ddb_aggregator::rules::{Coalescer, Engine};
+use proptest::prelude::*;
+use serde_json::{json, Map, Value};
+
+fn engine() -> Engine {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+    Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Order {
+    status: Option<&'static str>,
+    total: Option<String>,
+}
+
+const STATUSES: [&str; 4] = ["PENDING", "PAID", "SHIPPED", "CANCELLED"];
+
+fn status() -> impl Strategy<Value = Option<&'static str>> {
+    prop_oneof![4 => (0..STATUSES.len()).prop_map(|i| Some(STATUSES[i])), 1 => Just(None)]
+}
+
+fn total() -> impl Strategy<Value = Option<String>> {
+    prop_oneof![
+        6 => (0u64..100_000, 0u32..3).prop_map(|(n, scale)| Some(format!("{}", Decimal::parse(&format!("{n}E-{scale}")).unwrap()))),
+        1 => (1u64..1_000_000_000, 0u32..10).prop_map(|(n, scale)| Some(format!("{n}.{}E+{scale}", n % 97))),
+        1 => Just(None),
+    ]
+}
+
+/// One operation on item `item` (index into a small key space).
+#[derive(Debug, Clone)]
+enum Op {
+    Put { item: usize, status: Option<&'static str>, total: Option<String> },
+    SetStatus { item: usize, status: Option<&'static str> },
+    SetTotal { item: usize, total: Option<String> },
+    Delete { item: usize },
+}
+
+const CUSTOMERS: [&str; 4] = ["c0", "c1", "zoë", "ACME-Corp"];
+const DATES: [&str; 3] = ["2026-11-29", "2026-11-30T23:30:00Z", "2026-12-01T01:00:00+02:00"];
+const ITEMS: usize = 12;
+
+fn key(item: usize) -> (String, String) {
+    (format!("CUST#{}", CUSTOMERS[item % CUSTOMERS.len()]), format!("ORDER#{}#o{item}", DATES[item % DATES.len()]))
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0..ITEMS, status(), total()).prop_map(|(item, status, total)| Op::Put { item, status, total }),
+        2 => (0..ITEMS, status()).prop_map(|(item, status)| Op::SetStatus { item, status }),
+        2 => (0..ITEMS, total()).prop_map(|(item, total)| Op::SetTotal { item, total }),
+        1 => (0..ITEMS).prop_map(|item| Op::Delete { item }),
+    ]
+}
+
+fn image(item: usize, o: &Order) -> Value {
+    let (pk, sk) = key(item);
+    let mut m = Map::new();
+    m.insert("PK".into(), json!({"S": pk}));
+    m.insert("SK".into(), json!({"S": sk}));
+    if let Some(s) = o.status {
+        m.insert("status".into(), json!({"S": s}));
+    }
+    if let Some(t) = &o.total {
+        m.insert("total".into(), json!({"N": t}));
+    }
+    Value::Object(m)
+}
+
+/// Applies the ops to a table and returns (per-item record lists in order, final table).
+fn history(ops: &[Op]) -> (Vec<Vec<Value>>, BTreeMap<usize, Order>) {
+    let mut table: BTreeMap<usize, Order> = BTreeMap::new();
+    let mut records: Vec<Vec<Value>> = vec![Vec::new(); ITEMS];
+    for op in ops {
+        let item = match op {
+            Op::Put { item, .. } | Op::SetStatus { item, .. } | Op::SetTotal { item, .. } | Op::Delete { item } => *item,
+        };
+        let old = table.get(&item).cloned();
+        let new = match (op, &old) {
+            (Op::Put { status, total, .. }, _) => Some(Order { status: *status, total: total.clone() }),
+            (Op::SetStatus { status, .. }, Some(o)) => Some(Order { status: *status, ..o.clone() }),
+            (Op::SetTotal { total, .. }, Some(o)) => Some(Order { total: total.clone(), ..o.clone() }),
+            (Op::Delete { .. }, _) => None,
+            (_, None) => continue, // updating a missing item writes nothing here
+        };
+        let (pk, sk) = key(item);
+        let mut ddb = json!({"Keys": {"PK": {"S": pk}, "SK": {"S": sk}}});
+        let event = match (&old, &new) {
+            (None, None) => continue,
+            (None, Some(_)) => "INSERT",
+            (Some(_), Some(_)) => "MODIFY",
+            (Some(_), None) => "REMOVE",
+        };
+        if let Some(o) = &old {
+            ddb["OldImage"] = image(item, o);
+        }
+        if let Some(n) = &new {
+            ddb["NewImage"] = image(item, n);
+        }
+        records[item].push(json!({"eventName": event, "dynamodb": ddb}));
+        match new {
+            Some(n) => table.insert(item, n),
+            None => table.remove(&item),
+        };
+    }
+    (records, table)
+}
+
+fn utc_day(date: &str) -> &'static str {
+    // The three dates above, by hand: the offset one is the previous UTC day.
+    match date {
+        "2026-11-29" => "2026-11-29",
+        "2026-11-30T23:30:00Z" => "2026-11-30",
+        "2026-12-01T01:00:00+02:00" => "2026-11-30",
+        _ => unreachable!(),
+    }
+}
+
+/// The aggregates computed straight from the final items, written without the engine.
+fn truth(table: &BTreeMap<usize, Order>) -> BTreeMap<(String, String, String), Decimal> {
+    let mut out: BTreeMap<(String, String, String), Decimal> = BTreeMap::new();
+    let mut add = |pk: String, sk: &str, attr: String, v: Decimal| {
+        let e = out.entry((pk, sk.to_string(), attr)).or_insert(Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    };
+    for (item, o) in table {
+        let (pk, _) = key(*item);
+        let total = o.total.as_deref().map(|t| Decimal::parse(t).unwrap());
+        add(pk.clone(), "PROFILE", "orderCount".into(), Decimal::ONE);
+        if let Some(t) = total {
+            add(pk.clone(), "PROFILE", "revenue".into(), t);
+        }
+        if let Some(s) = o.status {
+            add(pk.clone(), "PROFILE", format!("orders_{s}"), Decimal::ONE);
+            if s == "PENDING" || s == "PAID" {
+                add(pk.clone(), "PROFILE", "openOrders".into(), Decimal::ONE);
+                if let Some(t) = total {
+                    add(pk.clone(), "PROFILE", "openRevenue".into(), t);
+                }
+            }
+        }
+        let day = format!("SALES#{}", utc_day(DATES[item % DATES.len()]));
+        add(day.clone(), "TOTAL", "orders".into(), Decimal::ONE);
+        if let Some(t) = total {
+            add(day, "TOTAL", "revenue".into(), t);
+        }
+    }
+    out.retain(|_, v| !v.is_zero());
+    out
+}
+
+fn run_batches(engine: &Engine, records: &[Value], cuts: &[usize]) -> BTreeMap<(String, String, String), Decimal> {
+    let mut out: BTreeMap<(String, String, String), Decimal> = BTreeMap::new();
+    let mut start = 0;
+    let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (records.len() + 1)).collect();
+    bounds.push(records.len());
+    bounds.sort();
+    for end in bounds {
+        let mut batch = Coalescer::new();
+        for r in &records[start..end] {
+            let report = engine.apply(r, &mut batch);
+            assert!(report.poisons.is_empty(), "{:?}", report.poisons);
+        }
+        for (target, delta) in batch.into_targets() {
+            for (attr, v) in delta.attributes {
+                let e = out.entry((target.0[0].to_string(), target.0[1].to_string(), attr)).or_insert(Decimal::ZERO);
+                *e = e.checked_add(v).unwrap();
+            }
+        }
+        start = end;
+    }
+    out.retain(|_, v| !v.is_zero());
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The coalesced deltas of all records equal the aggregates of the final items, whatever
+    /// the interleaving of different items' records and however they are cut into batches.
+    #[test]
+    fn deltas_equal_aggregates_of_final_items(ops in prop::collection::vec(op(), 1..120), picks in prop::collection::vec(any::<u16>(), 0..400), cuts in prop::collection::vec(any::<usize>(), 0..6)) {
+        let engine = engine();
+        let (per_item, table) = history(&ops);
+        // Interleave: repeatedly take the next record of a chosen item (per-item order kept,
+        // as a stream guarantees).
+        let mut queues: Vec<std::collections::VecDeque<Value>> = per_item.into_iter().map(Into::into).collect();
+        let mut records = Vec::new();
+        let mut pick = picks.into_iter();
+        while queues.iter().any(|q| !q.is_empty()) {
+            let live: Vec<usize> = (0..queues.len()).filter(|i| !queues[*i].is_empty()).collect();
+            let i = live[pick.next().map(usize::from).unwrap_or(0) % live.len()];
+            records.extend(queues[i].pop_front());
+        }
+        prop_assert_eq!(run_batches(&engine, &records, &cuts), truth(&table));
+    }
+
+    #[test]
+    fn decimal_text_round_trips_and_sums_are_exact(a in -1_000_000_000_000i64..1_000_000_000_000, b in -1_000_000_000_000i64..1_000_000_000_000, sa in 0u32..20, sb in 0u32..20) {
+        let x = Decimal::parse(&format!("{a}E-{sa}")).unwrap();
+        let y = Decimal::parse(&format!("{b}E-{sb}")).unwrap();
+        prop_assert_eq!(Decimal::parse(&x.to_string()).unwrap(), x);
+        let s = x.checked_add(y).unwrap();
+        prop_assert_eq!(s.checked_sub(y).unwrap(), x);
+        prop_assert_eq!(x.checked_add(y).unwrap(), y.checked_add(x).unwrap());
+        // Against i128 arithmetic at a common scale.
+        let scale = sa.max(sb);
+        let ai = i128::from(a) * 10i128.pow(scale - sa);
+        let bi = i128::from(b) * 10i128.pow(scale - sb);
+        prop_assert_eq!(s, Decimal::parse(&format!("{}E-{scale}", ai + bi)).unwrap());
+        prop_assert_eq!(x.cmp(&y), ai.cmp(&bi));
+    }
+}
+
+fn json_value() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(|n| json!(n)),
+        "[a-zA-Z0-9.*#$ -]{0,8}".prop_map(Value::String),
+        prop::sample::select(vec![
+            "prefix",
+            "suffix",
+            "anything-but",
+            "numeric",
+            "exists",
+            "cidr",
+            "wildcard",
+            "equals-ignore-case",
+            "$or",
+            ">",
+            "<=",
+            "=",
+            "10.0.0.0/8",
+            "*a*",
+            "**",
+            "N",
+            "S"
+        ])
+        .prop_map(|s| Value::String(s.to_string())),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+            prop::collection::vec(
+                (
+                    prop::sample::select(vec![
+                        "prefix",
+                        "suffix",
+                        "anything-but",
+                        "numeric",
+                        "exists",
+                        "cidr",
+                        "wildcard",
+                        "equals-ignore-case",
+                        "$or",
+                        "dynamodb",
+                        "Keys",
+                        "SK",
+                        "S",
+                        "N",
+                        "a.b",
+                        "eventName",
+                        "NewImage",
+                        "OldImage",
+                        ""
+                    ]),
+                    inner
+                ),
+                0..5
+            )
+            .prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Any JSON is either a pattern or an error, and any event can be matched: no panic.
+    #[test]
+    fn patterns_never_panic(pattern in json_value(), event in json_value(), numeric in any::<bool>()) {
+        let options = PatternOptions { numeric_strings: numeric };
+        if let Ok(p) = PatternSet::compile(&pattern, options) {
+            let _ = p.matches(&event);
+        }
+        if let Ok(p) = Pattern::compile(&pattern, options) {
+            let _ = p.matches(&event);
+        }
+    }
+
+    /// Any text as a pattern: parse errors, never panics.
+    #[test]
+    fn pattern_text_never_panics(text in "\\PC{0,64}") {
+        let _ = Pattern::parse(&text, PatternOptions::default());
+    }
+
+    /// The engine takes any JSON as a record: a report (maybe poison), never a panic.
+    #[test]
+    fn engine_never_panics_on_records(body in json_value(), event in prop::sample::select(vec!["INSERT", "MODIFY", "REMOVE", "X"]), keys in json_value(), img in json_value()) {
+        let engine = engine();
+        let mut batch = Coalescer::new();
+        let _ = engine.apply(&body, &mut batch);
+        let rec = json!({"eventName": event, "dynamodb": {"Keys": keys, "NewImage": img, "OldImage": img, "SequenceNumber": "1"}});
+        let _ = engine.apply(&rec, &mut batch);
+        let shaped = json!({"eventName": event, "dynamodb": {"Keys": {"SK": {"S": "ORDER#x#y"}}, "NewImage": {"PK": {"S": "CUST#a"}, "SK": {"S": "ORDER#2026-11-30#y"}, "total": body, "status": img}, "OldImage": {"PK": {"S": "CUST#a"}, "SK": {"S": "ORDER#2026-11-30#y"}, "total": keys}}});
+        let _ = engine.apply(&shaped, &mut batch);
+        let _ = batch.into_targets();
+    }
+
+    #[test]
+    fn templates_never_panic(template in "\\PC{0,24}", value in "\\PC{0,24}") {
+        if let Ok(t) = Template::parse(&template) {
+            let mut caps = Vec::new();
+            let _ = t.capture(&value, &mut caps);
+            let _ = t.expand(|_| Some(VarValue::Str(&value)));
+        }
+    }
+
+    #[test]
+    fn decimal_parse_never_panics(text in "[-+0-9.eE]{0,60}") {
+        let _ = Decimal::parse(&text);
+    }
+}
