@@ -41,9 +41,16 @@ impl Coalescer {
         let mut applied: Vec<(&TargetKey, &str, Decimal)> = Vec::new();
         let mut failure = None;
         'outer: for (target, values) in deltas {
-            let entry = self.targets.entry(target.clone()).or_default();
+            // Clone keys only when they are new: most records hit targets seen before.
+            if !self.targets.contains_key(target) {
+                self.targets.insert(target.clone(), TargetDelta::default());
+            }
+            let Some(entry) = self.targets.get_mut(target) else { continue };
             for (name, v) in values {
-                let sum = entry.attributes.entry(name.clone()).or_insert(Decimal::ZERO);
+                if !entry.attributes.contains_key(name) {
+                    entry.attributes.insert(name.clone(), Decimal::ZERO);
+                }
+                let Some(sum) = entry.attributes.get_mut(name) else { continue };
                 match sum.checked_add(*v) {
                     Ok(s) => {
                         *sum = s;

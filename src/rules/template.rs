@@ -8,7 +8,7 @@
 
 use std::fmt;
 
-use chrono::{DateTime, NaiveDate, NaiveDateTime, Utc};
+use chrono::{DateTime, Datelike, NaiveDate, NaiveDateTime, Timelike, Utc};
 
 use crate::decimal::Decimal;
 
@@ -41,12 +41,18 @@ impl TimeFunc {
         }
     }
 
-    fn format(self) -> &'static str {
-        match self {
-            TimeFunc::Hour => "%Y-%m-%dT%H",
-            TimeFunc::Day => "%Y-%m-%d",
-            TimeFunc::Month => "%Y-%m",
-            TimeFunc::Year => "%Y",
+    /// Writes the truncated time: `2026-11-30T13`, `2026-11-30`, `2026-11`, `2026`.
+    fn write(self, t: &NaiveDateTime, out: &mut String) {
+        use std::fmt::Write;
+        let _ = write!(out, "{:04}", t.year());
+        if self != TimeFunc::Year {
+            let _ = write!(out, "-{:02}", t.month());
+        }
+        if matches!(self, TimeFunc::Day | TimeFunc::Hour) {
+            let _ = write!(out, "-{:02}", t.day());
+        }
+        if self == TimeFunc::Hour {
+            let _ = write!(out, "T{:02}", t.hour());
         }
     }
 
@@ -193,8 +199,7 @@ impl Template {
                         }
                         (v, Some(f)) => {
                             let t = timestamp(v).map_err(|why| ExpandError::BadTimestamp { name: name.clone(), why })?;
-                            use std::fmt::Write;
-                            let _ = write!(out, "{}", t.format(f.format()));
+                            f.write(&t, &mut out);
                         }
                     }
                     let expanded = &out[start..];
@@ -256,6 +261,10 @@ fn epoch(n: Decimal) -> Result<NaiveDateTime, String> {
 }
 
 fn iso8601(s: &str) -> Option<NaiveDateTime> {
+    // The common shapes first: a plain date, then a full date-time with Z or an offset.
+    if s.len() == 10 {
+        return NaiveDate::parse_from_str(s, "%Y-%m-%d").ok()?.and_hms_opt(0, 0, 0);
+    }
     if let Ok(t) = DateTime::parse_from_rfc3339(s) {
         return Some(t.naive_utc());
     }

@@ -1,1 +1,182 @@
+//! The delta rules of DESIGN.md section 2, one example each.
 
+use serde_json::{json, Value};
+
+use super::*;
+use crate::config::Config;
+
+fn engine(extra_rules: &str) -> Engine {
+    let text = format!(
+        "source: {{ table: commerce-main }}\nstate: {{ table: state-table }}\naggregates: {{ table: aggs-table }}\nrules:\n{}{extra_rules}",
+        r#"  - name: customer-orders
+    filter: { dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }
+    source_key: { PK: "CUST#{customer}", SK: "ORDER#{date}#{order_id}" }
+    target: { PK: "CUST#{customer}", SK: "PROFILE" }
+    measures:
+      orderCount: count
+      revenue: { sum: total }
+      "orders_{status}": count
+      openRevenue: { sum: total, where: { status: { S: [PENDING, PAID] } } }
+"#
+    );
+    Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine
+}
+
+fn order(status: &str, total: Value) -> Value {
+    json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#o1"}, "status": {"S": status}, "total": total})
+}
+
+fn record(event: &str, old: Option<Value>, new: Option<Value>) -> Value {
+    let mut ddb = json!({"Keys": {"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#o1"}}, "SequenceNumber": "100"});
+    if let Some(o) = old {
+        ddb["OldImage"] = o;
+    }
+    if let Some(n) = new {
+        ddb["NewImage"] = n;
+    }
+    json!({"eventName": event, "dynamodb": ddb})
+}
+
+/// Runs one record; returns "attribute=delta" strings of the single target, sorted.
+fn deltas_of(engine: &Engine, rec: &Value) -> Result<Vec<String>, Vec<Poison>> {
+    let mut batch = Coalescer::new();
+    let report = engine.apply(rec, &mut batch);
+    if !report.poisons.is_empty() {
+        return Err(report.poisons);
+    }
+    Ok(batch
+        .into_targets()
+        .into_iter()
+        .flat_map(|(t, d)| d.attributes.into_iter().map(move |(a, v)| format!("{}/{}:{a}={v}", t.0[0], t.0[1])))
+        .collect())
+}
+
+#[test]
+fn status_change_moves_one_count() {
+    let e = engine("");
+    let rec = record("MODIFY", Some(order("PENDING", json!({"N": "10"}))), Some(order("PAID", json!({"N": "10"}))));
+    assert_eq!(deltas_of(&e, &rec).unwrap(), vec!["CUST#c1/PROFILE:orders_PAID=1", "CUST#c1/PROFILE:orders_PENDING=-1"]);
+}
+
+#[test]
+fn total_change_gives_the_difference() {
+    let e = engine("");
+    let rec = record("MODIFY", Some(order("PAID", json!({"N": "10"}))), Some(order("PAID", json!({"N": "15"}))));
+    assert_eq!(deltas_of(&e, &rec).unwrap(), vec!["CUST#c1/PROFILE:openRevenue=5", "CUST#c1/PROFILE:revenue=5"]);
+}
+
+#[test]
+fn insert_and_remove_are_opposites() {
+    let e = engine("");
+    let ins = deltas_of(&e, &record("INSERT", None, Some(order("PENDING", json!({"N": "0.1"}))))).unwrap();
+    assert_eq!(
+        ins,
+        vec![
+            "CUST#c1/PROFILE:openRevenue=0.1",
+            "CUST#c1/PROFILE:orderCount=1",
+            "CUST#c1/PROFILE:orders_PENDING=1",
+            "CUST#c1/PROFILE:revenue=0.1"
+        ]
+    );
+    let rem = deltas_of(&e, &record("REMOVE", Some(order("PENDING", json!({"N": "0.1"}))), None)).unwrap();
+    assert_eq!(
+        rem,
+        vec![
+            "CUST#c1/PROFILE:openRevenue=-0.1",
+            "CUST#c1/PROFILE:orderCount=-1",
+            "CUST#c1/PROFILE:orders_PENDING=-1",
+            "CUST#c1/PROFILE:revenue=-0.1"
+        ]
+    );
+}
+
+#[test]
+fn unchanged_modify_changes_nothing() {
+    let e = engine("");
+    let img = order("PAID", json!({"N": "10.50"}));
+    let spelled = order("PAID", json!({"N": "10.5"}));
+    assert_eq!(deltas_of(&e, &record("MODIFY", Some(img), Some(spelled))).unwrap(), Vec::<String>::new());
+}
+
+#[test]
+fn items_the_source_key_does_not_match_are_ignored() {
+    let e = engine("");
+    for (pk, sk) in [("CUST#c1#x", "ORDER#d#o"), ("CUST#c1", "ORDER#d"), ("CUST#", "ORDER#d#o"), ("CUST#c1", "ORDER#d#o#extra")] {
+        let img = json!({"PK": {"S": pk}, "SK": {"S": sk}, "total": {"N": "1"}});
+        let rec = json!({"eventName": "INSERT", "dynamodb": {"Keys": {"PK": {"S": pk}, "SK": {"S": sk}}, "NewImage": img}});
+        assert_eq!(deltas_of(&e, &rec).unwrap(), Vec::<String>::new(), "{pk} {sk}");
+    }
+}
+
+#[test]
+fn poison_names_rule_measure_and_attribute() {
+    let e = engine("");
+    let p = deltas_of(&e, &record("INSERT", None, Some(order("PAID", json!({"S": "10"}))))).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::NonNumericSum);
+    assert_eq!(p[0].rule.as_deref(), Some("customer-orders"));
+    assert_eq!(p[0].message, "measures.revenue: attribute total is of type S, a sum needs N");
+    assert_eq!(p[0].variables.get("customer").map(String::as_str), Some("c1"));
+    let p = deltas_of(&e, &record("INSERT", None, Some(order("PAID", json!({"N": "1E+126"}))))).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::OutOfRange);
+    let p = deltas_of(&e, &record("INSERT", None, Some(order("PAID", json!({"N": "12abc"}))))).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::NonNumericSum);
+    assert!(p[0].message.contains("N value is not a number") && !p[0].message.contains("12abc"), "{}", p[0].message);
+}
+
+#[test]
+fn attribute_variables_in_keys_cannot_redirect_writes() {
+    let e = engine(
+        r#"  - name: by-region
+    source_key: { PK: "CUST#{customer}", SK: "ORDER#{date}#{order_id}" }
+    target: { PK: "REGION#{region}", SK: "TOTAL" }
+    measures: { orders: count }
+"#,
+    );
+    let with_region = |r: &str| {
+        let mut img = order("PAID", json!({"N": "1"}));
+        img["region"] = json!({"S": r});
+        record("INSERT", None, Some(img))
+    };
+    let p = deltas_of(&e, &with_region("eu#CUST#victim")).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::KeyDelimiter);
+    let p = deltas_of(&e, &with_region("")).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::EmptyKeyPart);
+    let p = deltas_of(&e, &record("INSERT", None, Some(order("PAID", json!({"N": "1"}))))).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::MissingVariable, "a target key that cannot be formed is poison");
+    let long = "x".repeat(3000);
+    let p = deltas_of(&e, &with_region(&long)).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::KeyTooLong);
+    // Other rules still apply to a record that poisons one rule.
+    let mut batch = Coalescer::new();
+    let report = e.apply(&with_region("a#b"), &mut batch);
+    assert_eq!(report.poisons.len(), 1);
+    assert_eq!(batch.into_targets().len(), 1, "customer-orders applied");
+}
+
+#[test]
+fn products_and_where_filters() {
+    let e = engine(
+        r#"  - name: lines
+    numeric_strings: true
+    source_key: { PK: "INV#{invoice}", SK: "ITEM#{line}" }
+    target: { PK: "INV#{invoice}", SK: "HEADER" }
+    measures:
+      total: { sum: "qty * unitPrice" }
+      big: { count: true, where: { unitPrice: { N: [{ numeric: [">", 1000] }] } } }
+"#,
+    );
+    let line = |qty: &str, price: &str| json!({"PK": {"S": "INV#i1"}, "SK": {"S": "ITEM#1"}, "qty": {"N": qty}, "unitPrice": {"N": price}});
+    let rec = json!({"eventName": "MODIFY", "dynamodb": {"Keys": {}, "OldImage": line("2", "0.10"), "NewImage": line("3", "1000.01")}});
+    assert_eq!(deltas_of(&e, &rec).unwrap(), vec!["INV#i1/HEADER:big=1", "INV#i1/HEADER:total=2999.83"]);
+    let huge = json!({"eventName": "INSERT", "dynamodb": {"Keys": {}, "NewImage": line("1E+100", "1E+100")}});
+    assert_eq!(deltas_of(&e, &huge).unwrap_err()[0].code, PoisonCode::OutOfRange);
+}
+
+#[test]
+fn malformed_records_are_poison_without_a_rule() {
+    let e = engine("");
+    let p = deltas_of(&e, &json!({"eventName": "INSERT", "dynamodb": {"Keys": {}}})).unwrap_err();
+    assert_eq!(p[0].code, PoisonCode::MalformedRecord);
+    assert_eq!(p[0].rule, None);
+    assert_eq!(p[0].to_string(), "malformed_record: an INSERT record has no NewImage (the stream must be NEW_AND_OLD_IMAGES)");
+}
