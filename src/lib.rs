@@ -4,7 +4,13 @@
 //! `config` turns YAML into a validated configuration, and the service modules read, write and
 //! remember. Pure modules import no AWS crate.
 
+pub mod aws;
 pub mod config;
 pub mod decimal;
 pub mod pattern;
 pub mod rules;
+pub mod sink;
+pub mod state;
+pub mod stream;
+pub mod telemetry;
+pub mod worker;

@@ -198,8 +198,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         return Err(err("source.batching_window", "at most 300s (as Lambda)"));
     }
     let lease_duration = duration("state.lease_duration", raw.state.lease_duration.as_deref(), "10s")?;
-    if lease_duration < Duration::from_secs(1) {
-        return Err(err("state.lease_duration", "at least 1s (leases are renewed every third of it)"));
+    if lease_duration < Duration::from_millis(300) || lease_duration > Duration::from_secs(600) {
+        return Err(err("state.lease_duration", "between 300ms and 600s (leases are renewed every third of it)"));
     }
     let state = StateConfig {
         table: table_name("state.table", &raw.state.table)?,

@@ -6,11 +6,23 @@ use std::collections::BTreeMap;
 use super::TargetKey;
 use crate::decimal::{Decimal, DecimalError};
 
+/// One record's deltas on one target, kept so a write can be redone without the records at
+/// or below a sequence number the target's ledger has already applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Contribution {
+    pub sequence: Option<String>,
+    /// ApproximateCreationDateTime, epoch seconds.
+    pub created: Option<Decimal>,
+    pub values: Vec<(String, Decimal)>,
+}
+
 /// The summed deltas of one target item, with the span of sequence numbers that fed it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TargetDelta {
     /// Attribute -> summed delta. May hold zeros until [`Coalescer::into_targets`].
     pub attributes: BTreeMap<String, Decimal>,
+    /// Per record, in the order added (stream order within a shard).
+    pub contributions: Vec<Contribution>,
     /// How many (record, rule) pairs contributed.
     pub records: u64,
     pub first_sequence: Option<String>,
@@ -37,7 +49,12 @@ impl Coalescer {
 
     /// Adds one record's deltas. All or nothing: if any sum would leave DynamoDB's number
     /// range, the sums already changed are restored and the error returned.
-    pub fn add(&mut self, sequence: Option<&str>, deltas: &[(TargetKey, Vec<(String, Decimal)>)]) -> Result<(), DecimalError> {
+    pub fn add(
+        &mut self,
+        sequence: Option<&str>,
+        created: Option<Decimal>,
+        deltas: &[(TargetKey, Vec<(String, Decimal)>)],
+    ) -> Result<(), DecimalError> {
         let mut applied: Vec<(&TargetKey, &str, Decimal)> = Vec::new();
         let mut failure = None;
         'outer: for (target, values) in deltas {
@@ -73,9 +90,10 @@ impl Coalescer {
             return Err(e);
         }
         self.records += 1;
-        for (target, _) in deltas {
+        for (target, values) in deltas {
             if let Some(entry) = self.targets.get_mut(target) {
                 entry.records += 1;
+                entry.contributions.push(Contribution { sequence: sequence.map(str::to_string), created, values: values.clone() });
                 if let Some(seq) = sequence {
                     if entry.first_sequence.as_deref().is_none_or(|f| sequence_cmp(seq, f).is_lt()) {
                         entry.first_sequence = Some(seq.to_string());
@@ -130,11 +148,12 @@ mod tests {
             let cust = format!("CUST#c{}", i % 10);
             c.add(
                 Some(&format!("{:021}", i + 1)),
+                None,
                 &[(key(&cust), vec![("orderCount".into(), Decimal::ONE), ("revenue".into(), d("0.1"))])],
             )
             .unwrap();
         }
-        c.add(Some("5000"), &[(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
+        c.add(Some("5000"), None, &[(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
         let targets = c.into_targets();
         assert_eq!(targets.len(), 10, "1,000 records on 10 customers: 10 writes");
         let (k, first) = &targets[0];
@@ -150,8 +169,8 @@ mod tests {
     fn a_failing_record_changes_nothing() {
         let mut c = Coalescer::new();
         let max = d(&"9".repeat(38));
-        c.add(None, &[(key("a"), vec![("x".into(), max)])]).unwrap();
-        let err = c.add(None, &[(key("b"), vec![("y".into(), Decimal::ONE)]), (key("a"), vec![("x".into(), d("0.5"))])]);
+        c.add(None, None, &[(key("a"), vec![("x".into(), max)])]).unwrap();
+        let err = c.add(None, None, &[(key("b"), vec![("y".into(), Decimal::ONE)]), (key("a"), vec![("x".into(), d("0.5"))])]);
         assert!(err.is_err());
         let targets = c.into_targets();
         assert_eq!(targets.len(), 1, "b's partial sum was rolled back (zero, dropped)");

@@ -1,0 +1,277 @@
+//! The state table in DynamoDB: hash key `shard_id`, one item per shard of one stream.
+
+use std::collections::HashMap;
+
+use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType, TableStatus,
+};
+use aws_sdk_dynamodb::Client;
+use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
+
+use super::{Checkpoint, Lease, LeaseStore, Progress, StateError};
+use crate::aws::{classify, FailureKind};
+
+pub struct DynamoDbLeases {
+    client: Client,
+    table: String,
+    /// Leases are per stream: a recreated table has a new stream and new shards.
+    stream_arn: String,
+}
+
+impl DynamoDbLeases {
+    pub fn new(client: Client, table: String, stream_arn: String) -> DynamoDbLeases {
+        DynamoDbLeases { client, table, stream_arn }
+    }
+}
+
+/// Maps an SDK error; a failed condition is `Ok(false)` for the caller.
+fn map_err<E>(e: SdkError<E, HttpResponse>, table: &str) -> Result<bool, StateError>
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+{
+    let f = classify(&e);
+    match f.kind {
+        FailureKind::ConditionFailed => Ok(false),
+        FailureKind::Throttled | FailureKind::Transient => Err(StateError::Transient(f.to_string())),
+        FailureKind::NotFound => Err(StateError::TableMissing(table.to_string())),
+        _ => Err(StateError::Fatal(f.to_string())),
+    }
+}
+
+fn s(v: &str) -> AttributeValue {
+    AttributeValue::S(v.to_string())
+}
+
+fn n(v: u64) -> AttributeValue {
+    AttributeValue::N(v.to_string())
+}
+
+fn get_s(item: &HashMap<String, AttributeValue>, k: &str) -> Option<String> {
+    item.get(k).and_then(|v| v.as_s().ok()).cloned()
+}
+
+fn get_n(item: &HashMap<String, AttributeValue>, k: &str) -> Option<u64> {
+    item.get(k).and_then(|v| v.as_n().ok()).and_then(|v| v.parse().ok())
+}
+
+fn lease_from(item: &HashMap<String, AttributeValue>) -> Option<Lease> {
+    Some(Lease {
+        shard_id: get_s(item, "shard_id")?,
+        parent: get_s(item, "parent"),
+        owner: get_s(item, "owner"),
+        counter: get_n(item, "counter").unwrap_or(0),
+        expires_at_ms: get_n(item, "expires_at").unwrap_or(0),
+        checkpoint: get_s(item, "checkpoint").map(|c| Checkpoint::parse(&c)),
+        last_record_ms: get_n(item, "last_record_ms"),
+        at_tip_ms: get_n(item, "at_tip_ms"),
+    })
+}
+
+const OWNED: &str = "#o = :owner AND #c = :counter";
+
+impl LeaseStore for DynamoDbLeases {
+    async fn prepare(&self, create: bool) -> Result<(), StateError> {
+        match self.client.describe_table().table_name(&self.table).send().await {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                let f = classify(&e);
+                if f.kind != FailureKind::NotFound {
+                    return Err(StateError::Fatal(format!("describing state table {}: {f}", self.table)));
+                }
+            }
+        }
+        if !create {
+            return Err(StateError::TableMissing(self.table.clone()));
+        }
+        let created = self
+            .client
+            .create_table()
+            .table_name(&self.table)
+            .billing_mode(BillingMode::PayPerRequest)
+            .attribute_definitions(
+                AttributeDefinition::builder()
+                    .attribute_name("shard_id")
+                    .attribute_type(ScalarAttributeType::S)
+                    .build()
+                    .map_err(|e| StateError::Fatal(e.to_string()))?,
+            )
+            .key_schema(
+                KeySchemaElement::builder()
+                    .attribute_name("shard_id")
+                    .key_type(KeyType::Hash)
+                    .build()
+                    .map_err(|e| StateError::Fatal(e.to_string()))?,
+            )
+            .send()
+            .await;
+        if let Err(e) = created {
+            let f = classify(&e);
+            // Another replica created it at the same moment.
+            if f.code != "ResourceInUseException" {
+                return Err(StateError::Fatal(format!("creating state table {}: {f}", self.table)));
+            }
+        }
+        // Wait (bounded) until the table is ACTIVE.
+        for _ in 0..120 {
+            let d = self.client.describe_table().table_name(&self.table).send().await;
+            if let Ok(d) = d {
+                if d.table().and_then(|t| t.table_status()) == Some(&TableStatus::Active) {
+                    return Ok(());
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+        Err(StateError::Fatal(format!("state table {} did not become ACTIVE in 60 s", self.table)))
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, StateError> {
+        let mut out = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        for _ in 0..100_000 {
+            let resp = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .filter_expression("stream_arn = :arn")
+                .expression_attribute_values(":arn", s(&self.stream_arn))
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await;
+            let resp = match resp {
+                Ok(r) => r,
+                Err(e) => {
+                    map_err(e, &self.table)?;
+                    return Err(StateError::Transient("scan condition failed".into()));
+                }
+            };
+            out.extend(resp.items().iter().filter_map(lease_from));
+            match resp.last_evaluated_key() {
+                Some(k) if !k.is_empty() => start = Some(k.clone()),
+                _ => return Ok(out),
+            }
+        }
+        Err(StateError::Fatal("state table scan did not finish".into()))
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, StateError> {
+        let mut req = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .item("shard_id", s(&lease.shard_id))
+            .item("stream_arn", s(&self.stream_arn))
+            .item("counter", n(0))
+            .item("expires_at", n(0))
+            .condition_expression("attribute_not_exists(shard_id)");
+        if let Some(p) = &lease.parent {
+            req = req.item("parent", s(p));
+        }
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    async fn take(&self, lease: &Lease, owner: &str, expires_at_ms: u64) -> Result<Option<Lease>, StateError> {
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(&lease.shard_id))
+            .update_expression("SET #o = :owner, #c = :next, #e = :exp")
+            .condition_expression("#c = :counter")
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#c", "counter")
+            .expression_attribute_names("#e", "expires_at")
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":next", n(lease.counter + 1))
+            .expression_attribute_values(":counter", n(lease.counter))
+            .expression_attribute_values(":exp", n(expires_at_ms))
+            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew)
+            .send()
+            .await;
+        match resp {
+            Ok(r) => Ok(r.attributes().and_then(lease_from)),
+            Err(e) => map_err(e, &self.table).map(|_| None),
+        }
+    }
+
+    async fn renew(&self, shard_id: &str, owner: &str, counter: u64, expires_at_ms: u64) -> Result<bool, StateError> {
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(shard_id))
+            .update_expression("SET #e = :exp")
+            .condition_expression(OWNED)
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#c", "counter")
+            .expression_attribute_names("#e", "expires_at")
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":counter", n(counter))
+            .expression_attribute_values(":exp", n(expires_at_ms))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    async fn checkpoint(&self, shard_id: &str, owner: &str, counter: u64, progress: &Progress) -> Result<bool, StateError> {
+        let mut sets = Vec::new();
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(shard_id))
+            .condition_expression(OWNED)
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#c", "counter")
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":counter", n(counter));
+        if let Some(cp) = &progress.checkpoint {
+            sets.push("#cp = :cp");
+            req = req.expression_attribute_names("#cp", "checkpoint").expression_attribute_values(":cp", s(cp.as_str()));
+        }
+        if let Some(t) = progress.last_record_ms {
+            sets.push("#lr = :lr");
+            req = req.expression_attribute_names("#lr", "last_record_ms").expression_attribute_values(":lr", n(t));
+        }
+        if let Some(t) = progress.at_tip_ms {
+            sets.push("#tip = :tip");
+            req = req.expression_attribute_names("#tip", "at_tip_ms").expression_attribute_values(":tip", n(t));
+        }
+        if sets.is_empty() {
+            return Ok(true);
+        }
+        match req.update_expression(format!("SET {}", sets.join(", "))).send().await {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, StateError> {
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(shard_id))
+            .update_expression("REMOVE #o SET #e = :zero")
+            .condition_expression(OWNED)
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#c", "counter")
+            .expression_attribute_names("#e", "expires_at")
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":counter", n(counter))
+            .expression_attribute_values(":zero", n(0))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! An in-memory state table with the same conditional semantics, for unit tests.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use super::{Lease, LeaseStore, Progress, StateError};
+
+#[derive(Debug, Default)]
+pub struct MemoryLeases {
+    leases: Mutex<BTreeMap<String, Lease>>,
+}
+
+impl MemoryLeases {
+    pub fn new() -> MemoryLeases {
+        MemoryLeases::default()
+    }
+
+    pub fn snapshot(&self) -> Vec<Lease> {
+        self.lock().values().cloned().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Lease>> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn update(&self, shard_id: &str, owner: &str, counter: u64, f: impl FnOnce(&mut Lease)) -> bool {
+        let mut m = self.lock();
+        match m.get_mut(shard_id) {
+            Some(l) if l.owner.as_deref() == Some(owner) && l.counter == counter => {
+                f(l);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl LeaseStore for MemoryLeases {
+    async fn prepare(&self, _create: bool) -> Result<(), StateError> {
+        Ok(())
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, StateError> {
+        Ok(self.snapshot())
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, StateError> {
+        let mut m = self.lock();
+        if m.contains_key(&lease.shard_id) {
+            return Ok(false);
+        }
+        m.insert(lease.shard_id.clone(), lease.clone());
+        Ok(true)
+    }
+
+    async fn take(&self, lease: &Lease, owner: &str, expires_at_ms: u64) -> Result<Option<Lease>, StateError> {
+        let mut m = self.lock();
+        match m.get_mut(&lease.shard_id) {
+            Some(l) if l.counter == lease.counter => {
+                l.owner = Some(owner.to_string());
+                l.counter += 1;
+                l.expires_at_ms = expires_at_ms;
+                Ok(Some(l.clone()))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    async fn renew(&self, shard_id: &str, owner: &str, counter: u64, expires_at_ms: u64) -> Result<bool, StateError> {
+        Ok(self.update(shard_id, owner, counter, |l| l.expires_at_ms = expires_at_ms))
+    }
+
+    async fn checkpoint(&self, shard_id: &str, owner: &str, counter: u64, progress: &Progress) -> Result<bool, StateError> {
+        Ok(self.update(shard_id, owner, counter, |l| {
+            if let Some(c) = &progress.checkpoint {
+                l.checkpoint = Some(c.clone());
+            }
+            if progress.last_record_ms.is_some() {
+                l.last_record_ms = progress.last_record_ms;
+            }
+            if progress.at_tip_ms.is_some() {
+                l.at_tip_ms = progress.at_tip_ms;
+            }
+        }))
+    }
+
+    async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, StateError> {
+        Ok(self.update(shard_id, owner, counter, |l| {
+            l.owner = None;
+            l.expires_at_ms = 0;
+        }))
+    }
+}

@@ -1,0 +1,134 @@
+//! Leases and checkpoints: one item per shard in the state table.
+//!
+//! A lease names its owner and a fencing counter that changes whenever ownership changes.
+//! Renewals, checkpoints and releases are conditional on (owner, counter), so a replica that
+//! lost a lease can no longer move its checkpoint. Exactly-once does not rest on leases (the
+//! ledger on each target item does); leases keep readers to one per shard and say where to
+//! resume.
+
+pub mod dynamodb;
+pub mod memory;
+
+use std::future::Future;
+
+/// Where a shard has been read to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checkpoint {
+    /// Every record up to and including this sequence number is applied.
+    Sequence(String),
+    /// The shard is closed and every record is applied.
+    ShardEnd,
+}
+
+impl Checkpoint {
+    pub const SHARD_END: &'static str = "SHARD_END";
+
+    pub fn parse(s: &str) -> Checkpoint {
+        if s == Self::SHARD_END {
+            Checkpoint::ShardEnd
+        } else {
+            Checkpoint::Sequence(s.to_string())
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        match self {
+            Checkpoint::Sequence(s) => s,
+            Checkpoint::ShardEnd => Self::SHARD_END,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub shard_id: String,
+    pub parent: Option<String>,
+    pub owner: Option<String>,
+    /// Fencing token: incremented on every change of owner.
+    pub counter: u64,
+    /// Wall-clock expiry (epoch ms); 0 when released.
+    pub expires_at_ms: u64,
+    pub checkpoint: Option<Checkpoint>,
+    /// ApproximateCreationDateTime (epoch ms) of the newest record applied.
+    pub last_record_ms: Option<u64>,
+    /// When the reader last found the shard with nothing more to read (epoch ms).
+    pub at_tip_ms: Option<u64>,
+}
+
+impl Lease {
+    pub fn new(shard_id: &str, parent: Option<&str>) -> Lease {
+        Lease {
+            shard_id: shard_id.to_string(),
+            parent: parent.map(str::to_string),
+            owner: None,
+            counter: 0,
+            expires_at_ms: 0,
+            checkpoint: None,
+            last_record_ms: None,
+            at_tip_ms: None,
+        }
+    }
+
+    pub fn finished(&self) -> bool {
+        self.checkpoint == Some(Checkpoint::ShardEnd)
+    }
+
+    /// Nobody holds it (never taken, released, or expired).
+    pub fn available(&self, now_ms: u64) -> bool {
+        self.owner.is_none() || self.expires_at_ms <= now_ms
+    }
+}
+
+/// A checkpoint update from the shard reader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Progress {
+    pub checkpoint: Option<Checkpoint>,
+    pub last_record_ms: Option<u64>,
+    pub at_tip_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("state table {0} does not exist (set state.create_table: true to create it)")]
+    TableMissing(String),
+    #[error("transient state table error: {0}")]
+    Transient(String),
+    #[error("state table error: {0}")]
+    Fatal(String),
+}
+
+impl StateError {
+    pub fn is_retriable(&self) -> bool {
+        matches!(self, StateError::Transient(_))
+    }
+}
+
+/// The state table. Conditional operations return `Ok(false)` when the condition failed
+/// (somebody else owns the lease now).
+pub trait LeaseStore: Send + Sync + 'static {
+    /// Checks the table exists, creating it when `create` is set.
+    fn prepare(&self, create: bool) -> impl Future<Output = Result<(), StateError>> + Send;
+    fn list(&self) -> impl Future<Output = Result<Vec<Lease>, StateError>> + Send;
+    /// Creates the lease if it does not exist yet.
+    fn create(&self, lease: &Lease) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Takes `lease` (as last read) for `owner`: succeeds only if its counter is unchanged.
+    fn take(&self, lease: &Lease, owner: &str, expires_at_ms: u64) -> impl Future<Output = Result<Option<Lease>, StateError>> + Send;
+    fn renew(&self, shard_id: &str, owner: &str, counter: u64, expires_at_ms: u64)
+        -> impl Future<Output = Result<bool, StateError>> + Send;
+    fn checkpoint(
+        &self,
+        shard_id: &str,
+        owner: &str,
+        counter: u64,
+        progress: &Progress,
+    ) -> impl Future<Output = Result<bool, StateError>> + Send;
+    fn release(&self, shard_id: &str, owner: &str, counter: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
+}
+
+/// Epoch milliseconds now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

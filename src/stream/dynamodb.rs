@@ -1,0 +1,239 @@
+//! DynamoDB Streams through aws-sdk-dynamodbstreams. SDK errors become [`StreamError`] here,
+//! and SDK records become the JSON shape GetRecords and Lambda use, through a total function
+//! (an attribute type the SDK does not know is an error, never a panic).
+
+use std::collections::HashMap;
+
+use aws_sdk_dynamodbstreams::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodbstreams::types::{AttributeValue, Record, ShardIteratorType};
+use aws_sdk_dynamodbstreams::Client;
+use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
+use base64::Engine as _;
+use serde_json::{json, Map, Value};
+
+use super::{Page, Position, ShardInfo, StreamError, StreamSource};
+use crate::aws::{classify, FailureKind};
+
+pub struct DynamoDbStream {
+    client: Client,
+    stream_arn: String,
+}
+
+impl DynamoDbStream {
+    pub fn new(client: Client, stream_arn: String) -> DynamoDbStream {
+        DynamoDbStream { client, stream_arn }
+    }
+
+    pub fn stream_arn(&self) -> &str {
+        &self.stream_arn
+    }
+}
+
+fn map_err<E>(e: SdkError<E, HttpResponse>) -> StreamError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+{
+    let f = classify(&e);
+    match (f.code.as_str(), f.kind) {
+        ("ExpiredIteratorException", _) => StreamError::ExpiredIterator,
+        ("TrimmedDataAccessException", _) => StreamError::TrimmedData(f.to_string()),
+        (_, FailureKind::Throttled) => StreamError::Throttled(f.to_string()),
+        (_, FailureKind::Transient) => StreamError::Transient(f.to_string()),
+        (_, FailureKind::NotFound) => StreamError::NotFound(f.to_string()),
+        _ => StreamError::Fatal(f.to_string()),
+    }
+}
+
+impl StreamSource for DynamoDbStream {
+    async fn shards(&self) -> Result<Vec<ShardInfo>, StreamError> {
+        let mut out = Vec::new();
+        let mut start: Option<String> = None;
+        // Bounded: a stream has at most a few thousand shards in 24 h; 10,000 pages is a bug.
+        for _ in 0..10_000 {
+            let resp = self
+                .client
+                .describe_stream()
+                .stream_arn(&self.stream_arn)
+                .set_exclusive_start_shard_id(start.clone())
+                .send()
+                .await
+                .map_err(map_err)?;
+            let Some(desc) = resp.stream_description() else { break };
+            for s in desc.shards() {
+                let Some(id) = s.shard_id() else { continue };
+                let closed = s.sequence_number_range().and_then(|r| r.ending_sequence_number()).is_some();
+                out.push(ShardInfo { shard_id: id.to_string(), parent: s.parent_shard_id().map(str::to_string), closed });
+            }
+            match desc.last_evaluated_shard_id() {
+                Some(last) => start = Some(last.to_string()),
+                None => return Ok(out),
+            }
+        }
+        Err(StreamError::Fatal("DescribeStream did not finish paging".into()))
+    }
+
+    async fn iterator(&self, shard_id: &str, position: &Position) -> Result<String, StreamError> {
+        let req = self.client.get_shard_iterator().stream_arn(&self.stream_arn).shard_id(shard_id);
+        let req = match position {
+            Position::TrimHorizon => req.shard_iterator_type(ShardIteratorType::TrimHorizon),
+            Position::Latest => req.shard_iterator_type(ShardIteratorType::Latest),
+            Position::After(seq) => req.shard_iterator_type(ShardIteratorType::AfterSequenceNumber).sequence_number(seq),
+        };
+        let resp = req.send().await.map_err(map_err)?;
+        resp.shard_iterator()
+            .map(str::to_string)
+            .ok_or_else(|| StreamError::NotFound(format!("no iterator for shard {shard_id} (closed and read?)")))
+    }
+
+    async fn records(&self, iterator: &str, limit: u32) -> Result<Page, StreamError> {
+        let limit = i32::try_from(limit.clamp(1, 1000)).unwrap_or(1000);
+        let resp = self.client.get_records().shard_iterator(iterator).limit(limit).send().await.map_err(map_err)?;
+        let mut records = Vec::with_capacity(resp.records().len());
+        for r in resp.records() {
+            records.push(record_to_json(r).map_err(StreamError::Fatal)?);
+        }
+        Ok(Page { records, next_iterator: resp.next_shard_iterator().map(str::to_string) })
+    }
+}
+
+/// An SDK record in the JSON shape of GetRecords and Lambda events.
+pub fn record_to_json(r: &Record) -> Result<Value, String> {
+    let mut obj = Map::new();
+    if let Some(v) = r.event_id() {
+        obj.insert("eventID".into(), json!(v));
+    }
+    if let Some(v) = r.event_name() {
+        obj.insert("eventName".into(), json!(v.as_str()));
+    }
+    if let Some(v) = r.event_version() {
+        obj.insert("eventVersion".into(), json!(v));
+    }
+    if let Some(v) = r.event_source() {
+        obj.insert("eventSource".into(), json!(v));
+    }
+    if let Some(v) = r.aws_region() {
+        obj.insert("awsRegion".into(), json!(v));
+    }
+    if let Some(d) = r.dynamodb() {
+        let mut ddb = Map::new();
+        if let Some(t) = d.approximate_creation_date_time() {
+            // Epoch seconds, as a JSON number (fractions kept exactly).
+            let secs = t.secs();
+            let nanos = t.subsec_nanos();
+            let text = if nanos == 0 { secs.to_string() } else { format!("{secs}.{nanos:09}").trim_end_matches('0').to_string() };
+            let n: serde_json::Number = serde_json::from_str(&text).map_err(|e| format!("ApproximateCreationDateTime: {e}"))?;
+            ddb.insert("ApproximateCreationDateTime".into(), Value::Number(n));
+        }
+        if let Some(k) = d.keys() {
+            ddb.insert("Keys".into(), item_to_json(k)?);
+        }
+        if let Some(i) = d.new_image() {
+            ddb.insert("NewImage".into(), item_to_json(i)?);
+        }
+        if let Some(i) = d.old_image() {
+            ddb.insert("OldImage".into(), item_to_json(i)?);
+        }
+        if let Some(s) = d.sequence_number() {
+            ddb.insert("SequenceNumber".into(), json!(s));
+        }
+        if let Some(s) = d.size_bytes() {
+            ddb.insert("SizeBytes".into(), json!(s));
+        }
+        if let Some(v) = d.stream_view_type() {
+            ddb.insert("StreamViewType".into(), json!(v.as_str()));
+        }
+        obj.insert("dynamodb".into(), Value::Object(ddb));
+    }
+    if let Some(u) = r.user_identity() {
+        let mut id = Map::new();
+        if let Some(t) = u.r#type() {
+            id.insert("type".into(), json!(t));
+        }
+        if let Some(p) = u.principal_id() {
+            id.insert("principalId".into(), json!(p));
+        }
+        obj.insert("userIdentity".into(), Value::Object(id));
+    }
+    Ok(Value::Object(obj))
+}
+
+fn item_to_json(item: &HashMap<String, AttributeValue>) -> Result<Value, String> {
+    let mut m = Map::new();
+    for (k, v) in item {
+        m.insert(k.clone(), attribute_to_json(v).map_err(|e| format!("attribute {k}: {e}"))?);
+    }
+    Ok(Value::Object(m))
+}
+
+/// Typed DynamoDB JSON (`{"S": "x"}`, `{"N": "1"}`, ...). Total: unknown variants are errors.
+pub fn attribute_to_json(v: &AttributeValue) -> Result<Value, String> {
+    let b64 = |b: &aws_sdk_dynamodbstreams::primitives::Blob| base64::engine::general_purpose::STANDARD.encode(b.as_ref());
+    Ok(match v {
+        AttributeValue::S(s) => json!({ "S": s }),
+        AttributeValue::N(n) => json!({ "N": n }),
+        AttributeValue::B(b) => json!({ "B": b64(b) }),
+        AttributeValue::Bool(b) => json!({ "BOOL": b }),
+        AttributeValue::Null(b) => json!({ "NULL": b }),
+        AttributeValue::Ss(v) => json!({ "SS": v }),
+        AttributeValue::Ns(v) => json!({ "NS": v }),
+        AttributeValue::Bs(v) => json!({ "BS": v.iter().map(b64).collect::<Vec<_>>() }),
+        AttributeValue::L(items) => json!({ "L": items.iter().map(attribute_to_json).collect::<Result<Vec<_>, _>>()? }),
+        AttributeValue::M(map) => json!({ "M": item_to_json(map)? }),
+        _ => return Err("an attribute type this version does not know".to_string()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use aws_sdk_dynamodbstreams::primitives::{Blob, DateTime};
+    use aws_sdk_dynamodbstreams::types::{Identity, OperationType, StreamRecord};
+
+    use super::*;
+
+    #[test]
+    fn converts_every_attribute_type() {
+        let mut m = HashMap::new();
+        m.insert("x".to_string(), AttributeValue::N("1".into()));
+        let cases = [
+            (AttributeValue::S("a".into()), json!({"S": "a"})),
+            (AttributeValue::N("1.50".into()), json!({"N": "1.50"})),
+            (AttributeValue::B(Blob::new(vec![1, 2, 3])), json!({"B": "AQID"})),
+            (AttributeValue::Bool(true), json!({"BOOL": true})),
+            (AttributeValue::Null(true), json!({"NULL": true})),
+            (AttributeValue::Ss(vec!["a".into()]), json!({"SS": ["a"]})),
+            (AttributeValue::Ns(vec!["1".into()]), json!({"NS": ["1"]})),
+            (AttributeValue::Bs(vec![Blob::new(vec![0])]), json!({"BS": ["AA=="]})),
+            (AttributeValue::L(vec![AttributeValue::S("a".into())]), json!({"L": [{"S": "a"}]})),
+            (AttributeValue::M(m), json!({"M": {"x": {"N": "1"}}})),
+        ];
+        for (v, want) in cases {
+            assert_eq!(attribute_to_json(&v).unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn converts_a_record_to_the_lambda_shape() {
+        let mut keys = HashMap::new();
+        keys.insert("PK".to_string(), AttributeValue::S("CUST#c1".into()));
+        let rec = Record::builder()
+            .event_id("e1")
+            .event_name(OperationType::Remove)
+            .dynamodb(
+                StreamRecord::builder()
+                    .approximate_creation_date_time(DateTime::from_secs_and_nanos(1_764_460_800, 500_000_000))
+                    .set_keys(Some(keys.clone()))
+                    .set_old_image(Some(keys))
+                    .sequence_number("000000000000000000042")
+                    .build(),
+            )
+            .user_identity(Identity::builder().r#type("Service").principal_id("dynamodb.amazonaws.com").build())
+            .build();
+        let v = record_to_json(&rec).unwrap();
+        assert_eq!(v["eventName"], "REMOVE");
+        assert_eq!(v["dynamodb"]["ApproximateCreationDateTime"].to_string(), "1764460800.5");
+        assert_eq!(v["dynamodb"]["OldImage"]["PK"]["S"], "CUST#c1");
+        assert_eq!(v["userIdentity"]["principalId"], "dynamodb.amazonaws.com");
+        let decoded = crate::rules::record::StreamRecord::decode(&v).unwrap();
+        assert_eq!(decoded.sequence_number, Some("000000000000000000042"));
+    }
+}

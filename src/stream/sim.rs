@@ -1,0 +1,176 @@
+//! An in-memory stream for unit tests: shards with parents, splits and rollovers, iterators
+//! that can be expired, and trimming that makes old positions unreadable. It also logs which
+//! shard each record was read from, so tests can check the reading order.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use serde_json::{json, Value};
+
+use super::{Page, Position, ShardInfo, StreamError, StreamSource};
+
+#[derive(Debug, Default)]
+struct SimShard {
+    parent: Option<String>,
+    /// (sequence number, record)
+    records: Vec<(u64, Value)>,
+    closed: bool,
+    /// Records with index below this are trimmed.
+    trimmed: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    shards: BTreeMap<String, SimShard>,
+    next_seq: u64,
+    /// Iterators issued before this generation are expired.
+    generation: u64,
+    next_shard: u64,
+    /// (shard, sequence) in the order GetRecords returned them.
+    reads: Vec<(String, u64)>,
+    /// GetRecords calls that should fail with throttling before succeeding.
+    throttles: u32,
+}
+
+#[derive(Debug, Default)]
+pub struct SimStream {
+    state: Mutex<State>,
+}
+
+fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    // A test that panicked while holding the lock already failed; keep going for others.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl SimStream {
+    pub fn new() -> SimStream {
+        SimStream::default()
+    }
+
+    /// A new open shard; ids embed an increasing creation time like real shard ids.
+    pub fn add_shard(&self, parent: Option<&str>) -> String {
+        let mut s = lock(&self.state);
+        s.next_shard += 1;
+        let id = format!("shardId-{:020}-{:08x}", 1_700_000_000_000u64 + s.next_shard, s.next_shard);
+        s.shards.insert(id.clone(), SimShard { parent: parent.map(str::to_string), ..Default::default() });
+        id
+    }
+
+    /// Appends a record (a stream record JSON; its SequenceNumber is set here). Returns the
+    /// sequence number.
+    pub fn append(&self, shard: &str, mut record: Value) -> u64 {
+        let mut s = lock(&self.state);
+        s.next_seq += 1;
+        let seq = s.next_seq;
+        record["dynamodb"]["SequenceNumber"] = json!(format!("{seq:021}"));
+        if let Some(sh) = s.shards.get_mut(shard) {
+            assert!(!sh.closed, "append to a closed shard");
+            sh.records.push((seq, record));
+        }
+        seq
+    }
+
+    pub fn close(&self, shard: &str) {
+        if let Some(sh) = lock(&self.state).shards.get_mut(shard) {
+            sh.closed = true;
+        }
+    }
+
+    /// Closes `shard` and opens two children.
+    pub fn split(&self, shard: &str) -> (String, String) {
+        self.close(shard);
+        (self.add_shard(Some(shard)), self.add_shard(Some(shard)))
+    }
+
+    /// Closes `shard` and opens one child (DynamoDB rolls shards over every few hours).
+    pub fn rollover(&self, shard: &str) -> String {
+        self.close(shard);
+        self.add_shard(Some(shard))
+    }
+
+    pub fn expire_iterators(&self) {
+        lock(&self.state).generation += 1;
+    }
+
+    /// Makes the first `n` records of `shard` unreadable (older than retention).
+    pub fn trim(&self, shard: &str, n: usize) {
+        if let Some(sh) = lock(&self.state).shards.get_mut(shard) {
+            sh.trimmed = n.min(sh.records.len());
+        }
+    }
+
+    /// Removes a shard from the listing (DescribeStream forgets shards after 24 h).
+    pub fn forget(&self, shard: &str) {
+        lock(&self.state).shards.remove(shard);
+    }
+
+    pub fn throttle_next(&self, n: u32) {
+        lock(&self.state).throttles = n;
+    }
+
+    /// (shard, sequence) of every record returned so far, in order.
+    pub fn reads(&self) -> Vec<(String, u64)> {
+        lock(&self.state).reads.clone()
+    }
+}
+
+fn encode(shard: &str, index: usize, generation: u64) -> String {
+    format!("{shard}|{index}|{generation}")
+}
+
+fn decode(it: &str) -> Option<(String, usize, u64)> {
+    let mut p = it.rsplitn(3, '|');
+    let generation = p.next()?.parse().ok()?;
+    let index = p.next()?.parse().ok()?;
+    Some((p.next()?.to_string(), index, generation))
+}
+
+impl StreamSource for SimStream {
+    async fn shards(&self) -> Result<Vec<ShardInfo>, StreamError> {
+        let s = lock(&self.state);
+        Ok(s.shards.iter().map(|(id, sh)| ShardInfo { shard_id: id.clone(), parent: sh.parent.clone(), closed: sh.closed }).collect())
+    }
+
+    async fn iterator(&self, shard_id: &str, position: &Position) -> Result<String, StreamError> {
+        let s = lock(&self.state);
+        let sh = s.shards.get(shard_id).ok_or_else(|| StreamError::NotFound(shard_id.to_string()))?;
+        let index = match position {
+            Position::TrimHorizon => sh.trimmed,
+            Position::Latest => sh.records.len(),
+            Position::After(seq) => {
+                let seq: u64 = seq.parse().map_err(|_| StreamError::Fatal(format!("bad sequence number {seq}")))?;
+                let idx = sh.records.iter().position(|(s, _)| *s > seq).unwrap_or(sh.records.len());
+                if idx < sh.trimmed {
+                    return Err(StreamError::TrimmedData(format!("{shard_id}: position {seq} is trimmed")));
+                }
+                idx
+            }
+        };
+        Ok(encode(shard_id, index, s.generation))
+    }
+
+    async fn records(&self, iterator: &str, limit: u32) -> Result<Page, StreamError> {
+        let mut s = lock(&self.state);
+        if s.throttles > 0 {
+            s.throttles -= 1;
+            return Err(StreamError::Throttled("simulated".into()));
+        }
+        let (shard, index, generation) = decode(iterator).ok_or_else(|| StreamError::Fatal("bad iterator".into()))?;
+        if generation < s.generation {
+            return Err(StreamError::ExpiredIterator);
+        }
+        let current = s.generation;
+        let sh = s.shards.get(&shard).ok_or_else(|| StreamError::NotFound(shard.clone()))?;
+        if index < sh.trimmed {
+            return Err(StreamError::TrimmedData(format!("{shard}: iterator points at trimmed data")));
+        }
+        let end = (index + limit as usize).min(sh.records.len());
+        let records: Vec<(u64, Value)> = sh.records[index..end].to_vec();
+        let done = sh.closed && end == sh.records.len();
+        let next_iterator = (!done).then(|| encode(&shard, end, current));
+        for (seq, _) in &records {
+            s.reads.push((shard.clone(), *seq));
+        }
+        Ok(Page { records: records.into_iter().map(|(_, r)| r).collect(), next_iterator })
+    }
+}

@@ -1,0 +1,110 @@
+//! Telemetry: metric names ([`names`]), the Prometheus exporter with health endpoints, and
+//! logging.
+
+pub mod names;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// What `/readyz` reports: the config is loaded, AWS answered, and leases are being renewed.
+#[derive(Debug, Default)]
+pub struct Health {
+    pub aws_reachable: AtomicBool,
+    /// Epoch ms of the last completed lease-maintenance round.
+    pub last_maintenance_ms: AtomicU64,
+    /// Maintenance rounds older than this make the replica unready.
+    pub maintenance_deadline_ms: AtomicU64,
+}
+
+impl Health {
+    pub fn ready(&self, now_ms: u64) -> bool {
+        let last = self.last_maintenance_ms.load(Ordering::Relaxed);
+        self.aws_reachable.load(Ordering::Relaxed)
+            && last > 0
+            && now_ms.saturating_sub(last) <= self.maintenance_deadline_ms.load(Ordering::Relaxed)
+    }
+}
+
+/// Installs the global recorder. Histograms get buckets; gauges that stop being updated
+/// (shards this replica no longer reads) disappear after `gauge_idle`.
+pub fn install_metrics(gauge_idle: Duration) -> Result<PrometheusHandle, String> {
+    let buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(names::BATCH_DURATION_SECONDS.into()), &buckets)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::END_TO_END_LAG_SECONDS.into()), &buckets))
+        .map_err(|e| e.to_string())?
+        .idle_timeout(metrics_util::MetricKindMask::GAUGE, Some(gauge_idle))
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    names::describe();
+    metrics::gauge!(names::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    Ok(handle)
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until cancelled. Minimal HTTP/1.1: one request
+/// per connection, bounded request size and time.
+pub async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<Health>, cancel: CancellationToken) {
+    let upkeep = handle.clone();
+    let upkeep_cancel = cancel.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = upkeep_cancel.cancelled() => return,
+                _ = tick.tick() => upkeep.run_upkeep(),
+            }
+        }
+    });
+    loop {
+        let accepted = tokio::select! {
+            _ = cancel.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        let Ok((mut socket, _)) = accepted else { continue };
+        let handle = handle.clone();
+        let health = health.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buf)).await;
+            let Ok(Ok(n)) = read else { return };
+            let request = String::from_utf8_lossy(&buf[..n]);
+            let path = request.split_whitespace().nth(1).unwrap_or("/");
+            let (status, content_type, body) = match path {
+                "/metrics" => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", handle.render()),
+                "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
+                "/readyz" if health.ready(crate::state::now_ms()) => ("200 OK", "text/plain", "ready\n".to_string()),
+                "/readyz" => ("503 Service Unavailable", "text/plain", "not ready\n".to_string()),
+                _ => ("404 Not Found", "text/plain", "not found: try /metrics, /healthz, /readyz\n".to_string()),
+            };
+            let head =
+                format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let _ = socket.write_all(head.as_bytes()).await;
+            let _ = socket.write_all(body.as_bytes()).await;
+            let _ = socket.shutdown().await;
+        });
+    }
+}
+
+/// Binds the metrics address (an error names it, e.g. when the port is taken).
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, String> {
+    TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))
+}
+
+/// JSON or text logs on stderr, levels from RUST_LOG (default info).
+pub fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,aws_config=warn,aws_smithy_runtime=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    if json {
+        let _ = builder.json().flatten_event(true).with_current_span(false).try_init();
+    } else {
+        let _ = builder.try_init();
+    }
+}

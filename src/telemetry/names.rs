@@ -1,0 +1,45 @@
+//! Every metric name, in one place (Prometheus text, prefix `ddb_aggregator_`, base units).
+//! Label values are small fixed sets: rule names from the config, reason codes, outcomes,
+//! shard ids of the shards this replica currently reads.
+
+pub const ITERATOR_AGE_SECONDS: &str = "ddb_aggregator_iterator_age_seconds";
+pub const ITERATOR_AGE_MAX_SECONDS: &str = "ddb_aggregator_iterator_age_max_seconds";
+pub const RECORDS_READ: &str = "ddb_aggregator_records_read_total";
+pub const RECORDS_MATCHED: &str = "ddb_aggregator_records_matched_total";
+pub const RECORDS_SKIPPED: &str = "ddb_aggregator_records_skipped_total";
+pub const AGGREGATE_WRITES: &str = "ddb_aggregator_aggregate_writes_total";
+pub const COALESCED_UPDATES: &str = "ddb_aggregator_coalesced_record_updates_total";
+pub const WRITE_CAPACITY_UNITS: &str = "ddb_aggregator_write_capacity_units_total";
+pub const BATCH_DURATION_SECONDS: &str = "ddb_aggregator_batch_duration_seconds";
+pub const END_TO_END_LAG_SECONDS: &str = "ddb_aggregator_end_to_end_lag_seconds";
+pub const SHARDS: &str = "ddb_aggregator_shards";
+pub const LEASES_HELD: &str = "ddb_aggregator_leases_held";
+pub const GET_RECORDS: &str = "ddb_aggregator_get_records_total";
+pub const TRIMMED_DATA: &str = "ddb_aggregator_trimmed_data_total";
+pub const DEAD_LETTERS: &str = "ddb_aggregator_dead_letters_total";
+pub const BUILD_INFO: &str = "ddb_aggregator_build_info";
+
+/// Registers help texts and units.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        ITERATOR_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the newest record read from each shard this replica reads (0 at the tip)."
+    );
+    describe_gauge!(ITERATOR_AGE_MAX_SECONDS, Unit::Seconds, "Largest iterator age over the shards this replica reads.");
+    describe_counter!(RECORDS_READ, "Stream records read.");
+    describe_counter!(RECORDS_MATCHED, "Records whose filter matched, per rule.");
+    describe_counter!(RECORDS_SKIPPED, "Records not applied, by reason (poison, trimmed, too_old).");
+    describe_counter!(AGGREGATE_WRITES, "Aggregate UpdateItem calls, by outcome (applied, stale, error).");
+    describe_counter!(COALESCED_UPDATES, "Record-to-target updates folded into aggregate writes (compare with aggregate_writes_total).");
+    describe_counter!(WRITE_CAPACITY_UNITS, "Write capacity units consumed by aggregate writes.");
+    describe_histogram!(BATCH_DURATION_SECONDS, Unit::Seconds, "Time to evaluate and write one batch.");
+    describe_histogram!(END_TO_END_LAG_SECONDS, Unit::Seconds, "From a record's creation to its aggregate write.");
+    describe_gauge!(SHARDS, "Shards of the stream by state (reading, waiting, finished).");
+    describe_gauge!(LEASES_HELD, "Shard leases this replica holds.");
+    describe_counter!(GET_RECORDS, "GetRecords calls by outcome (ok, empty, expired, throttled, trimmed, error).");
+    describe_counter!(TRIMMED_DATA, "Times a shard position was older than the stream's retention: data was lost and needs a reconcile.");
+    describe_counter!(DEAD_LETTERS, "Records sent to the dead-letter queue, by reason.");
+    describe_gauge!(BUILD_INFO, "Build information; the value is always 1.");
+}

@@ -1,0 +1,318 @@
+//! Reading one leased shard: poll, evaluate, write, checkpoint, until the shard ends, the
+//! lease is lost, or the replica stops.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::stream::{self, StreamExt};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use super::Shared;
+use crate::config::StartPosition;
+use crate::rules::record::StreamRecord;
+use crate::rules::Coalescer;
+use crate::sink::{write_target, AggregateStore, ShardContext, SinkError};
+use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
+use crate::stream::{Position, StreamError, StreamSource};
+use crate::telemetry::names;
+
+/// Why a shard reader returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardExit {
+    /// Read to its end and checkpointed at SHARD_END.
+    Finished,
+    /// The replica is stopping; everything read was written and checkpointed.
+    Stopped,
+    /// Another replica owns the lease, or it could not be renewed in time.
+    LeaseLost,
+}
+
+/// A running reader's handle on its lease.
+pub struct ShardLease {
+    pub shard_id: String,
+    pub counter: u64,
+    /// Epoch ms until which the lease is proven; writes stop after it.
+    pub valid_until_ms: Arc<AtomicU64>,
+    pub checkpoint: Option<Checkpoint>,
+}
+
+impl ShardLease {
+    fn valid(&self) -> bool {
+        now_ms() < self.valid_until_ms.load(Ordering::Relaxed)
+    }
+}
+
+/// Most concurrent aggregate writes per batch.
+const WRITE_CONCURRENCY: usize = 16;
+const IDLE_MIN: Duration = Duration::from_millis(100);
+const IDLE_MAX: Duration = Duration::from_secs(2);
+
+/// Sleeps unless cancelled; returns false when cancelled.
+async fn pause(d: Duration, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(d) => true,
+    }
+}
+
+pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
+    shared: Arc<Shared<S, L, A>>,
+    lease: ShardLease,
+    stop: CancellationToken,
+) -> ShardExit {
+    let shard = lease.shard_id.clone();
+    let ctx = ShardContext::new(&shard);
+    let mut position = match &lease.checkpoint {
+        Some(Checkpoint::ShardEnd) => return ShardExit::Finished,
+        Some(Checkpoint::Sequence(s)) => Position::After(s.clone()),
+        None => match shared.config.source.start_position {
+            StartPosition::TrimHorizon => Position::TrimHorizon,
+            StartPosition::Latest => Position::Latest,
+        },
+    };
+    let mut iterator: Option<String> = None;
+    let mut idle = IDLE_MIN;
+    let mut failures: u32 = 0;
+    let mut last_tip_report = 0u64;
+    info!(shard = %shard, position = ?position, "reading shard");
+    loop {
+        if stop.is_cancelled() {
+            return ShardExit::Stopped;
+        }
+        if !lease.valid() {
+            warn!(shard = %shard, "lease not renewed in time; stopping reads");
+            return ShardExit::LeaseLost;
+        }
+        let it = match iterator.take() {
+            Some(it) => it,
+            None => match shared.source.iterator(&shard, &position).await {
+                Ok(it) => it,
+                Err(StreamError::TrimmedData(why)) => {
+                    // The checkpoint is older than the stream's retention: records were lost.
+                    // Never continue silently: count, log, and restart from the oldest record.
+                    metrics::counter!(names::TRIMMED_DATA).increment(1);
+                    shared.trimmed_events.fetch_add(1, Ordering::Relaxed);
+                    error!(shard = %shard, reason = %why, "checkpoint is beyond the stream's retention: records were lost; aggregates need a reconcile");
+                    position = Position::TrimHorizon;
+                    continue;
+                }
+                Err(StreamError::NotFound(why)) => {
+                    warn!(shard = %shard, reason = %why, "shard no longer exists; treating it as finished");
+                    return finish(&shared, &lease, &shard).await;
+                }
+                Err(e) => {
+                    failures += 1;
+                    warn!(shard = %shard, error = %e, "cannot get a shard iterator; backing off");
+                    if !pause(crate::sink::backoff(failures), &stop).await {
+                        return ShardExit::Stopped;
+                    }
+                    continue;
+                }
+            },
+        };
+        let page = tokio::select! {
+            _ = stop.cancelled() => return ShardExit::Stopped,
+            p = shared.source.records(&it, shared.config.source.batch_size) => p,
+        };
+        let page = match page {
+            Ok(p) => p,
+            Err(e) => {
+                let outcome = match &e {
+                    StreamError::ExpiredIterator => "expired",
+                    StreamError::Throttled(_) => "throttled",
+                    StreamError::TrimmedData(_) => "trimmed",
+                    _ => "error",
+                };
+                metrics::counter!(names::GET_RECORDS, "outcome" => outcome).increment(1);
+                match e {
+                    // Resume from the checkpoint with a fresh iterator.
+                    StreamError::ExpiredIterator => {}
+                    StreamError::TrimmedData(why) => {
+                        metrics::counter!(names::TRIMMED_DATA).increment(1);
+                        shared.trimmed_events.fetch_add(1, Ordering::Relaxed);
+                        error!(shard = %shard, reason = %why, "iterator points at trimmed data: records were lost; aggregates need a reconcile");
+                        position = Position::TrimHorizon;
+                    }
+                    e => {
+                        failures += 1;
+                        warn!(shard = %shard, error = %e, "GetRecords failed; backing off");
+                        if !pause(crate::sink::backoff(failures), &stop).await {
+                            return ShardExit::Stopped;
+                        }
+                    }
+                }
+                continue;
+            }
+        };
+        metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
+        if !page.records.is_empty() {
+            match apply_batch(&shared, &lease, &ctx, &page.records).await {
+                Ok(Some(p)) => {
+                    if let Some(Checkpoint::Sequence(seq)) = &p {
+                        position = Position::After(seq.clone());
+                    }
+                    failures = 0;
+                    idle = IDLE_MIN;
+                }
+                Ok(None) => return ShardExit::LeaseLost,
+                Err(e) => {
+                    failures += 1;
+                    warn!(shard = %shard, error = %e, attempt = failures, "batch not applied; re-reading it from the checkpoint");
+                    if matches!(e, SinkError::Fenced) {
+                        return ShardExit::LeaseLost;
+                    }
+                    if !pause(crate::sink::backoff(failures), &stop).await {
+                        return ShardExit::Stopped;
+                    }
+                    continue; // iterator stays None: re-read from `position`
+                }
+            }
+        }
+        match page.next_iterator {
+            None => return finish(&shared, &lease, &shard).await,
+            Some(next) => iterator = Some(next),
+        }
+        if page.records.is_empty() {
+            shared.set_age(&shard, 0.0);
+            let now = now_ms();
+            if now.saturating_sub(last_tip_report) >= shared.config.state.lease_duration.as_millis() as u64 / 2 {
+                let progress = Progress { checkpoint: None, last_record_ms: None, at_tip_ms: Some(now) };
+                if let Ok(false) = shared.leases.checkpoint(&shard, &shared.owner, lease.counter, &progress).await {
+                    return ShardExit::LeaseLost;
+                }
+                last_tip_report = now;
+            }
+            if !pause(idle, &stop).await {
+                return ShardExit::Stopped;
+            }
+            idle = (idle * 2).min(IDLE_MAX);
+        }
+    }
+}
+
+async fn finish<S: StreamSource, L: LeaseStore, A: AggregateStore>(shared: &Shared<S, L, A>, lease: &ShardLease, shard: &str) -> ShardExit {
+    let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: Some(now_ms()) };
+    // Bounded retries: a transient failure here just means the next owner re-reads the end.
+    for attempt in 1..=5 {
+        match shared.leases.checkpoint(shard, &shared.owner, lease.counter, &progress).await {
+            Ok(true) => {
+                info!(shard = %shard, "shard read to its end");
+                let _ = shared.leases.release(shard, &shared.owner, lease.counter).await;
+                return ShardExit::Finished;
+            }
+            Ok(false) => return ShardExit::LeaseLost,
+            Err(e) => {
+                warn!(shard = %shard, error = %e, "cannot checkpoint SHARD_END; retrying");
+                tokio::time::sleep(crate::sink::backoff(attempt)).await;
+            }
+        }
+    }
+    ShardExit::LeaseLost
+}
+
+/// Evaluates and writes one batch, then moves the checkpoint. Ok(None): the lease was lost
+/// (nothing checkpointed). Ok(Some(checkpoint)) on success.
+async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
+    shared: &Shared<S, L, A>,
+    lease: &ShardLease,
+    ctx: &ShardContext,
+    records: &[Value],
+) -> Result<Option<Option<Checkpoint>>, SinkError> {
+    let started = Instant::now();
+    let shard = &lease.shard_id;
+    let mut batch = Coalescer::new();
+    let mut last_seq: Option<String> = None;
+    let mut newest_ms: Option<u64> = None;
+    let mut created: Vec<u64> = Vec::with_capacity(records.len());
+    for record in records {
+        let report = shared.engine.apply(record, &mut batch);
+        for i in &report.matched {
+            if let Some(rule) = shared.engine.rules.get(*i) {
+                metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
+            }
+        }
+        if let Ok(r) = StreamRecord::decode(record) {
+            if let Some(seq) = r.sequence_number {
+                last_seq = Some(seq.to_string());
+            }
+            if let Some(ms) = r
+                .approximate_creation
+                .and_then(|t| t.checked_mul(crate::decimal::Decimal::from_i64(1000)).ok())
+                .and_then(|t| t.trunc_i64())
+                .and_then(|t| u64::try_from(t).ok())
+            {
+                created.push(ms);
+                newest_ms = Some(newest_ms.map_or(ms, |n| n.max(ms)));
+            }
+        } else if let Some(seq) = record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str) {
+            last_seq = Some(seq.to_string());
+        }
+        for p in &report.poisons {
+            // No item data in logs: rule, shard, sequence number and reason only.
+            let seq = record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str).unwrap_or("");
+            error!(shard = %shard, sequence_number = %seq, rule = p.rule.as_deref().unwrap_or(""), reason = p.code.as_str(), "poison record skipped: {}", p.message);
+            metrics::counter!(names::RECORDS_SKIPPED, "reason" => p.code.as_str()).increment(1);
+        }
+    }
+    metrics::counter!(names::RECORDS_READ).increment(records.len() as u64);
+    let targets = batch.into_targets();
+    if !lease.valid() {
+        return Ok(None);
+    }
+    let key_names = &shared.engine.key_names;
+    let store = shared.sink.as_ref();
+    let mut writes = Vec::with_capacity(targets.len());
+    for (key, delta) in &targets {
+        writes.push(write_target(store, key_names, key, delta, ctx));
+    }
+    let results: Vec<Result<crate::sink::WriteStats, SinkError>> = stream::iter(writes).buffer_unordered(WRITE_CONCURRENCY).collect().await;
+    let mut first_error = None;
+    for r in results {
+        match r {
+            Ok(stats) => {
+                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(stats.calls.min(1));
+                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "stale").increment(stats.calls.saturating_sub(1));
+                metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
+                metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
+                shared.capacity_milli.fetch_add((stats.capacity * 1000.0).round() as u64, Ordering::Relaxed);
+            }
+            Err(e) => {
+                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "error").increment(1);
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    // The checkpoint moves only after every target write of the batch succeeded.
+    let checkpoint = last_seq.map(Checkpoint::Sequence);
+    if !lease.valid() {
+        return Ok(None);
+    }
+    let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: newest_ms, at_tip_ms: None };
+    let mut attempt = 0;
+    loop {
+        match shared.leases.checkpoint(shard, &shared.owner, lease.counter, &progress).await {
+            Ok(true) => break,
+            Ok(false) => return Ok(None),
+            Err(e) if e.is_retriable() && attempt < 5 => {
+                attempt += 1;
+                tokio::time::sleep(crate::sink::backoff(attempt)).await;
+            }
+            // The writes are in (and idempotent): a failed checkpoint only means a replay.
+            Err(e) => return Err(SinkError::Transient(format!("checkpoint: {e}"))),
+        }
+    }
+    let now = now_ms();
+    for ms in &created {
+        metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
+    }
+    let age = newest_ms.map_or(0.0, |n| now.saturating_sub(n) as f64 / 1000.0);
+    shared.set_age(shard, age);
+    metrics::histogram!(names::BATCH_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
+    Ok(Some(checkpoint))
+}

@@ -1,0 +1,299 @@
+//! The whole consumer on in-memory fakes: the simulated stream (splits, rollovers, expired
+//! iterators, trimming), the memory lease table and the memory aggregate table.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::decimal::Decimal;
+use crate::rules::Coalescer;
+use crate::sink::memory::MemoryAggregates;
+use crate::state::memory::MemoryLeases;
+use crate::stream::sim::SimStream;
+
+fn config() -> Config {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+    let env = vec![
+        ("DDB_AGGREGATOR__STATE__LEASE_DURATION".to_string(), "600ms".to_string()),
+        ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE".to_string(), "7".to_string()),
+    ];
+    Config::from_yaml(&text, env).unwrap()
+}
+
+fn order(customer: &str, n: u32, event: &str, total: &str, status: &str) -> Value {
+    let img = json!({"PK": {"S": format!("CUST#{customer}")}, "SK": {"S": format!("ORDER#2026-11-30#o{n}")}, "total": {"N": total}, "status": {"S": status}});
+    let mut ddb = json!({"Keys": {"PK": img["PK"], "SK": img["SK"]}, "ApproximateCreationDateTime": 1_764_460_800});
+    match event {
+        "INSERT" => ddb["NewImage"] = img,
+        "REMOVE" => ddb["OldImage"] = img,
+        _ => {
+            ddb["NewImage"] = img.clone();
+            ddb["OldImage"] = img;
+        }
+    }
+    json!({"eventName": event, "dynamodb": ddb})
+}
+
+/// The expected aggregates: every record in one batch through the engine.
+fn expected(records: &[Value]) -> BTreeMap<(Vec<String>, String), Decimal> {
+    let engine = config().engine;
+    let mut batch = Coalescer::new();
+    for r in records {
+        assert!(engine.apply(r, &mut batch).poisons.is_empty());
+    }
+    let mut out = BTreeMap::new();
+    for (k, d) in batch.into_targets() {
+        for (a, v) in d.attributes {
+            out.insert((k.0.iter().map(|s| s.to_string()).collect(), a), v);
+        }
+    }
+    out
+}
+
+type Fakes = (Arc<SimStream>, Arc<MemoryLeases>, Arc<MemoryAggregates>);
+
+struct Replica {
+    cancel: CancellationToken,
+    handle: tokio::task::JoinHandle<Result<(), WorkerError>>,
+}
+
+/// Starts a replica over shared fakes (the fakes are shared through Arc wrappers).
+fn start(fakes: &Fakes, name: &str) -> Replica {
+    let shared = Shared::new(
+        config(),
+        ArcSource(fakes.0.clone()),
+        ArcLeases(fakes.1.clone()),
+        fakes.2.clone(),
+        name.to_string(),
+        Arc::new(Health::default()),
+    );
+    let worker = Worker::new(shared);
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    Replica { cancel, handle: tokio::spawn(worker.run(c)) }
+}
+
+struct ArcSource(Arc<SimStream>);
+impl StreamSource for ArcSource {
+    async fn shards(&self) -> Result<Vec<ShardInfo>, crate::stream::StreamError> {
+        self.0.shards().await
+    }
+    async fn iterator(&self, shard_id: &str, position: &crate::stream::Position) -> Result<String, crate::stream::StreamError> {
+        self.0.iterator(shard_id, position).await
+    }
+    async fn records(&self, iterator: &str, limit: u32) -> Result<crate::stream::Page, crate::stream::StreamError> {
+        self.0.records(iterator, limit).await
+    }
+}
+
+struct ArcLeases(Arc<MemoryLeases>);
+impl LeaseStore for ArcLeases {
+    async fn prepare(&self, create: bool) -> Result<(), crate::state::StateError> {
+        self.0.prepare(create).await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, crate::state::StateError> {
+        self.0.list().await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, crate::state::StateError> {
+        self.0.create(lease).await
+    }
+    async fn take(&self, lease: &Lease, owner: &str, expires_at_ms: u64) -> Result<Option<Lease>, crate::state::StateError> {
+        self.0.take(lease, owner, expires_at_ms).await
+    }
+    async fn renew(&self, shard_id: &str, owner: &str, counter: u64, expires_at_ms: u64) -> Result<bool, crate::state::StateError> {
+        self.0.renew(shard_id, owner, counter, expires_at_ms).await
+    }
+    async fn checkpoint(
+        &self,
+        shard_id: &str,
+        owner: &str,
+        counter: u64,
+        progress: &crate::state::Progress,
+    ) -> Result<bool, crate::state::StateError> {
+        self.0.checkpoint(shard_id, owner, counter, progress).await
+    }
+    async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, crate::state::StateError> {
+        self.0.release(shard_id, owner, counter).await
+    }
+}
+
+/// Waits (bounded) until the aggregates equal `want` and every closed shard is finished.
+async fn settle(fakes: &Fakes, want: &BTreeMap<(Vec<String>, String), Decimal>, closed: usize) {
+    for _ in 0..200 {
+        let finished = fakes.1.snapshot().iter().filter(|l| l.finished()).count();
+        if fakes.2.numbers() == *want && finished >= closed {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(fakes.2.numbers(), *want, "aggregates did not settle in 10 s");
+    panic!("closed shards not finished: {:?}", fakes.1.snapshot());
+}
+
+/// A lineage: root -> rollover -> split into two, records in each generation.
+fn workload(sim: &SimStream) -> (Vec<Value>, Vec<(String, Option<String>)>) {
+    let mut all = Vec::new();
+    let mut lineage = Vec::new();
+    let root = sim.add_shard(None);
+    lineage.push((root.clone(), None));
+    let mut n = 0;
+    let mut put = |shard: &str, all: &mut Vec<Value>, k: u32| {
+        for i in 0..k {
+            n += 1;
+            let r =
+                order(&format!("c{}", n % 5), n, "INSERT", &format!("{}.{:02}", i, n % 100), if n % 2 == 0 { "PAID" } else { "PENDING" });
+            sim.append(shard, r.clone());
+            all.push(r);
+        }
+    };
+    put(&root, &mut all, 20);
+    let next = sim.rollover(&root);
+    lineage.push((next.clone(), Some(root.clone())));
+    put(&next, &mut all, 15);
+    let (a, b) = sim.split(&next);
+    lineage.push((a.clone(), Some(next.clone())));
+    lineage.push((b.clone(), Some(next.clone())));
+    put(&a, &mut all, 12);
+    put(&b, &mut all, 9);
+    // Changes to existing orders land in the child shards too.
+    for (shard, i) in [(&a, 3u32), (&b, 4)] {
+        let r = order(&format!("c{}", i % 5), i, "MODIFY", "99.99", "SHIPPED");
+        sim.append(shard, r.clone());
+        all.push(r);
+    }
+    (all, lineage)
+}
+
+#[tokio::test]
+async fn reads_lineage_parent_first_and_applies_exactly_once() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let (records, lineage) = workload(&fakes.0);
+    let replica = start(&fakes, "r1");
+    settle(&fakes, &expected(&records), 2).await;
+    replica.cancel.cancel();
+    replica.handle.await.unwrap().unwrap();
+    // Parent-first: every record of a parent was read before any record of its child.
+    let reads = fakes.0.reads();
+    for (child, parent) in &lineage {
+        if let Some(parent) = parent {
+            let last_parent = reads.iter().rposition(|(s, _)| s == parent).unwrap();
+            let first_child = reads.iter().position(|(s, _)| s == child).unwrap();
+            assert!(last_parent < first_child, "{child} read before its parent {parent} was done");
+        }
+    }
+    // Released on shutdown.
+    assert!(fakes.1.snapshot().iter().all(|l| l.owner.is_none()), "{:?}", fakes.1.snapshot());
+}
+
+#[tokio::test]
+async fn replay_from_trim_horizon_changes_nothing() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let (records, _) = workload(&fakes.0);
+    let want = expected(&records);
+    let r = start(&fakes, "r1");
+    settle(&fakes, &want, 2).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    // Forget every checkpoint: a new lease table replays the whole stream.
+    let replay: Fakes = (fakes.0.clone(), Arc::new(MemoryLeases::new()), fakes.2.clone());
+    let calls_before = fakes.2.calls();
+    let r = start(&replay, "r2");
+    settle(&replay, &want, 2).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    assert_eq!(fakes.2.numbers(), want, "replay changed nothing");
+    assert!(fakes.2.calls() > calls_before, "the replay did write (and was refused by the ledger)");
+}
+
+#[tokio::test]
+async fn expired_iterators_throttling_and_failed_writes_lose_nothing() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    let mut records = Vec::new();
+    let r = start(&fakes, "r1");
+    for round in 0..6u32 {
+        for i in 0..10u32 {
+            let rec = order("c1", round * 10 + i, "INSERT", "1.1", "PAID");
+            fakes.0.append(&shard, rec.clone());
+            records.push(rec);
+        }
+        match round {
+            1 => fakes.0.expire_iterators(),
+            2 => fakes.0.throttle_next(3),
+            3 => fakes.2.fail_next(4),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    settle(&fakes, &expected(&records), 0).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    assert_eq!(fakes.2.numbers()[&(vec!["CUST#c1".to_string(), "PROFILE".to_string()], "revenue".to_string())].to_string(), "66");
+}
+
+#[tokio::test]
+async fn trimmed_data_is_counted_not_skipped_silently() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    for i in 0..10 {
+        fakes.0.append(&shard, order("c1", i, "INSERT", "1", "PAID"));
+    }
+    // A checkpoint at record 3 whose successors were trimmed before we resumed.
+    let mut lease = Lease::new(&shard, None);
+    lease.checkpoint = Some(crate::state::Checkpoint::Sequence(format!("{:021}", 3)));
+    fakes.1.create(&lease).await.unwrap();
+    fakes.0.trim(&shard, 6);
+    let shared = Shared::new(
+        config(),
+        ArcSource(fakes.0.clone()),
+        ArcLeases(fakes.1.clone()),
+        fakes.2.clone(),
+        "r1".into(),
+        Arc::new(Health::default()),
+    );
+    let worker = Worker::new(shared);
+    let shared = worker.shared().clone();
+    let cancel = CancellationToken::new();
+    let h = tokio::spawn(worker.run(cancel.clone()));
+    // Records 7..10 survive the trim and are applied; 4..6 are lost and reported.
+    let want = expected(&(7..=10).map(|i| order("c1", i - 1, "INSERT", "1", "PAID")).collect::<Vec<_>>());
+    settle(&fakes, &want, 0).await;
+    cancel.cancel();
+    h.await.unwrap().unwrap();
+    assert!(shared.trimmed_events.load(Ordering::Relaxed) >= 1);
+}
+
+#[tokio::test]
+async fn two_replicas_share_shards_and_stay_exact() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shards: Vec<String> = (0..4).map(|_| fakes.0.add_shard(None)).collect();
+    let mut records = Vec::new();
+    for (i, s) in shards.iter().enumerate() {
+        for j in 0..25u32 {
+            let n = i as u32 * 100 + j;
+            let rec = order(&format!("c{}", n % 3), n, "INSERT", "2.5", "PAID");
+            fakes.0.append(s, rec.clone());
+            records.push(rec);
+        }
+    }
+    let a = start(&fakes, "a");
+    let b = start(&fakes, "b");
+    settle(&fakes, &expected(&records), 0).await;
+    // Give balancing a few rounds, then each holds two.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let owners: Vec<Option<String>> = fakes.1.snapshot().into_iter().map(|l| l.owner).collect();
+    let count = |o: &str| owners.iter().filter(|x| x.as_deref() == Some(o)).count();
+    assert_eq!((count("a"), count("b")), (2, 2), "{owners:?}");
+    // One replica goes away without releasing (a crash): the other takes everything over.
+    a.handle.abort();
+    let more = order("c9", 999, "INSERT", "1", "PAID");
+    fakes.0.append(&shards[0], more.clone());
+    records.push(more);
+    settle(&fakes, &expected(&records), 0).await;
+    b.cancel.cancel();
+    b.handle.await.unwrap().unwrap();
+}
