@@ -9,6 +9,7 @@ pub mod config;
 pub mod decimal;
 pub mod pattern;
 pub mod rules;
+pub mod service;
 pub mod sink;
 pub mod state;
 pub mod stream;

@@ -23,6 +23,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The service: lease stream shards, filter, aggregate exactly once, checkpoint, and serve
+    /// /metrics, /healthz and /readyz on metrics.listen. AWS endpoints, region and credentials
+    /// come from the standard chain (AWS_REGION, AWS_ENDPOINT_URL_DYNAMODB, ...). SIGTERM
+    /// finishes in-flight batches, checkpoints, releases leases and exits 0.
+    Run {
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// Log lines as JSON (for log pipelines) or text (for people). Levels from RUST_LOG.
+        #[arg(long, value_enum, default_value_t = LogFormat::Json)]
+        log_format: LogFormat,
+    },
     /// Load and check a config: settings, filter patterns, templates, measures and feedback
     /// loops. Prints a summary; errors name the setting's path and exit 2.
     Validate {
@@ -56,6 +67,12 @@ enum Command {
     },
 }
 
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LogFormat {
+    Json,
+    Text,
+}
+
 /// An error that is the user's input, not a failure of the work: exit 2.
 #[derive(Debug)]
 struct BadInput(String);
@@ -75,6 +92,7 @@ fn bad(msg: impl Into<String>) -> anyhow::Error {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run { config, log_format } => run(&config, log_format),
         Command::Validate { config } => validate(&config),
         Command::TestPattern { pattern, event, numeric_strings } => test_pattern(&pattern, &event, numeric_strings),
         Command::Simulate { config, records } => simulate(&config, &records),
@@ -90,6 +108,16 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn run(path: &Path, format: LogFormat) -> anyhow::Result<()> {
+    let config = load_config(path)?;
+    ddb_aggregator::telemetry::init_logging(matches!(format, LogFormat::Json));
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    runtime.block_on(ddb_aggregator::service::run(config)).map_err(|e| match e {
+        ddb_aggregator::service::ServiceError::Setup(m) => bad(m),
+        ddb_aggregator::service::ServiceError::Runtime(m) => anyhow!(m),
+    })
 }
 
 fn load_config(path: &Path) -> anyhow::Result<Config> {
