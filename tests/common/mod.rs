@@ -1,0 +1,395 @@
+//! Shared helpers of the integration tests: the local emulators (started once per test
+//! binary through scripts/local-aws, on ports of their own), clients, tables, the service
+//! process, and the truth computed independently from a scan of the source table.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType, StreamSpecification, StreamViewType,
+};
+use aws_sdk_dynamodb::Client;
+use ddb_aggregator::decimal::Decimal;
+
+pub const DDB_PORT: u16 = 8100;
+pub const SQS_PORT: u16 = 9424;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Starts (or finds running) DynamoDB Local and moto on the test ports.
+pub fn emulators() {
+    static STARTED: OnceLock<()> = OnceLock::new();
+    STARTED.get_or_init(|| {
+        let out = Command::new(root().join("scripts/local-aws"))
+            .arg("start")
+            .env("DDB_LOCAL_PORT", DDB_PORT.to_string())
+            .env("SQS_LOCAL_PORT", SQS_PORT.to_string())
+            .stdout(Stdio::null())
+            .output()
+            .expect("scripts/local-aws runs");
+        assert!(out.status.success(), "local emulators did not start:\n{}", String::from_utf8_lossy(&out.stderr));
+    });
+}
+
+pub fn endpoint() -> String {
+    format!("http://127.0.0.1:{DDB_PORT}")
+}
+
+pub fn sqs_endpoint() -> String {
+    format!("http://127.0.0.1:{SQS_PORT}")
+}
+
+/// Environment for the service process and the SDK clients.
+pub fn aws_env() -> Vec<(String, String)> {
+    vec![
+        ("AWS_REGION".into(), "us-east-1".into()),
+        ("AWS_ACCESS_KEY_ID".into(), "local".into()),
+        ("AWS_SECRET_ACCESS_KEY".into(), "local".into()),
+        ("AWS_ENDPOINT_URL_DYNAMODB".into(), endpoint()),
+        ("AWS_ENDPOINT_URL_DYNAMODB_STREAMS".into(), endpoint()),
+        ("AWS_ENDPOINT_URL_SQS".into(), sqs_endpoint()),
+    ]
+}
+
+pub async fn client() -> Client {
+    emulators();
+    let creds = aws_sdk_dynamodb::config::Credentials::new("local", "local", None, None, "tests");
+    let conf = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(aws_sdk_dynamodb::config::BehaviorVersion::latest())
+        .region(aws_sdk_dynamodb::config::Region::new("us-east-1"))
+        .endpoint_url(endpoint())
+        .credentials_provider(creds)
+        .build();
+    Client::from_conf(conf)
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}-{:06x}", std::process::id(), fastrand::u32(..0xff_ffff))
+}
+
+pub async fn create_source_table(c: &Client, name: &str) {
+    c.create_table()
+        .table_name(name)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(AttributeDefinition::builder().attribute_name("PK").attribute_type(ScalarAttributeType::S).build().unwrap())
+        .attribute_definitions(AttributeDefinition::builder().attribute_name("SK").attribute_type(ScalarAttributeType::S).build().unwrap())
+        .key_schema(KeySchemaElement::builder().attribute_name("PK").key_type(KeyType::Hash).build().unwrap())
+        .key_schema(KeySchemaElement::builder().attribute_name("SK").key_type(KeyType::Range).build().unwrap())
+        .stream_specification(
+            StreamSpecification::builder().stream_enabled(true).stream_view_type(StreamViewType::NewAndOldImages).build().unwrap(),
+        )
+        .send()
+        .await
+        .expect("create source table");
+}
+
+/// A config file for the commerce rules on `table`, with `state` as the state table.
+pub fn write_config(dir: &Path, table: &str, state: &str, lease: &str) -> PathBuf {
+    let text = std::fs::read_to_string(root().join("config/commerce.yaml")).unwrap();
+    let text = text
+        .replace("table: commerce-main", &format!("table: {table}"))
+        .replace("table: ddb-aggregator-state", &format!("table: {state}"))
+        .replace("lease_duration: 10s", &format!("lease_duration: {lease}"))
+        .replace(
+            "queue_url: http://localhost:9324/000000000000/ddb-aggregator-dlq",
+            &format!("queue_url: {}/000000000000/{table}-dlq", sqs_endpoint()),
+        );
+    let path = dir.join(format!("{table}.yaml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A running `ddb-aggregator run` process.
+pub struct Service {
+    pub child: Child,
+    pub metrics_port: u16,
+    pub log: PathBuf,
+}
+
+impl Service {
+    pub fn start(config: &Path, log_dir: &Path, name: &str, extra_env: &[(&str, &str)]) -> Service {
+        let metrics_port = free_port();
+        let log = log_dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddb-aggregator"));
+        cmd.args(["run", "--config", config.to_str().unwrap(), "--log-format", "text"])
+            .envs(aws_env())
+            .env("DDB_AGGREGATOR__METRICS__LISTEN", format!("127.0.0.1:{metrics_port}"))
+            .env("RUST_LOG", "info")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file);
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("start ddb-aggregator");
+        Service { child, metrics_port, log }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM; returns the exit code and how long the process took to exit (bounded 15 s).
+    pub fn terminate(&mut self) -> (Option<i32>, Duration) {
+        let started = Instant::now();
+        let _ = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status();
+        for _ in 0..300 {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return (status.code(), started.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.kill();
+        (None, started.elapsed())
+    }
+
+    /// The Prometheus text of /metrics (empty if unreachable).
+    pub fn metrics(&self) -> String {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)) else { return String::new() };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Sum of a metric's samples (all label sets).
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+pub type Values = BTreeMap<(String, String, String), Decimal>;
+
+pub async fn scan(c: &Client, table: &str) -> Vec<std::collections::HashMap<String, AttributeValue>> {
+    let mut out = Vec::new();
+    let mut start = None;
+    loop {
+        let page = c.scan().table_name(table).consistent_read(true).set_exclusive_start_key(start).send().await.expect("scan");
+        out.extend(page.items().iter().cloned());
+        match page.last_evaluated_key() {
+            Some(k) if !k.is_empty() => start = Some(k.clone()),
+            _ => return out,
+        }
+    }
+}
+
+fn s<'a>(item: &'a std::collections::HashMap<String, AttributeValue>, k: &str) -> Option<&'a str> {
+    item.get(k).and_then(|v| v.as_s().ok()).map(String::as_str)
+}
+
+/// The commerce aggregates computed from the order items themselves (not from the stream).
+pub fn truth(items: &[std::collections::HashMap<String, AttributeValue>]) -> Values {
+    let mut t: Values = BTreeMap::new();
+    let mut add = |pk: &str, sk: &str, a: &str, v: Decimal| {
+        let e = t.entry((pk.to_string(), sk.to_string(), a.to_string())).or_insert(Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    };
+    for item in items {
+        let (Some(pk), Some(sk)) = (s(item, "PK"), s(item, "SK")) else { continue };
+        let p: Vec<&str> = pk.split('#').collect();
+        let k: Vec<&str> = sk.split('#').collect();
+        if p.len() != 2 || p[0] != "CUST" || p[1].is_empty() || k.len() != 3 || k[0] != "ORDER" || k[1].is_empty() || k[2].is_empty() {
+            continue;
+        }
+        let total = item.get("total").and_then(|v| v.as_n().ok()).map(|n| Decimal::parse(n).unwrap());
+        let status = s(item, "status");
+        add(pk, "PROFILE", "orderCount", Decimal::ONE);
+        if let Some(t) = total {
+            add(pk, "PROFILE", "revenue", t);
+        }
+        if let Some(st) = status {
+            add(pk, "PROFILE", &format!("orders_{st}"), Decimal::ONE);
+            if st == "PENDING" || st == "PAID" {
+                add(pk, "PROFILE", "openOrders", Decimal::ONE);
+                if let Some(t) = total {
+                    add(pk, "PROFILE", "openRevenue", t);
+                }
+            }
+        }
+        // Dates in this workload are plain days.
+        let day = format!("SALES#{}", k[1]);
+        add(&day, "TOTAL", "orders", Decimal::ONE);
+        if let Some(t) = total {
+            add(&day, "TOTAL", "revenue", t);
+        }
+    }
+    t.retain(|_, v| !v.is_zero());
+    t
+}
+
+/// The numeric attributes of the aggregate items (PROFILE and TOTAL), ledger excluded.
+pub fn aggregates(items: &[std::collections::HashMap<String, AttributeValue>]) -> Values {
+    let mut out = BTreeMap::new();
+    for item in items {
+        let (Some(pk), Some(sk)) = (s(item, "PK"), s(item, "SK")) else { continue };
+        if sk != "PROFILE" && sk != "TOTAL" {
+            continue;
+        }
+        for (a, v) in item {
+            if let Ok(n) = v.as_n() {
+                let d = Decimal::parse(n).unwrap();
+                if !d.is_zero() {
+                    out.insert((pk.to_string(), sk.to_string(), a.clone()), d);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Waits (bounded) until the aggregates equal the truth; returns the time it took.
+pub async fn wait_exact(c: &Client, table: &str, timeout: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let items = scan(c, table).await;
+        let (want, got) = (truth(&items), aggregates(&items));
+        if want == got {
+            return started.elapsed();
+        }
+        if started.elapsed() > timeout {
+            let diffs: Vec<String> = want
+                .keys()
+                .chain(got.keys())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .filter(|k| want.get(*k) != got.get(*k))
+                .take(10)
+                .map(|k| format!("{k:?}: stored {:?}, truth {:?}", got.get(k).map(|d| d.to_string()), want.get(k).map(|d| d.to_string())))
+                .collect();
+            panic!("aggregates differ from the truth after {timeout:?} ({} values):\n{}", want.len(), diffs.join("\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// A random workload over `customers` customers: inserts, status and total changes, other
+/// attribute changes, deletes. `workers` tasks write concurrently, each on its own customers.
+pub async fn workload(c: &Client, table: &str, writes: usize, customers: usize, workers: usize, seed: u64) -> usize {
+    let mut handles = Vec::new();
+    for w in 0..workers {
+        let c = c.clone();
+        let table = table.to_string();
+        let share = writes / workers + usize::from(w < writes % workers);
+        handles.push(tokio::spawn(async move {
+            let mut rng = fastrand::Rng::with_seed(seed * 1000 + w as u64);
+            let mine: Vec<usize> = (0..customers).filter(|i| i % workers == w).collect();
+            let mut orders: Vec<(String, String)> = Vec::new();
+            let mut n = 0usize;
+            let statuses = ["PENDING", "PAID", "SHIPPED", "CANCELLED"];
+            let mut done = 0;
+            while done < share {
+                let roll = rng.u32(0..100);
+                let total = format!("{}.{:02}", rng.u32(0..500), rng.u32(0..100));
+                let r = if roll < 40 || orders.is_empty() {
+                    n += 1;
+                    let pk = format!("CUST#c{}", mine[rng.usize(0..mine.len())]);
+                    let sk = format!("ORDER#2026-11-{:02}#w{w}o{n}", rng.u32(1..29));
+                    orders.push((pk.clone(), sk.clone()));
+                    c.put_item()
+                        .table_name(&table)
+                        .item("PK", AttributeValue::S(pk))
+                        .item("SK", AttributeValue::S(sk))
+                        .item("status", AttributeValue::S(statuses[rng.usize(0..2)].into()))
+                        .item("total", AttributeValue::N(total))
+                        .send()
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| format!("{e:?}"))
+                } else {
+                    let i = rng.usize(0..orders.len());
+                    let (pk, sk) = orders[i].clone();
+                    let upd = c
+                        .update_item()
+                        .table_name(&table)
+                        .key("PK", AttributeValue::S(pk.clone()))
+                        .key("SK", AttributeValue::S(sk.clone()));
+                    if roll < 65 {
+                        upd.update_expression("SET #s = :s")
+                            .expression_attribute_names("#s", "status")
+                            .expression_attribute_values(":s", AttributeValue::S(statuses[rng.usize(0..4)].into()))
+                            .send()
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| format!("{e:?}"))
+                    } else if roll < 85 {
+                        upd.update_expression("SET #t = :t")
+                            .expression_attribute_names("#t", "total")
+                            .expression_attribute_values(":t", AttributeValue::N(total))
+                            .send()
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| format!("{e:?}"))
+                    } else if roll < 90 {
+                        upd.update_expression("SET note = :n")
+                            .expression_attribute_values(":n", AttributeValue::S(format!("note {done}")))
+                            .send()
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| format!("{e:?}"))
+                    } else {
+                        orders.swap_remove(i);
+                        c.delete_item()
+                            .table_name(&table)
+                            .key("PK", AttributeValue::S(pk))
+                            .key("SK", AttributeValue::S(sk))
+                            .send()
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| format!("{e:?}"))
+                    }
+                };
+                r.expect("workload write");
+                done += 1;
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for h in handles {
+        total += h.await.unwrap();
+    }
+    total
+}
+
+/// The lease items of a state table: (shard, owner, checkpoint).
+pub async fn leases(c: &Client, state: &str) -> Vec<(String, Option<String>, Option<String>)> {
+    let Ok(_) = c.describe_table().table_name(state).send().await else { return Vec::new() };
+    scan(c, state)
+        .await
+        .iter()
+        .map(|i| (s(i, "shard_id").unwrap_or("").to_string(), s(i, "owner").map(str::to_string), s(i, "checkpoint").map(str::to_string)))
+        .collect()
+}

@@ -1,0 +1,183 @@
+//! The service end to end on DynamoDB Local: the real binary, real streams, real conditional
+//! writes. Every test compares the aggregate items with the truth computed from a scan of the
+//! source table, to the last digit.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The tests share two CPU cores and one emulator: run them one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const LEASE: &str = "2s";
+const LEASE_SECS: u64 = 2;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workload_while_running_is_exact_and_replay_changes_nothing() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("orders");
+    create_source_table(&c, &table).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    let started = Instant::now();
+    let writes = workload(&c, &table, 5000, 60, 8, 1).await;
+    let write_time = started.elapsed();
+    let settle = wait_exact(&c, &table, Duration::from_secs(120)).await;
+    let m = svc.metrics();
+    let records = metric(&m, "ddb_aggregator_records_read_total");
+    let wcu = metric(&m, "ddb_aggregator_write_capacity_units_total");
+    let calls = metric(&m, "ddb_aggregator_aggregate_writes_total");
+    let folded = metric(&m, "ddb_aggregator_coalesced_record_updates_total");
+    println!(
+        "workload: {writes} writes in {:.1}s ({:.0} writes/s); aggregates exact {:.1}s after the last write; {records} records read; \
+         {calls} UpdateItem calls for {folded} record-target updates (saved {}); {wcu} WCU = {:.3} WCU per stream record",
+        write_time.as_secs_f64(),
+        writes as f64 / write_time.as_secs_f64(),
+        settle.as_secs_f64(),
+        folded - calls,
+        wcu / records.max(1.0)
+    );
+    assert!(writes >= 5000);
+    assert!(records >= 5000.0, "every write produced a record that was read: {records}");
+    assert!(calls < folded, "coalescing saved calls");
+    let (code, took) = svc.terminate();
+    assert_eq!(code, Some(0), "SIGTERM exits 0:\n{}", svc.log_tail());
+    assert!(took < Duration::from_secs(10), "drained in {took:?}");
+    let state = format!("{table}-state");
+    let leases_after = leases(&c, &state).await;
+    assert!(leases_after.iter().all(|(_, owner, _)| owner.is_none()), "released on SIGTERM: {leases_after:?}");
+
+    // Replay the whole stream from TRIM_HORIZON with a fresh state table: nothing changes.
+    let before = aggregates(&scan(&c, &table).await);
+    let last = leases_after.iter().filter_map(|(_, _, cp)| cp.clone()).max_by(|a, b| a.len().cmp(&b.len()).then(a.cmp(b))).unwrap();
+    let replay_state = format!("{table}-replay");
+    let replay_config = write_config(dir.path(), &table, &replay_state, LEASE);
+    let svc2 = Service::start(&replay_config, dir.path(), "replay", &[]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let l = leases(&c, &replay_state).await;
+        if l.iter()
+            .any(|(_, _, cp)| cp.as_deref().is_some_and(|cp| cp.len() > last.len() || (cp.len() == last.len() && cp >= last.as_str())))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "replay did not reach {last}: {l:?}\n{}", svc2.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let m2 = svc2.metrics();
+    assert!(metric(&m2, "ddb_aggregator_records_read_total") >= records, "the replay read the whole stream");
+    assert_eq!(aggregates(&scan(&c, &table).await), before, "replaying the stream changed an aggregate");
+    wait_exact(&c, &table, Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_random_moments_loses_and_doubles_nothing() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("kills");
+    create_source_table(&c, &table).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    let writer = {
+        let c = c.clone();
+        let table = table.clone();
+        tokio::spawn(async move { workload(&c, &table, 5000, 50, 6, 2).await })
+    };
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut kills = 0;
+    // Kill at random moments while the writes go on (and once more after), restart at once.
+    while kills < 6 {
+        tokio::time::sleep(Duration::from_millis(rng.u64(400..2500))).await;
+        svc.kill();
+        kills += 1;
+        svc = Service::start(&config, dir.path(), "svc", &[]);
+        if writer.is_finished() && kills >= 5 {
+            break;
+        }
+    }
+    let writes = writer.await.unwrap();
+    assert!(writes >= 5000);
+    // The last kill left a lease that expires after one lease duration.
+    wait_exact(&c, &table, Duration::from_secs(120)).await;
+    println!("{kills} SIGKILLs during {writes} writes: aggregates exact");
+    assert!(kills >= 5);
+    drop(svc);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_take_over_killed_and_stopped_owners() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("replicas");
+    let state = format!("{table}-state");
+    create_source_table(&c, &table).await;
+    let config = write_config(dir.path(), &table, &state, LEASE);
+    let mut replicas: Vec<Service> = (0..3).map(|i| Service::start(&config, dir.path(), &format!("r{i}"), &[])).collect();
+    let writer = {
+        let c = c.clone();
+        let table = table.clone();
+        tokio::spawn(async move { workload(&c, &table, 3000, 50, 6, 3).await })
+    };
+    // The owner of a shard, as a replica index (replica ids hold the process id).
+    async fn owner_of(c: &aws_sdk_dynamodb::Client, state: &str, replicas: &[Service]) -> Vec<(String, Option<usize>)> {
+        leases(c, state)
+            .await
+            .into_iter()
+            .filter(|(_, _, cp)| cp.as_deref() != Some("SHARD_END"))
+            .map(|(shard, owner, _)| (shard, owner.and_then(|o| replicas.iter().position(|r| o.contains(&format!("-{}-", r.pid()))))))
+            .collect()
+    }
+    // Wait until every open shard has an owner.
+    let started = Instant::now();
+    loop {
+        let l = leases(&c, &state).await;
+        let open: Vec<_> = l.iter().filter(|(_, _, cp)| cp.as_deref() != Some("SHARD_END")).collect();
+        if !open.is_empty() && open.iter().all(|(_, o, _)| o.is_some()) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "shards not owned: {l:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let owners = owner_of(&c, &state, &replicas).await;
+    let victim = owners.iter().find_map(|(_, o)| *o).expect("a replica owns the shard");
+    // SIGKILL the owner: another replica must take its shards within 3 x lease_duration.
+    let killed_at = Instant::now();
+    replicas[victim].kill();
+    let takeover = loop {
+        let now = owner_of(&c, &state, &replicas).await;
+        if now.iter().all(|(_, o)| o.is_some_and(|o| o != victim)) {
+            break killed_at.elapsed();
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(LEASE_SECS * 3),
+            "killed owner's shards not taken over within 3 x lease: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!("SIGKILL takeover in {:.2}s (lease {LEASE})", takeover.as_secs_f64());
+    // SIGTERM the new owner: it releases its leases, the last replica takes them.
+    let owners = owner_of(&c, &state, &replicas).await;
+    let stopping = owners.iter().find_map(|(_, o)| *o).unwrap();
+    let stopped_at = Instant::now();
+    let (code, _) = replicas[stopping].terminate();
+    assert_eq!(code, Some(0), "{}", replicas[stopping].log_tail());
+    let handover = loop {
+        let now = owner_of(&c, &state, &replicas).await;
+        if now.iter().all(|(_, o)| o.is_some_and(|o| o != victim && o != stopping)) {
+            break stopped_at.elapsed();
+        }
+        assert!(stopped_at.elapsed() < Duration::from_secs(LEASE_SECS * 3), "stopped owner's shards not taken over: {now:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!("SIGTERM handover in {:.2}s", handover.as_secs_f64());
+    let writes = writer.await.unwrap();
+    wait_exact(&c, &table, Duration::from_secs(120)).await;
+    println!("{writes} writes with 3 replicas, one killed, one stopped: aggregates exact");
+}
