@@ -9,6 +9,7 @@ use tracing::{error, info};
 
 use crate::aws::{classify, FailureKind};
 use crate::config::Config;
+use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
 use crate::sink::dynamodb::DynamoDbAggregates;
 use crate::state::dynamodb::DynamoDbLeases;
 use crate::state::LeaseStore;
@@ -88,7 +89,15 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     let sink = Arc::new(DynamoDbAggregates::new(ddb.clone(), config.aggregates_table.clone()));
     let owner = replica_id();
     info!(owner = %owner, stream = %stream_arn, metrics = %local, rules = config.engine.rules.len(), "starting");
-    let shared = Shared::new(config, DynamoDbStream::new(streams, stream_arn), leases, sink, owner, health);
+    let dead_letters = match &config.dead_letter {
+        Some(d) => DeadLetters::Sqs(SqsDeadLetters::new(aws_sdk_sqs::Client::new(&sdk), d.queue_url.clone(), d.include_images)),
+        None => {
+            tracing::warn!("no dead_letter queue configured: poison records are logged and counted, not queued");
+            DeadLetters::Disabled
+        }
+    };
+    let shared = Shared::new(config, DynamoDbStream::new(streams, stream_arn.clone()), leases, sink, owner, health)
+        .with_dead_letters(dead_letters, stream_arn);
     let worker = Worker::new(shared);
 
     let signals = cancel.clone();

@@ -33,6 +33,7 @@ pub struct SourceConfig {
     pub start_position: StartPosition,
     pub batch_size: u32,
     pub batching_window: Duration,
+    pub max_record_age: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -46,6 +47,7 @@ pub struct StateConfig {
 pub struct DeadLetterConfig {
     pub queue_url: String,
     pub max_attempts: u32,
+    pub include_images: bool,
 }
 
 /// A validated configuration.
@@ -197,6 +199,16 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if batching_window > Duration::from_secs(300) {
         return Err(err("source.batching_window", "at most 300s (as Lambda)"));
     }
+    let max_record_age = match raw.source.max_record_age.as_deref() {
+        None => None,
+        Some(text) => {
+            let d = duration("source.max_record_age", Some(text), "0s")?;
+            if d < Duration::from_secs(1) {
+                return Err(err("source.max_record_age", "at least 1s (leave it out to apply records of any age)"));
+            }
+            Some(d)
+        }
+    };
     let lease_duration = duration("state.lease_duration", raw.state.lease_duration.as_deref(), "10s")?;
     if lease_duration < Duration::from_millis(300) || lease_duration > Duration::from_secs(600) {
         return Err(err("state.lease_duration", "between 300ms and 600s (leases are renewed every third of it)"));
@@ -222,7 +234,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             if !(1..=100).contains(&max_attempts) {
                 return Err(err("dead_letter.max_attempts", format!("{max_attempts}: use 1 to 100")));
             }
-            Some(DeadLetterConfig { queue_url: d.queue_url, max_attempts })
+            Some(DeadLetterConfig { queue_url: d.queue_url, max_attempts, include_images: d.include_images.unwrap_or(true) })
         }
         None => None,
     };
@@ -249,7 +261,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         loops::check(&engine)?;
     }
     Ok(Config {
-        source: SourceConfig { table: source_table, start_position, batch_size, batching_window },
+        source: SourceConfig { table: source_table, start_position, batch_size, batching_window, max_record_age },
         state,
         aggregates_table,
         dead_letter,

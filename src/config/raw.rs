@@ -54,6 +54,10 @@ pub struct RawSource {
     /// Wait up to this for more records before writing (default 0s).
     #[serde(default, deserialize_with = "text")]
     pub batching_window: Option<String>,
+    /// Records older than this (by ApproximateCreationDateTime) are dead-lettered with reason
+    /// `too_old` instead of applied, like Lambda's MaximumRecordAgeInSeconds. Default: none.
+    #[serde(default, deserialize_with = "text")]
+    pub max_record_age: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -82,6 +86,10 @@ pub struct RawDeadLetter {
     /// Attempts before a poison record goes to the queue (default 5).
     #[serde(default)]
     pub max_attempts: Option<u32>,
+    /// Put NewImage/OldImage in dead letters (default true); false for tables with personal
+    /// data keeps only keys and metadata.
+    #[serde(default)]
+    pub include_images: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -2,6 +2,7 @@
 //! touching 10 customers becomes at most 10 writes.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::TargetKey;
 use crate::decimal::{Decimal, DecimalError};
@@ -11,6 +12,8 @@ use crate::decimal::{Decimal, DecimalError};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Contribution {
     pub sequence: Option<String>,
+    /// The rule that produced it.
+    pub rule: Option<Arc<str>>,
     /// ApproximateCreationDateTime, epoch seconds.
     pub created: Option<Decimal>,
     pub values: Vec<(String, Decimal)>,
@@ -53,6 +56,7 @@ impl Coalescer {
         &mut self,
         sequence: Option<&str>,
         created: Option<Decimal>,
+        rule: Option<&Arc<str>>,
         deltas: &[(TargetKey, Vec<(String, Decimal)>)],
     ) -> Result<(), DecimalError> {
         let mut applied: Vec<(&TargetKey, &str, Decimal)> = Vec::new();
@@ -93,7 +97,12 @@ impl Coalescer {
         for (target, values) in deltas {
             if let Some(entry) = self.targets.get_mut(target) {
                 entry.records += 1;
-                entry.contributions.push(Contribution { sequence: sequence.map(str::to_string), created, values: values.clone() });
+                entry.contributions.push(Contribution {
+                    sequence: sequence.map(str::to_string),
+                    rule: rule.cloned(),
+                    created,
+                    values: values.clone(),
+                });
                 if let Some(seq) = sequence {
                     if entry.first_sequence.as_deref().is_none_or(|f| sequence_cmp(seq, f).is_lt()) {
                         entry.first_sequence = Some(seq.to_string());
@@ -149,11 +158,12 @@ mod tests {
             c.add(
                 Some(&format!("{:021}", i + 1)),
                 None,
+                None,
                 &[(key(&cust), vec![("orderCount".into(), Decimal::ONE), ("revenue".into(), d("0.1"))])],
             )
             .unwrap();
         }
-        c.add(Some("5000"), None, &[(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
+        c.add(Some("5000"), None, None, &[(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
         let targets = c.into_targets();
         assert_eq!(targets.len(), 10, "1,000 records on 10 customers: 10 writes");
         let (k, first) = &targets[0];
@@ -169,8 +179,8 @@ mod tests {
     fn a_failing_record_changes_nothing() {
         let mut c = Coalescer::new();
         let max = d(&"9".repeat(38));
-        c.add(None, None, &[(key("a"), vec![("x".into(), max)])]).unwrap();
-        let err = c.add(None, None, &[(key("b"), vec![("y".into(), Decimal::ONE)]), (key("a"), vec![("x".into(), d("0.5"))])]);
+        c.add(None, None, None, &[(key("a"), vec![("x".into(), max)])]).unwrap();
+        let err = c.add(None, None, None, &[(key("b"), vec![("y".into(), Decimal::ONE)]), (key("a"), vec![("x".into(), d("0.5"))])]);
         assert!(err.is_err());
         let targets = c.into_targets();
         assert_eq!(targets.len(), 1, "b's partial sum was rolled back (zero, dropped)");

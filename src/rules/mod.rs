@@ -340,7 +340,7 @@ impl Engine {
             }
             report.matched.push(i);
             let result = rule.deltas(&decoded).and_then(|deltas| {
-                batch.add(decoded.sequence_number, decoded.approximate_creation, &deltas).map_err(|e| Poison {
+                batch.add(decoded.sequence_number, decoded.approximate_creation, Some(&rule.name), &deltas).map_err(|e| Poison {
                     code: PoisonCode::OutOfRange,
                     rule: Some(rule.name.clone()),
                     message: format!("the batch's running sum would leave DynamoDB's number range: {e}"),

@@ -123,6 +123,7 @@ mod tests {
     fn c(seq: &str, values: &[(&str, &str)]) -> Contribution {
         Contribution {
             sequence: Some(seq.into()),
+            rule: None,
             created: Some(Decimal::from_i64(1_764_460_800)),
             values: values.iter().map(|(n, v)| (n.to_string(), Decimal::parse(v).unwrap())).collect(),
         }

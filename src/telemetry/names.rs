@@ -17,6 +17,7 @@ pub const LEASES_HELD: &str = "ddb_aggregator_leases_held";
 pub const GET_RECORDS: &str = "ddb_aggregator_get_records_total";
 pub const TRIMMED_DATA: &str = "ddb_aggregator_trimmed_data_total";
 pub const DEAD_LETTERS: &str = "ddb_aggregator_dead_letters_total";
+pub const DEAD_LETTER_FAILURES: &str = "ddb_aggregator_dead_letter_send_failures_total";
 pub const BUILD_INFO: &str = "ddb_aggregator_build_info";
 
 /// Registers help texts and units.
@@ -41,5 +42,6 @@ pub fn describe() {
     describe_counter!(GET_RECORDS, "GetRecords calls by outcome (ok, empty, expired, throttled, trimmed, error).");
     describe_counter!(TRIMMED_DATA, "Times a shard position was older than the stream's retention: data was lost and needs a reconcile.");
     describe_counter!(DEAD_LETTERS, "Records sent to the dead-letter queue, by reason.");
+    describe_counter!(DEAD_LETTER_FAILURES, "Failed attempts to send a dead letter (the shard waits and retries; alert on it).");
     describe_gauge!(BUILD_INFO, "Build information; the value is always 1.");
 }

@@ -17,6 +17,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::rules::Engine;
+use crate::sink::dead_letter::DeadLetters;
 use crate::sink::AggregateStore;
 use crate::state::{now_ms, Lease, LeaseStore};
 use crate::stream::{lineage, ShardInfo, StreamSource};
@@ -39,6 +40,8 @@ pub struct Shared<S, L, A> {
     pub trimmed_events: AtomicU64,
     /// Iterator age per shard this replica reads, seconds.
     pub ages: std::sync::Mutex<HashMap<String, f64>>,
+    pub dead_letters: DeadLetters,
+    pub stream_arn: String,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -55,7 +58,15 @@ impl<S, L, A> Shared<S, L, A> {
             capacity_milli: AtomicU64::new(0),
             trimmed_events: AtomicU64::new(0),
             ages: Default::default(),
+            dead_letters: DeadLetters::Disabled,
+            stream_arn: String::new(),
         }
+    }
+
+    pub fn with_dead_letters(mut self, dead_letters: DeadLetters, stream_arn: String) -> Self {
+        self.dead_letters = dead_letters;
+        self.stream_arn = stream_arn;
+        self
     }
 
     pub fn set_age(&self, shard: &str, seconds: f64) {

@@ -12,8 +12,8 @@ use tracing::{error, info, warn};
 
 use super::Shared;
 use crate::config::StartPosition;
-use crate::rules::record::StreamRecord;
 use crate::rules::Coalescer;
+use crate::sink::dead_letter::{DeadLetter, Reason};
 use crate::sink::{write_target, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
@@ -77,6 +77,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     let mut idle = IDLE_MIN;
     let mut failures: u32 = 0;
     let mut last_tip_report = 0u64;
+    let mut dead_lettered = std::collections::HashSet::new();
     info!(shard = %shard, position = ?position, "reading shard");
     loop {
         if stop.is_cancelled() {
@@ -149,7 +150,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         };
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
         if !page.records.is_empty() {
-            match apply_batch(&shared, &lease, &ctx, &page.records).await {
+            match apply_batch(&shared, &lease, &ctx, &page.records, &mut dead_lettered).await {
                 Ok(Some(p)) => {
                     if let Some(Checkpoint::Sequence(seq)) = &p {
                         position = Position::After(seq.clone());
@@ -213,48 +214,143 @@ async fn finish<S: StreamSource, L: LeaseStore, A: AggregateStore>(shared: &Shar
     ShardExit::LeaseLost
 }
 
-/// Evaluates and writes one batch, then moves the checkpoint. Ok(None): the lease was lost
-/// (nothing checkpointed). Ok(Some(checkpoint)) on success.
+/// A record that will not be applied, on its way to the dead-letter queue.
+struct Letter<'r> {
+    record: &'r Value,
+    sequence: String,
+    code: String,
+    message: String,
+    rules: Vec<String>,
+    variables: std::collections::BTreeMap<String, String>,
+    attempts: u32,
+}
+
+impl Letter<'_> {
+    fn add_rule(&mut self, rule: &str) {
+        if !self.rules.iter().any(|r| r == rule) {
+            self.rules.push(rule.to_string());
+        }
+    }
+}
+
+/// Adds a poison record, or the rule to a record already there (one message per record).
+fn push_letter<'r>(letters: &mut Vec<Letter<'r>>, new: Letter<'r>) {
+    match letters.iter_mut().find(|l| l.sequence == new.sequence) {
+        Some(l) => new.rules.iter().for_each(|r| l.add_rule(r)),
+        None => letters.push(new),
+    }
+}
+
+/// Re-writes a target record by record after a permanent write error, so one bad record
+/// does not hold back the others; returns the records the table still refuses after
+/// `max_attempts`, as (sequence number, rule, error).
+async fn isolate<A: AggregateStore>(
+    store: &A,
+    key_names: &[String],
+    key: &crate::rules::TargetKey,
+    delta: &crate::rules::TargetDelta,
+    ctx: &ShardContext,
+    max_attempts: u32,
+) -> Result<Vec<(String, Option<String>, String)>, SinkError> {
+    let mut refused = Vec::new();
+    for c in &delta.contributions {
+        let single = crate::rules::TargetDelta { contributions: vec![c.clone()], ..Default::default() };
+        let mut attempts = 0;
+        loop {
+            match write_target(store, key_names, key, &single, ctx).await {
+                Ok(_) => break,
+                Err(SinkError::Invalid(why)) => {
+                    attempts += 1;
+                    if attempts >= max_attempts {
+                        refused.push((c.sequence.clone().unwrap_or_default(), c.rule.as_deref().map(str::to_string), why));
+                        break;
+                    }
+                    tokio::time::sleep(crate::sink::backoff(attempts)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// Evaluates and writes one batch, sends its poison records to the dead-letter queue, then
+/// moves the checkpoint. Ok(None): the lease was lost (nothing checkpointed).
+/// Ok(Some(checkpoint)) on success. `dead_lettered` remembers what this reader already
+/// queued, so a batch retried after a failure does not queue it twice.
 async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     shared: &Shared<S, L, A>,
     lease: &ShardLease,
     ctx: &ShardContext,
     records: &[Value],
+    dead_lettered: &mut std::collections::HashSet<String>,
 ) -> Result<Option<Option<Checkpoint>>, SinkError> {
     let started = Instant::now();
     let shard = &lease.shard_id;
+    let now = now_ms();
+    let max_age_ms = shared.config.source.max_record_age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let mut batch = Coalescer::new();
+    let mut letters: Vec<Letter<'_>> = Vec::new();
     let mut last_seq: Option<String> = None;
     let mut newest_ms: Option<u64> = None;
     let mut created: Vec<u64> = Vec::with_capacity(records.len());
     for record in records {
+        let seq = record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str).unwrap_or("").to_string();
+        if !seq.is_empty() {
+            last_seq = Some(seq.clone());
+        }
+        let created_ms = record
+            .pointer("/dynamodb/ApproximateCreationDateTime")
+            .and_then(Value::as_number)
+            .and_then(|n| crate::decimal::Decimal::parse(n.as_str()).ok())
+            .and_then(|t| t.checked_mul(crate::decimal::Decimal::from_i64(1000)).ok())
+            .and_then(|t| t.trunc_i64())
+            .and_then(|t| u64::try_from(t).ok());
+        if let Some(ms) = created_ms {
+            created.push(ms);
+            newest_ms = Some(newest_ms.map_or(ms, |n| n.max(ms)));
+        }
+        if let (Some(max), Some(ms)) = (max_age_ms, created_ms) {
+            if now.saturating_sub(ms) > max {
+                let rules: Vec<String> =
+                    shared.engine.rules.iter().filter(|r| r.filter_matches(record)).map(|r| r.name.to_string()).collect();
+                if !rules.is_empty() {
+                    let message = format!("record is {} s old; source.max_record_age is {} s", now.saturating_sub(ms) / 1000, max / 1000);
+                    push_letter(
+                        &mut letters,
+                        Letter {
+                            record,
+                            sequence: seq.clone(),
+                            code: "too_old".into(),
+                            message,
+                            rules,
+                            variables: Default::default(),
+                            attempts: 1,
+                        },
+                    );
+                }
+                continue;
+            }
+        }
         let report = shared.engine.apply(record, &mut batch);
         for i in &report.matched {
             if let Some(rule) = shared.engine.rules.get(*i) {
                 metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
             }
         }
-        if let Ok(r) = StreamRecord::decode(record) {
-            if let Some(seq) = r.sequence_number {
-                last_seq = Some(seq.to_string());
-            }
-            if let Some(ms) = r
-                .approximate_creation
-                .and_then(|t| t.checked_mul(crate::decimal::Decimal::from_i64(1000)).ok())
-                .and_then(|t| t.trunc_i64())
-                .and_then(|t| u64::try_from(t).ok())
-            {
-                created.push(ms);
-                newest_ms = Some(newest_ms.map_or(ms, |n| n.max(ms)));
-            }
-        } else if let Some(seq) = record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str) {
-            last_seq = Some(seq.to_string());
-        }
         for p in &report.poisons {
-            // No item data in logs: rule, shard, sequence number and reason only.
-            let seq = record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str).unwrap_or("");
-            error!(shard = %shard, sequence_number = %seq, rule = p.rule.as_deref().unwrap_or(""), reason = p.code.as_str(), "poison record skipped: {}", p.message);
-            metrics::counter!(names::RECORDS_SKIPPED, "reason" => p.code.as_str()).increment(1);
+            push_letter(
+                &mut letters,
+                Letter {
+                    record,
+                    sequence: seq.clone(),
+                    code: p.code.as_str().into(),
+                    message: p.message.clone(),
+                    rules: p.rule.iter().map(|r| r.to_string()).collect(),
+                    variables: p.variables.clone(),
+                    attempts: 1,
+                },
+            );
         }
     }
     metrics::counter!(names::RECORDS_READ).increment(records.len() as u64);
@@ -266,18 +362,43 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     let store = shared.sink.as_ref();
     let mut writes = Vec::with_capacity(targets.len());
     for (key, delta) in &targets {
-        writes.push(write_target(store, key_names, key, delta, ctx));
+        writes.push(async move { (key, delta, write_target(store, key_names, key, delta, ctx).await) });
     }
-    let results: Vec<Result<crate::sink::WriteStats, SinkError>> = stream::iter(writes).buffer_unordered(WRITE_CONCURRENCY).collect().await;
+    let results: Vec<_> = stream::iter(writes).buffer_unordered(WRITE_CONCURRENCY).collect().await;
     let mut first_error = None;
-    for r in results {
+    let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
+    for (key, delta, r) in results {
         match r {
-            Ok(stats) => {
-                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(stats.calls.min(1));
-                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "stale").increment(stats.calls.saturating_sub(1));
-                metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
-                metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
-                shared.capacity_milli.fetch_add((stats.capacity * 1000.0).round() as u64, Ordering::Relaxed);
+            Ok(stats) => record_write(shared, &stats),
+            Err(SinkError::Invalid(why)) => {
+                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "rejected").increment(1);
+                warn!(shard = %shard, error = %why, "aggregate write refused; retrying record by record");
+                match isolate(store, key_names, key, delta, ctx, max_attempts).await {
+                    Ok(refused) => {
+                        for (seq, rule, why) in refused {
+                            if let Some(record) =
+                                records.iter().find(|r| r.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str) == Some(seq.as_str()))
+                            {
+                                let rules = rule.into_iter().collect();
+                                push_letter(
+                                    &mut letters,
+                                    Letter {
+                                        record,
+                                        sequence: seq,
+                                        code: "write_rejected".into(),
+                                        message: why,
+                                        rules,
+                                        variables: Default::default(),
+                                        attempts: max_attempts,
+                                    },
+                                );
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
             }
             Err(e) => {
                 metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "error").increment(1);
@@ -288,7 +409,44 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     if let Some(e) = first_error {
         return Err(e);
     }
-    // The checkpoint moves only after every target write of the batch succeeded.
+    // Poison records go to the queue before the checkpoint passes them: if SQS is down the
+    // shard waits here (the batch is retried from its checkpoint) and nothing is lost.
+    let first_failed_at = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(i64::try_from(now).unwrap_or(0))
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+        .unwrap_or_default();
+    for l in &letters {
+        let rule = l.rules.first().cloned().unwrap_or_default();
+        if dead_lettered.contains(&l.sequence) {
+            continue;
+        }
+        error!(shard = %shard, sequence_number = %l.sequence, rule = %rule, reason = %l.code, queued = shared.dead_letters.enabled(), "poison record: {}", l.message);
+        let dl = DeadLetter {
+            version: 1,
+            reason: Reason { code: l.code.clone(), message: l.message.clone() },
+            rule: rule.clone(),
+            rules: l.rules.clone(),
+            attempts: l.attempts,
+            first_failed_at: first_failed_at.clone(),
+            stream_arn: shared.stream_arn.clone(),
+            shard_id: shard.clone(),
+            sequence_number: l.sequence.clone(),
+            variables: l.variables.clone(),
+            record: l.record.clone(),
+            images_cut: false,
+        };
+        if let Err(e) = shared.dead_letters.send(&dl).await {
+            metrics::counter!(names::DEAD_LETTER_FAILURES).increment(1);
+            error!(shard = %shard, sequence_number = %l.sequence, error = %e, "cannot send a dead letter; the shard waits and retries");
+            return Err(SinkError::Transient(format!("dead-letter queue: {e}")));
+        }
+        dead_lettered.insert(l.sequence.clone());
+        if shared.dead_letters.enabled() {
+            metrics::counter!(names::DEAD_LETTERS, "reason" => l.code.clone()).increment(1);
+        }
+        metrics::counter!(names::RECORDS_SKIPPED, "reason" => l.code.clone()).increment(1);
+    }
+    // The checkpoint moves only after every target write of the batch succeeded (or its
+    // record was dead-lettered).
     let checkpoint = last_seq.map(Checkpoint::Sequence);
     if !lease.valid() {
         return Ok(None);
@@ -307,6 +465,7 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
             Err(e) => return Err(SinkError::Transient(format!("checkpoint: {e}"))),
         }
     }
+    dead_lettered.clear();
     let now = now_ms();
     for ms in &created {
         metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
@@ -315,4 +474,12 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     shared.set_age(shard, age);
     metrics::histogram!(names::BATCH_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
     Ok(Some(checkpoint))
+}
+
+fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(stats.calls.min(1));
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "stale").increment(stats.calls.saturating_sub(1));
+    metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
+    metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
+    shared.capacity_milli.fetch_add((stats.capacity * 1000.0).round() as u64, Ordering::Relaxed);
 }

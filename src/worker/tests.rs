@@ -11,7 +11,8 @@ use tokio_util::sync::CancellationToken;
 use super::*;
 use crate::decimal::Decimal;
 use crate::rules::Coalescer;
-use crate::sink::memory::MemoryAggregates;
+use crate::sink::dead_letter::MemoryDeadLetters;
+use crate::sink::memory::{MemValue, MemoryAggregates};
 use crate::state::memory::MemoryLeases;
 use crate::stream::sim::SimStream;
 
@@ -63,7 +64,11 @@ struct Replica {
 
 /// Starts a replica over shared fakes (the fakes are shared through Arc wrappers).
 fn start(fakes: &Fakes, name: &str) -> Replica {
-    let shared = Shared::new(
+    start_with(fakes, name, None)
+}
+
+fn start_with(fakes: &Fakes, name: &str, dlq: Option<Arc<MemoryDeadLetters>>) -> Replica {
+    let mut shared = Shared::new(
         config(),
         ArcSource(fakes.0.clone()),
         ArcLeases(fakes.1.clone()),
@@ -71,6 +76,9 @@ fn start(fakes: &Fakes, name: &str) -> Replica {
         name.to_string(),
         Arc::new(Health::default()),
     );
+    if let Some(d) = dlq {
+        shared = shared.with_dead_letters(DeadLetters::Memory(d), "arn:sim".into());
+    }
     let worker = Worker::new(shared);
     let cancel = CancellationToken::new();
     let c = cancel.clone();
@@ -296,4 +304,112 @@ async fn two_replicas_share_shards_and_stay_exact() {
     settle(&fakes, &expected(&records), 0).await;
     b.cancel.cancel();
     b.handle.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn poison_records_go_to_the_dead_letter_queue_and_the_shard_moves_on() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let dlq = Arc::new(MemoryDeadLetters::default());
+    let shard = fakes.0.add_shard(None);
+    let mut good = Vec::new();
+    let mut poison_seqs = Vec::new();
+    for i in 0..30u32 {
+        let rec = match i {
+            5 => order("c1", i, "INSERT", "1", "PA#ID"), // key delimiter in orders_{status}
+            11 => {
+                let mut r = order("c2", i, "INSERT", "1", "PAID");
+                r["dynamodb"]["NewImage"]["total"] = json!({"S": "12 EUR"}); // non-numeric sum
+                r
+            }
+            17 => order("cbad", i, "INSERT", "1", "PAID"), // its PROFILE's orderCount is a string
+            _ => order(&format!("c{}", i % 3), i, "INSERT", "2.5", "PENDING"),
+        };
+        let seq = fakes.0.append(&shard, rec.clone());
+        if matches!(i, 5 | 11 | 17) {
+            poison_seqs.push(format!("{seq:021}"));
+        } else {
+            good.push(rec);
+        }
+    }
+    fakes.2.put(&["CUST#cbad", "PROFILE"], "orderCount", MemValue::Str("n/a".into()));
+    dlq.fail_next(2); // the queue is down at first: the shard waits, nothing is lost
+    let r = start_with(&fakes, "r1", Some(dlq.clone()));
+    // The good records of all rules, plus the rules the poison records did not poison.
+    let mut want = expected(&good);
+    for rec in [order("c1", 5, "INSERT", "1", "PA#ID"), order("cbad", 17, "INSERT", "1", "PAID")] {
+        let mut day = rec.clone();
+        day["dynamodb"]["NewImage"]["status"] = json!({"S": "PAID"});
+        for ((k, a), v) in expected(&[day]) {
+            if k[0].starts_with("SALES#") {
+                let e = want.entry((k, a)).or_insert(Decimal::ZERO);
+                *e = e.checked_add(v).unwrap();
+            }
+        }
+    }
+    settle(&fakes, &want, 0).await;
+    for _ in 0..100 {
+        if dlq.letters().len() >= 3 && fakes.1.snapshot()[0].checkpoint == Some(crate::state::Checkpoint::Sequence(format!("{:021}", 30))) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    let letters = dlq.letters();
+    let got: Vec<(String, String, String)> =
+        letters.iter().map(|l| (l.sequence_number.clone(), l.reason.code.clone(), l.rule.clone())).collect();
+    assert_eq!(
+        got,
+        vec![
+            (poison_seqs[0].clone(), "key_delimiter".into(), "customer-orders".into()),
+            (poison_seqs[1].clone(), "non_numeric_sum".into(), "customer-orders".into()),
+            (poison_seqs[2].clone(), "write_rejected".into(), "customer-orders".into()),
+        ],
+        "each poison record exactly once, with its reason"
+    );
+    assert_eq!(letters[1].rules, vec!["customer-orders", "daily-sales"], "a record that poisons two rules is one message naming both");
+    assert_eq!(letters[1].record["dynamodb"]["NewImage"]["total"]["S"], "12 EUR", "the full record travels with the letter");
+    assert_eq!(letters[2].attempts, 5, "permanent write errors are retried max_attempts times");
+    assert_eq!(letters[0].variables.get("customer").map(String::as_str), Some("c1"));
+    assert_eq!(
+        fakes.1.snapshot()[0].checkpoint,
+        Some(crate::state::Checkpoint::Sequence(format!("{:021}", 30))),
+        "the checkpoint passed them"
+    );
+}
+
+#[tokio::test]
+async fn records_older_than_max_record_age_are_dead_lettered() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let dlq = Arc::new(MemoryDeadLetters::default());
+    let shard = fakes.0.add_shard(None);
+    let old = order("c1", 1, "INSERT", "1", "PAID"); // ApproximateCreationDateTime is in 2025
+    let mut fresh = order("c1", 2, "INSERT", "2", "PAID");
+    fresh["dynamodb"]["ApproximateCreationDateTime"] = json!(crate::state::now_ms() / 1000);
+    fakes.0.append(&shard, old);
+    fakes.0.append(&shard, fresh.clone());
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+    let env = vec![
+        ("DDB_AGGREGATOR__STATE__LEASE_DURATION".to_string(), "600ms".to_string()),
+        ("DDB_AGGREGATOR__SOURCE__MAX_RECORD_AGE".to_string(), "1h".to_string()),
+    ];
+    let cfg = Config::from_yaml(&text, env).unwrap();
+    let shared =
+        Shared::new(cfg, ArcSource(fakes.0.clone()), ArcLeases(fakes.1.clone()), fakes.2.clone(), "r1".into(), Arc::new(Health::default()))
+            .with_dead_letters(DeadLetters::Memory(dlq.clone()), "arn".into());
+    let cancel = CancellationToken::new();
+    let h = tokio::spawn(Worker::new(shared).run(cancel.clone()));
+    settle(&fakes, &expected(&[fresh]), 0).await;
+    for _ in 0..100 {
+        if !dlq.letters().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cancel.cancel();
+    h.await.unwrap().unwrap();
+    let letters = dlq.letters();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].reason.code, "too_old");
+    assert_eq!(letters[0].rules, vec!["customer-orders", "daily-sales"]);
 }

@@ -3,6 +3,8 @@
 //! process, and the truth computed independently from a scan of the source table.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -272,6 +274,11 @@ pub fn aggregates(items: &[std::collections::HashMap<String, AttributeValue>]) -
 
 /// Waits (bounded) until the aggregates equal the truth; returns the time it took.
 pub async fn wait_exact(c: &Client, table: &str, timeout: Duration) -> Duration {
+    wait_exact_or(c, table, timeout, String::new).await
+}
+
+/// Like [`wait_exact`]; `context` adds to the failure message (a service log, say).
+pub async fn wait_exact_or(c: &Client, table: &str, timeout: Duration, context: impl Fn() -> String) -> Duration {
     let started = Instant::now();
     loop {
         let items = scan(c, table).await;
@@ -289,7 +296,7 @@ pub async fn wait_exact(c: &Client, table: &str, timeout: Duration) -> Duration 
                 .take(10)
                 .map(|k| format!("{k:?}: stored {:?}, truth {:?}", got.get(k).map(|d| d.to_string()), want.get(k).map(|d| d.to_string())))
                 .collect();
-            panic!("aggregates differ from the truth after {timeout:?} ({} values):\n{}", want.len(), diffs.join("\n"));
+            panic!("aggregates differ from the truth after {timeout:?} ({} values):\n{}\n{}", want.len(), diffs.join("\n"), context());
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -392,4 +399,51 @@ pub async fn leases(c: &Client, state: &str) -> Vec<(String, Option<String>, Opt
         .iter()
         .map(|i| (s(i, "shard_id").unwrap_or("").to_string(), s(i, "owner").map(str::to_string), s(i, "checkpoint").map(str::to_string)))
         .collect()
+}
+
+pub fn sqs_client_at(endpoint: &str) -> aws_sdk_sqs::Client {
+    let creds = aws_sdk_sqs::config::Credentials::new("local", "local", None, None, "tests");
+    let conf = aws_sdk_sqs::Config::builder()
+        .behavior_version(aws_sdk_sqs::config::BehaviorVersion::latest())
+        .region(aws_sdk_sqs::config::Region::new("us-east-1"))
+        .endpoint_url(endpoint)
+        .credentials_provider(creds)
+        .build();
+    aws_sdk_sqs::Client::from_conf(conf)
+}
+
+/// Creates a queue; returns its URL as the server spells it.
+pub async fn create_queue(sqs: &aws_sdk_sqs::Client, name: &str) -> String {
+    sqs.create_queue().queue_name(name).send().await.expect("create queue").queue_url().unwrap().to_string()
+}
+
+/// Every message in the queue (received, not deleted: visibility timeout 300 s keeps them
+/// from being counted twice); bounded.
+pub async fn drain_queue(sqs: &aws_sdk_sqs::Client, url: &str) -> Vec<(serde_json::Value, std::collections::HashMap<String, String>)> {
+    let mut out = Vec::new();
+    for _ in 0..200 {
+        let resp = sqs
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(10)
+            .visibility_timeout(300)
+            .message_attribute_names("All")
+            .wait_time_seconds(0)
+            .send()
+            .await
+            .expect("receive");
+        let msgs = resp.messages();
+        if msgs.is_empty() {
+            break;
+        }
+        for m in msgs {
+            let body: serde_json::Value = serde_json::from_str(m.body().unwrap_or("null")).expect("dead letter is JSON");
+            let attrs = m
+                .message_attributes()
+                .map(|a| a.iter().filter_map(|(k, v)| Some((k.clone(), v.string_value()?.to_string()))).collect())
+                .unwrap_or_default();
+            out.push((body, attrs));
+        }
+    }
+    out
 }

@@ -1,0 +1,288 @@
+//! Poison records and the SQS dead-letter queue on the local emulators: one bad record never
+//! blocks a shard and is never lost; retriable faults are retried, never dead-lettered.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use common::proxy::{self, Fault};
+use common::*;
+use ddb_aggregator::decimal::Decimal;
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn put_order(c: &aws_sdk_dynamodb::Client, table: &str, customer: &str, sk: &str, status: &str, total: AttributeValue) {
+    c.put_item()
+        .table_name(table)
+        .item("PK", AttributeValue::S(format!("CUST#{customer}")))
+        .item("SK", AttributeValue::S(sk.to_string()))
+        .item("status", AttributeValue::S(status.to_string()))
+        .item("total", total)
+        .send()
+        .await
+        .expect("put order");
+}
+
+/// The truth over the good records: the commerce rules, with each poison record left out of
+/// the rules it poisons.
+fn truth_without_poison(items: &[std::collections::HashMap<String, AttributeValue>]) -> Values {
+    let mut out = Values::new();
+    let mut add = |k: (String, String, String), v: Decimal| {
+        let e = out.entry(k).or_insert(Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    };
+    for item in items {
+        let sk = item["SK"].as_s().unwrap();
+        let pk = item["PK"].as_s().unwrap();
+        let non_numeric = item.get("total").is_some_and(|t| t.as_s().is_ok());
+        let bad_status = item.get("status").and_then(|s| s.as_s().ok()).is_some_and(|s| s.contains('#'));
+        let bad_date = sk.contains("#someday#");
+        let rejected_customer = pk == "CUST#cbad";
+        // Rule customer-orders: poisoned by a string total, a '#' in status, cbad's profile.
+        let mut one = vec![item.clone()];
+        let orders_ok = !(non_numeric || bad_status || rejected_customer);
+        let sales_ok = !(non_numeric || bad_date);
+        if orders_ok || sales_ok {
+            if bad_date {
+                // Let truth() parse the item; its SALES part is dropped below.
+                one[0].insert("SK".into(), AttributeValue::S(sk.replace("#someday#", "#1999-01-01#")));
+            }
+            for (k, v) in truth(&one) {
+                let is_sales = k.0.starts_with("SALES#");
+                if (is_sales && sales_ok) || (!is_sales && orders_ok) {
+                    add(k, v);
+                }
+            }
+        }
+    }
+    out.retain(|_, v| !v.is_zero());
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_records_are_queued_with_the_full_record_and_the_rest_is_exact() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("poison");
+    create_source_table(&c, &table).await;
+    let sqs = sqs_client_at(&sqs_endpoint());
+    let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
+    // cbad's profile holds a string where the counter goes: DynamoDB refuses every ADD to it.
+    c.put_item()
+        .table_name(&table)
+        .item("PK", AttributeValue::S("CUST#cbad".into()))
+        .item("SK", AttributeValue::S("PROFILE".into()))
+        .item("orderCount", AttributeValue::S("n/a".into()))
+        .send()
+        .await
+        .unwrap();
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
+    let svc = Service::start(
+        &config,
+        dir.path(),
+        "svc",
+        &[("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", &queue), ("DDB_AGGREGATOR__DEAD_LETTER__MAX_ATTEMPTS", "3")],
+    );
+    let mut expected_reasons = std::collections::BTreeMap::new();
+    let mut n = 0;
+    for i in 0..2020u32 {
+        let cust = format!("c{}", i % 55);
+        let (sk, status, total, reason) = match i % 101 {
+            7 if n < 20 => (format!("ORDER#2026-11-30#p{i}"), "PAID", AttributeValue::S("12 EUR".into()), Some("non_numeric_sum")),
+            23 if n < 20 => (format!("ORDER#2026-11-30#p{i}"), "ON#HOLD", AttributeValue::N("3".into()), Some("key_delimiter")),
+            61 if n < 20 => (format!("ORDER#someday#p{i}"), "PAID", AttributeValue::N("4".into()), Some("bad_timestamp")),
+            89 if n < 20 => (format!("ORDER#2026-11-29#p{i}"), "PAID", AttributeValue::N("5".into()), Some("write_rejected")),
+            _ => (
+                format!("ORDER#2026-11-{:02}#o{i}", 1 + i % 28),
+                if i % 3 == 0 { "PAID" } else { "PENDING" },
+                AttributeValue::N(format!("{}.{:02}", i % 300, i % 100)),
+                None,
+            ),
+        };
+        let customer = if reason == Some("write_rejected") { "cbad".to_string() } else { cust };
+        if let Some(r) = reason {
+            n += 1;
+            expected_reasons.insert(format!("CUST#{customer}|{sk}"), r);
+        }
+        put_order(&c, &table, &customer, &sk, status, total).await;
+    }
+    assert_eq!(expected_reasons.len(), 20);
+    // Wait for the aggregates and the queue.
+    let started = Instant::now();
+    loop {
+        let items = scan(&c, &table).await;
+        let orders: Vec<_> = items.iter().filter(|i| i["SK"].as_s().is_ok_and(|s| s.starts_with("ORDER#"))).cloned().collect();
+        let mut got = aggregates(&items);
+        got.retain(|k, _| k.0 != "CUST#cbad");
+        let mut want = truth_without_poison(&orders);
+        want.retain(|k, _| k.0 != "CUST#cbad");
+        if got == want && metric(&svc.metrics(), "ddb_aggregator_dead_letters_total") >= 20.0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "not settled: {} values differ; dead letters {}\n{}",
+            want.iter().filter(|(k, v)| got.get(*k) != Some(*v)).count(),
+            metric(&svc.metrics(), "ddb_aggregator_dead_letters_total"),
+            svc.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let letters = drain_queue(&sqs, &queue).await;
+    assert_eq!(letters.len(), 20, "exactly the poison records, once each");
+    for (body, attrs) in &letters {
+        let keys = &body["record"]["dynamodb"]["Keys"];
+        let id = format!("{}|{}", keys["PK"]["S"].as_str().unwrap(), keys["SK"]["S"].as_str().unwrap());
+        let want = expected_reasons.get(&id).unwrap_or_else(|| panic!("unexpected dead letter {id}"));
+        assert_eq!(body["reason"]["code"], *want, "{body}");
+        assert_eq!(attrs.get("reason").map(String::as_str), Some(*want));
+        assert_eq!(attrs.get("rule").map(String::as_str), body["rule"].as_str());
+        assert_eq!(body["version"], 1);
+        assert!(body["record"]["dynamodb"]["NewImage"]["status"]["S"].is_string(), "the full record: {body}");
+        assert_eq!(body["sequence_number"], body["record"]["dynamodb"]["SequenceNumber"]);
+        if *want == "write_rejected" {
+            assert_eq!(body["attempts"], 3);
+        }
+    }
+    // The checkpoint is past every poison record: the newest sequence number in the queue.
+    let newest = letters
+        .iter()
+        .map(|(b, _)| b["sequence_number"].as_str().unwrap().to_string())
+        .max_by(|a, b| a.len().cmp(&b.len()).then(a.cmp(b)))
+        .unwrap();
+    let cps: Vec<String> = leases(&c, &format!("{table}-state")).await.into_iter().filter_map(|(_, _, cp)| cp).collect();
+    assert!(
+        cps.iter().any(|cp| cp.len() > newest.len() || (cp.len() == newest.len() && cp.as_str() > newest.as_str())),
+        "checkpoint {cps:?} passed {newest}"
+    );
+}
+
+struct Moto(Child);
+
+impl Moto {
+    fn start(port: u16) -> Moto {
+        let bin = root().join(".local/venv/bin/moto_server");
+        let child = Command::new(bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("moto_server from .local/venv");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "moto did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Moto(child)
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_down_holds_the_checkpoint_and_nothing_is_lost() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("sqsdown");
+    create_source_table(&c, &table).await;
+    let port = free_port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let moto = Moto::start(port);
+    let sqs = sqs_client_at(&endpoint);
+    let queue = create_queue(&sqs, "dlq").await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
+    let svc = Service::start(
+        &config,
+        dir.path(),
+        "svc",
+        &[("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", &queue), ("AWS_ENDPOINT_URL_SQS", &endpoint)],
+    );
+    for i in 0..50u32 {
+        put_order(&c, &table, &format!("c{}", i % 7), &format!("ORDER#2026-11-30#a{i}"), "PAID", AttributeValue::N("1.5".into())).await;
+    }
+    wait_exact(&c, &table, Duration::from_secs(60)).await;
+    let state = format!("{table}-state");
+    let before: Vec<String> = leases(&c, &state).await.into_iter().filter_map(|(_, _, cp)| cp).collect();
+    drop(moto); // SQS goes away
+    for i in 0..3u32 {
+        put_order(&c, &table, "c1", &format!("ORDER#2026-11-30#bad{i}"), "PAID", AttributeValue::S("x".into())).await;
+    }
+    for i in 0..20u32 {
+        put_order(&c, &table, &format!("c{}", i % 7), &format!("ORDER#2026-11-30#b{i}"), "PAID", AttributeValue::N("2".into())).await;
+    }
+    // While SQS is down the checkpoint stays where it was, and the failures show in metrics.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let during: Vec<String> = leases(&c, &state).await.into_iter().filter_map(|(_, _, cp)| cp).collect();
+    assert_eq!(during, before, "the checkpoint must not pass undelivered poison records");
+    assert!(metric(&svc.metrics(), "ddb_aggregator_dead_letter_send_failures_total") >= 1.0, "{}", svc.log_tail());
+    // SQS comes back (empty: moto keeps queues in memory), the queue is created again.
+    let _moto = Moto::start(port);
+    let queue2 = create_queue(&sqs, "dlq").await;
+    assert_eq!(queue2, queue);
+    let started = Instant::now();
+    let letters = loop {
+        let items = scan(&c, &table).await;
+        let orders: Vec<_> = items.iter().filter(|i| i["SK"].as_s().is_ok_and(|s| s.starts_with("ORDER#"))).cloned().collect();
+        let letters = metric(&svc.metrics(), "ddb_aggregator_dead_letters_total");
+        if aggregates(&items) == truth_without_poison(&orders) && letters >= 3.0 {
+            break drain_queue(&sqs, &queue).await;
+        }
+        assert!(started.elapsed() < Duration::from_secs(90), "did not recover\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let mut ids: Vec<String> =
+        letters.iter().map(|(b, _)| b["record"]["dynamodb"]["Keys"]["SK"]["S"].as_str().unwrap().to_string()).collect();
+    ids.sort();
+    assert_eq!(ids, vec!["ORDER#2026-11-30#bad0", "ORDER#2026-11-30#bad1", "ORDER#2026-11-30#bad2"], "each poison record once, none lost");
+    let after: Vec<String> = leases(&c, &state).await.into_iter().filter_map(|(_, _, cp)| cp).collect();
+    assert_ne!(after, before, "processing continued");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retriable_faults_are_retried_not_dead_lettered() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("faults");
+    create_source_table(&c, &table).await;
+    let sqs = sqs_client_at(&sqs_endpoint());
+    let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
+    let faults = vec![
+        Fault { target: "UpdateItem", status: 400, error_type: "ProvisionedThroughputExceededException", rate: 0.3 },
+        Fault { target: "UpdateItem", status: 500, error_type: "InternalServerError", rate: 0.1 },
+        Fault { target: "GetRecords", status: 400, error_type: "LimitExceededException", rate: 0.3 },
+        Fault { target: "GetShardIterator", status: 500, error_type: "InternalServerError", rate: 0.1 },
+    ];
+    let proxy = proxy::start(DDB_PORT, faults, 5_000).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
+    let svc = Service::start(
+        &config,
+        dir.path(),
+        "svc",
+        &[
+            ("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", &queue),
+            ("AWS_ENDPOINT_URL_DYNAMODB", &proxy.endpoint()),
+            ("AWS_ENDPOINT_URL_DYNAMODB_STREAMS", &proxy.endpoint()),
+        ],
+    );
+    let writes = workload(&c, &table, 1000, 40, 4, 9).await;
+    wait_exact_or(&c, &table, Duration::from_secs(120), || svc.log_tail()).await;
+    let injected = proxy.injected.load(std::sync::atomic::Ordering::SeqCst);
+    let m = svc.metrics();
+    println!(
+        "{writes} writes; {injected} faults injected; {} requests forwarded; aggregates exact",
+        proxy.forwarded.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    assert!(injected >= 40, "the proxy injected faults ({injected})");
+    assert_eq!(metric(&m, "ddb_aggregator_dead_letters_total"), 0.0, "retriable faults are never dead-lettered");
+    assert!(drain_queue(&sqs, &queue).await.is_empty());
+}
