@@ -43,15 +43,37 @@ impl AggregateStore for DynamoDbAggregates {
         // The ledger condition: this shard's entry is absent or below the first record of
         // the write, and the item's floor (if any) does not exclude this shard.
         let mut condition = "(attribute_not_exists(#l) OR #l < :first)".to_string();
-        if let Some(floor) = &w.shard_floor {
+        // With pruning the item's floor must not exceed the new floor (which is at most this
+        // shard's own); otherwise it must not exceed this shard's.
+        if let Some(floor) = w.new_floor.as_ref().or(w.shard_floor.as_ref()) {
             condition.push_str(" AND (attribute_not_exists(#f) OR #f <= :floor)");
             req = req
                 .expression_attribute_names("#f", FLOOR_ATTRIBUTE)
                 .expression_attribute_values(":floor", AttributeValue::S(floor.clone()));
         }
-        let update = if adds.is_empty() { "SET #l = :l".to_string() } else { format!("ADD {} SET #l = :l", adds.join(", ")) };
-        match req.update_expression(update).condition_expression(condition).send().await {
-            Ok(out) => Ok(WriteOutcome::Applied { capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0) }),
+        let mut update = if adds.is_empty() { String::new() } else { format!("ADD {} ", adds.join(", ")) };
+        update.push_str(if w.new_floor.is_some() { "SET #l = :l, #f = :floor" } else { "SET #l = :l" });
+        if !w.prune.is_empty() {
+            let names: Vec<String> = (0..w.prune.len()).map(|i| format!("#p{i}")).collect();
+            for (name, p) in names.iter().zip(&w.prune) {
+                req = req.expression_attribute_names(name, p);
+            }
+            update.push_str(&format!(" REMOVE {}", names.join(", ")));
+        }
+        let resp = req
+            .update_expression(update)
+            .condition_expression(condition)
+            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew)
+            .send()
+            .await;
+        match resp {
+            Ok(out) => Ok(WriteOutcome::Applied {
+                capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0),
+                entries: out
+                    .attributes()
+                    .map(|a| a.keys().filter(|k| k.starts_with(crate::sink::ledger::ENTRY_PREFIX)).cloned().collect())
+                    .unwrap_or_default(),
+            }),
             Err(e) => {
                 if let Some(UpdateItemError::ConditionalCheckFailedException(c)) = e.as_service_error() {
                     let text = |k: &str| c.item().and_then(|i| i.get(k)).and_then(|v| v.as_s().ok()).cloned();

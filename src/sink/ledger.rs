@@ -34,6 +34,12 @@ pub fn pad_sequence(seq: &str) -> Option<String> {
     (trimmed.len() <= SEQUENCE_WIDTH).then(|| format!("{trimmed:0>SEQUENCE_WIDTH$}"))
 }
 
+/// The creation time (epoch ms) of the shard an entry belongs to, from its name.
+pub fn entry_created_ms(name: &str) -> Option<u64> {
+    let id = name.strip_prefix(ENTRY_PREFIX)?;
+    crate::stream::shard_created_ms(&format!("shardId-{id}"))
+}
+
 /// The stored entry: padded last sequence number, then `@` and the newest record time.
 pub fn entry_value(last_padded: &str, newest_created: Option<Decimal>) -> String {
     match newest_created.and_then(Decimal::trunc_i64) {

@@ -86,8 +86,9 @@ impl AggregateStore for MemoryAggregates {
         let entry = text(item.get(&w.entry_name));
         let floor = text(item.get(FLOOR_ATTRIBUTE));
         let entry_ok = entry.as_ref().is_none_or(|e| *e < w.first);
-        let floor_ok = match (&floor, &w.shard_floor) {
-            (Some(f), Some(mine)) => f <= mine,
+        let limit = w.new_floor.as_ref().or(w.shard_floor.as_ref());
+        let floor_ok = match (&floor, limit) {
+            (Some(f), Some(limit)) => f <= limit,
             _ => true,
         };
         if !(entry_ok && floor_ok) {
@@ -106,7 +107,14 @@ impl AggregateStore for MemoryAggregates {
             updated.insert(name.clone(), MemValue::Num(sum));
         }
         updated.insert(w.entry_name.clone(), MemValue::Str(w.entry_value.clone()));
+        for p in &w.prune {
+            updated.remove(p);
+        }
+        if let Some(f) = &w.new_floor {
+            updated.insert(FLOOR_ATTRIBUTE.to_string(), MemValue::Str(f.clone()));
+        }
+        let entries = updated.keys().filter(|k| k.starts_with(crate::sink::ledger::ENTRY_PREFIX)).cloned().collect();
         *item = updated;
-        Ok(WriteOutcome::Applied { capacity: 1.0 })
+        Ok(WriteOutcome::Applied { capacity: 1.0, entries })
     }
 }

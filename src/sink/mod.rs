@@ -25,18 +25,18 @@ pub struct LedgerWrite {
     pub first: String,
     /// This shard's creation time as a floor value; None for shard ids without one.
     pub shard_floor: Option<String>,
+    /// Ledger entries of finished shards to remove, with the floor to set (at most this
+    /// shard's own floor). The write then requires the item's floor to be at most the new one.
+    pub prune: Vec<String>,
+    pub new_floor: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum WriteOutcome {
-    Applied {
-        capacity: f64,
-    },
+    /// `entries`: the ledger entry names the item holds after the write.
+    Applied { capacity: f64, entries: Vec<String> },
     /// The condition failed: the item's current entry and floor.
-    Stale {
-        entry: Option<String>,
-        floor: Option<String>,
-    },
+    Stale { entry: Option<String>, floor: Option<String> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -65,25 +65,53 @@ pub trait AggregateStore: Send + Sync + 'static {
 }
 
 /// What writing one target cost.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct WriteStats {
     pub calls: u64,
     pub capacity: f64,
     /// Records whose effect was already in the item (replays).
     pub skipped_records: u64,
     pub applied_records: u64,
+    /// Ledger entries the item still holds that belong to finished shards (to prune on the
+    /// next write to it).
+    pub prunable: Vec<String>,
+    /// Entries removed by this write.
+    pub pruned: usize,
 }
 
-/// The shard a batch comes from.
+/// The shard a batch comes from, and what the ledger may prune.
 #[derive(Debug, Clone)]
 pub struct ShardContext {
     pub entry_name: String,
     pub floor: Option<String>,
+    /// Creation time (floor format) of the oldest shard still open: every shard created before
+    /// it is finished, so its entries can go. None: unknown, prune nothing.
+    pub open_floor: Option<String>,
 }
 
 impl ShardContext {
     pub fn new(shard_id: &str) -> ShardContext {
-        ShardContext { entry_name: ledger::entry_name(shard_id), floor: crate::stream::shard_created_ms(shard_id).map(ledger::floor_value) }
+        ShardContext {
+            entry_name: ledger::entry_name(shard_id),
+            floor: crate::stream::shard_created_ms(shard_id).map(ledger::floor_value),
+            open_floor: None,
+        }
+    }
+
+    /// The floor a pruning write sets: the open floor, never above this (open) shard's own.
+    fn prune_floor(&self) -> Option<&String> {
+        Some(self.open_floor.as_ref()?.min(self.floor.as_ref()?))
+    }
+
+    /// Entries (by name) that belong to shards created before the prune floor.
+    fn prunable(&self, entries: &[String]) -> Vec<String> {
+        let Some(limit) = self.prune_floor() else { return Vec::new() };
+        entries
+            .iter()
+            .filter(|e| **e != self.entry_name)
+            .filter(|e| ledger::entry_created_ms(e).map(ledger::floor_value).is_some_and(|c| c < *limit))
+            .cloned()
+            .collect()
     }
 }
 
@@ -99,6 +127,19 @@ pub async fn write_target<S: AggregateStore>(
     key: &TargetKey,
     delta: &TargetDelta,
     shard: &ShardContext,
+) -> Result<WriteStats, SinkError> {
+    write_target_pruning(store, key_names, key, delta, shard, Vec::new()).await
+}
+
+/// [`write_target`], also removing `prune` (entries of finished shards seen on this item
+/// before) and raising the item's floor, in the same UpdateItem.
+pub async fn write_target_pruning<S: AggregateStore>(
+    store: &S,
+    key_names: &[String],
+    key: &TargetKey,
+    delta: &TargetDelta,
+    shard: &ShardContext,
+    mut prune: Vec<String>,
 ) -> Result<WriteStats, SinkError> {
     let mut stats = WriteStats::default();
     let mut applied: Option<String> = None;
@@ -118,19 +159,30 @@ pub async fn write_target<S: AggregateStore>(
             entry_value: entry_value(&p.last, p.newest_created),
             first: p.first.clone(),
             shard_floor: shard.floor.clone(),
+            new_floor: if prune.is_empty() { None } else { shard.prune_floor().cloned() },
+            prune: prune.clone(),
         };
         stats.calls += 1;
         match store.apply(&write).await {
-            Ok(WriteOutcome::Applied { capacity }) => {
+            Ok(WriteOutcome::Applied { capacity, entries }) => {
                 stats.capacity += capacity;
                 stats.applied_records = p.records as u64;
                 stats.skipped_records = total_records - stats.applied_records;
+                stats.pruned = write.prune.len();
+                stats.prunable = shard.prunable(&entries);
                 return Ok(stats);
             }
             Ok(WriteOutcome::Stale { entry, floor }) => {
                 if let (Some(item_floor), Some(mine)) = (&floor, &shard.floor) {
                     if item_floor > mine {
                         return Err(SinkError::Fenced);
+                    }
+                }
+                if let (Some(item_floor), Some(new_floor)) = (&floor, &write.new_floor) {
+                    if item_floor > new_floor {
+                        // Another replica already raised the floor further: skip our pruning.
+                        prune.clear();
+                        continue;
                     }
                 }
                 match entry {

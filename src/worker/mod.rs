@@ -42,6 +42,11 @@ pub struct Shared<S, L, A> {
     pub ages: std::sync::Mutex<HashMap<String, f64>>,
     pub dead_letters: DeadLetters,
     pub stream_arn: String,
+    /// Creation time (epoch ms) of the oldest shard not yet finished; 0 when unknown. Ledger
+    /// entries of shards created before it can be pruned.
+    pub open_floor_ms: AtomicU64,
+    /// Ledger entries to remove on the next write to each target (bounded).
+    pub pending_prunes: std::sync::Mutex<HashMap<crate::rules::TargetKey, Vec<String>>>,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -60,6 +65,8 @@ impl<S, L, A> Shared<S, L, A> {
             ages: Default::default(),
             dead_letters: DeadLetters::Disabled,
             stream_arn: String::new(),
+            open_floor_ms: AtomicU64::new(0),
+            pending_prunes: Default::default(),
         }
     }
 
@@ -67,6 +74,23 @@ impl<S, L, A> Shared<S, L, A> {
         self.dead_letters = dead_letters;
         self.stream_arn = stream_arn;
         self
+    }
+
+    /// Ledger entries seen on `key` that may now be removed.
+    pub fn take_prunes(&self, key: &crate::rules::TargetKey) -> Vec<String> {
+        self.pending_prunes.lock().unwrap_or_else(|e| e.into_inner()).remove(key).unwrap_or_default()
+    }
+
+    pub fn add_prunes(&self, key: &crate::rules::TargetKey, entries: Vec<String>) {
+        if entries.is_empty() {
+            return;
+        }
+        let mut p = self.pending_prunes.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded memory: forgetting only delays pruning until the item's next write.
+        if p.len() >= 100_000 {
+            p.clear();
+        }
+        p.insert(key.clone(), entries);
     }
 
     pub fn set_age(&self, shard: &str, seconds: f64) {
@@ -276,6 +300,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         };
         metrics::gauge!(names::ITERATOR_AGE_MAX_SECONDS).set(max_age);
         let finished_count = leases.values().filter(|l| l.finished()).count();
+        // The ledger floor: every shard created before the oldest unfinished one is finished.
+        let unfinished: Vec<Option<u64>> =
+            leases.values().filter(|l| !l.finished()).map(|l| crate::stream::shard_created_ms(&l.shard_id)).collect();
+        let floor = if unfinished.iter().any(Option::is_none) { 0 } else { unfinished.iter().flatten().copied().min().unwrap_or(0) };
+        shared.open_floor_ms.store(floor, Ordering::Relaxed);
         metrics::gauge!(names::LEASES_HELD).set(self.running.len() as f64);
         metrics::gauge!(names::SHARDS, "state" => "reading").set(ready.len() as f64);
         metrics::gauge!(names::SHARDS, "state" => "waiting")

@@ -14,7 +14,7 @@ use super::Shared;
 use crate::config::StartPosition;
 use crate::rules::Coalescer;
 use crate::sink::dead_letter::{DeadLetter, Reason};
-use crate::sink::{write_target, AggregateStore, ShardContext, SinkError};
+use crate::sink::{write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
 use crate::telemetry::names;
@@ -360,16 +360,22 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     }
     let key_names = &shared.engine.key_names;
     let store = shared.sink.as_ref();
+    let floor = shared.open_floor_ms.load(Ordering::Relaxed);
+    let ctx = &ShardContext { open_floor: (floor > 0).then(|| crate::sink::ledger::floor_value(floor)), ..ctx.clone() };
     let mut writes = Vec::with_capacity(targets.len());
     for (key, delta) in &targets {
-        writes.push(async move { (key, delta, write_target(store, key_names, key, delta, ctx).await) });
+        let prune = shared.take_prunes(key);
+        writes.push(async move { (key, delta, write_target_pruning(store, key_names, key, delta, ctx, prune).await) });
     }
     let results: Vec<_> = stream::iter(writes).buffer_unordered(WRITE_CONCURRENCY).collect().await;
     let mut first_error = None;
     let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
     for (key, delta, r) in results {
         match r {
-            Ok(stats) => record_write(shared, &stats),
+            Ok(stats) => {
+                record_write(shared, &stats);
+                shared.add_prunes(key, stats.prunable);
+            }
             Err(SinkError::Invalid(why)) => {
                 metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "rejected").increment(1);
                 warn!(shard = %shard, error = %why, "aggregate write refused; retrying record by record");

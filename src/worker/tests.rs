@@ -413,3 +413,51 @@ async fn records_older_than_max_record_age_are_dead_lettered() {
     assert_eq!(letters[0].reason.code, "too_old");
     assert_eq!(letters[0].rules, vec!["customer-orders", "daily-sales"]);
 }
+
+#[tokio::test]
+async fn ledger_entries_of_finished_shards_are_pruned_and_stale_writers_fenced() {
+    use crate::sink::ledger::{entry_name, floor_value, ENTRY_PREFIX, FLOOR_ATTRIBUTE};
+    use crate::sink::{write_target, ShardContext, SinkError};
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let a = fakes.0.add_shard(None);
+    let mut records = Vec::new();
+    for i in 0..5 {
+        let r = order("c1", i, "INSERT", "1", "PAID");
+        fakes.0.append(&a, r.clone());
+        records.push(r);
+    }
+    let b = fakes.0.rollover(&a);
+    let r = order("c1", 10, "INSERT", "1", "PAID");
+    fakes.0.append(&b, r.clone());
+    records.push(r);
+    let replica = start(&fakes, "r1");
+    settle(&fakes, &expected(&records), 1).await;
+    // The first write from B saw A's entry; the next write to the item removes it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = order("c1", 11, "INSERT", "1", "PAID");
+    fakes.0.append(&b, r.clone());
+    records.push(r);
+    settle(&fakes, &expected(&records), 1).await;
+    let item = fakes.2.item(&["CUST#c1", "PROFILE"]).unwrap();
+    let entries: Vec<&String> = item.keys().filter(|k| k.starts_with(ENTRY_PREFIX)).collect();
+    assert_eq!(entries, vec![&entry_name(&b)], "only the open shard's entry is left");
+    let b_created = crate::stream::shard_created_ms(&b).unwrap();
+    assert_eq!(item.get(FLOOR_ATTRIBUTE), Some(&MemValue::Str(floor_value(b_created))));
+    replica.cancel.cancel();
+    replica.handle.await.unwrap().unwrap();
+    // A former owner of A that wakes up late cannot re-apply A's records: it is fenced.
+    let engine = config().engine;
+    let mut batch = Coalescer::new();
+    engine.apply(
+        &{
+            let mut r = order("c1", 3, "INSERT", "1", "PAID");
+            r["dynamodb"]["SequenceNumber"] = json!(format!("{:021}", 4));
+            r
+        },
+        &mut batch,
+    );
+    let (key, delta) = batch.into_targets().into_iter().find(|(k, _)| &*k.0[0] == "CUST#c1").unwrap();
+    let stale = write_target(fakes.2.as_ref(), &engine.key_names, &key, &delta, &ShardContext::new(&a)).await;
+    assert_eq!(stale, Err(SinkError::Fenced));
+    assert_eq!(fakes.2.numbers(), expected(&records), "nothing was applied twice");
+}

@@ -1,0 +1,86 @@
+//! The ledger's conditional UpdateItem against DynamoDB Local itself: replays refused, the
+//! remainder applied, finished shards' entries pruned with the floor, stale shards fenced.
+
+mod common;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use common::*;
+use ddb_aggregator::decimal::Decimal;
+use ddb_aggregator::rules::{Contribution, TargetDelta, TargetKey};
+use ddb_aggregator::sink::dynamodb::DynamoDbAggregates;
+use ddb_aggregator::sink::ledger::{entry_name, floor_value, FLOOR_ATTRIBUTE};
+use ddb_aggregator::sink::{write_target, write_target_pruning, ShardContext, SinkError};
+
+fn delta(seqs: &[u64], amount: &str) -> TargetDelta {
+    TargetDelta {
+        contributions: seqs
+            .iter()
+            .map(|s| Contribution {
+                sequence: Some(format!("{s:021}")),
+                rule: None,
+                created: Some(Decimal::from_i64(1_764_460_800)),
+                values: vec![("revenue".into(), Decimal::parse(amount).unwrap())],
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_condition_on_dynamodb_local() {
+    let c = client().await;
+    let table = unique("ledger");
+    create_source_table(&c, &table).await;
+    let store = DynamoDbAggregates::new(c.clone(), table.clone());
+    let names = vec!["PK".to_string(), "SK".to_string()];
+    let key = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice());
+    let a = "shardId-00000001700000000001-aaaaaaaa";
+    let b = "shardId-00000001700000000002-bbbbbbbb";
+    let ctx_a = ShardContext::new(a);
+    let read = || async {
+        c.get_item()
+            .table_name(&table)
+            .key("PK", AttributeValue::S("CUST#c1".into()))
+            .key("SK", AttributeValue::S("PROFILE".into()))
+            .consistent_read(true)
+            .send()
+            .await
+            .unwrap()
+            .item()
+            .cloned()
+            .unwrap_or_default()
+    };
+    // Records 1..3 of shard A.
+    let s = write_target(&store, &names, &key, &delta(&[1, 2, 3], "1.5"), &ctx_a).await.unwrap();
+    assert_eq!((s.calls, s.applied_records), (1, 3));
+    // A replay of 1..5: 1..3 are refused by the ledger, 4..5 applied.
+    let s = write_target(&store, &names, &key, &delta(&[1, 2, 3, 4, 5], "1.5"), &ctx_a).await.unwrap();
+    assert_eq!((s.calls, s.applied_records, s.skipped_records), (2, 2, 3));
+    let item = read().await;
+    assert_eq!(item["revenue"].as_n().unwrap(), "7.5");
+    assert_eq!(&item[&entry_name(a)].as_s().unwrap()[..40], format!("{:040}", 5));
+    // Shard B (created later) writes; A is finished, so its entry is prunable.
+    let ctx_b = ShardContext { open_floor: Some(floor_value(1_700_000_000_002)), ..ShardContext::new(b) };
+    let s = write_target(&store, &names, &key, &delta(&[10], "1"), &ctx_b).await.unwrap();
+    assert_eq!(s.prunable, vec![entry_name(a)]);
+    let s = write_target_pruning(&store, &names, &key, &delta(&[11], "1"), &ctx_b, s.prunable).await.unwrap();
+    assert_eq!(s.pruned, 1);
+    let item = read().await;
+    assert!(!item.contains_key(&entry_name(a)), "A's entry was pruned");
+    assert_eq!(item[FLOOR_ATTRIBUTE].as_s().unwrap(), &floor_value(1_700_000_000_002));
+    assert_eq!(item["revenue"].as_n().unwrap(), "9.5");
+    // A stalled former owner of A wakes up: fenced, nothing applied twice.
+    assert_eq!(write_target(&store, &names, &key, &delta(&[4, 5, 6], "1.5"), &ctx_a).await, Err(SinkError::Fenced));
+    assert_eq!(read().await["revenue"].as_n().unwrap(), "9.5");
+    // A measure attribute holding a string: a permanent error, not a retry loop.
+    c.update_item()
+        .table_name(&table)
+        .key("PK", AttributeValue::S("CUST#c1".into()))
+        .key("SK", AttributeValue::S("PROFILE".into()))
+        .update_expression("SET revenue = :s")
+        .expression_attribute_values(":s", AttributeValue::S("n/a".into()))
+        .send()
+        .await
+        .unwrap();
+    assert!(matches!(write_target(&store, &names, &key, &delta(&[12], "1"), &ctx_b).await, Err(SinkError::Invalid(_))));
+}
