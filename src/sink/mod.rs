@@ -47,9 +47,6 @@ pub enum SinkError {
     /// The write can never succeed as it is (a measure attribute holding a string, ...).
     #[error("write refused: {0}")]
     Invalid(String),
-    /// The item's floor says this shard is finished: a stale replica must stop.
-    #[error("shard is behind the item's ledger floor; this reader is stale")]
-    Fenced,
     #[error("write error: {0}")]
     Fatal(String),
 }
@@ -77,6 +74,8 @@ pub struct WriteStats {
     pub prunable: Vec<String>,
     /// Entries removed by this write.
     pub pruned: usize,
+    /// The item's ledger floor is above this shard: the write was a replay and was refused.
+    pub fenced: bool,
 }
 
 /// The shard a batch comes from, and what the ledger may prune.
@@ -175,7 +174,12 @@ pub async fn write_target_pruning<S: AggregateStore>(
             Ok(WriteOutcome::Stale { entry, floor }) => {
                 if let (Some(item_floor), Some(mine)) = (&floor, &shard.floor) {
                     if item_floor > mine {
-                        return Err(SinkError::Fenced);
+                        // The item's floor passed this shard: the shard was finished (every
+                        // record applied and checkpointed) when its entry was pruned, so this
+                        // write is a replay. Refuse it; nothing is applied twice.
+                        stats.fenced = true;
+                        stats.skipped_records = total_records - stats.applied_records;
+                        return Ok(stats);
                     }
                 }
                 if let (Some(item_floor), Some(new_floor)) = (&floor, &write.new_floor) {

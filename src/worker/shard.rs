@@ -162,9 +162,6 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
                 Err(e) => {
                     failures += 1;
                     warn!(shard = %shard, error = %e, attempt = failures, "batch not applied; re-reading it from the checkpoint");
-                    if matches!(e, SinkError::Fenced) {
-                        return ShardExit::LeaseLost;
-                    }
                     if !pause(crate::sink::backoff(failures), &stop).await {
                         return ShardExit::Stopped;
                     }
@@ -483,7 +480,10 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
 }
 
 fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(stats.calls.min(1));
+    if stats.fenced {
+        metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "fenced").increment(1);
+    }
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(u64::from(!stats.fenced).min(stats.calls));
     metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "stale").increment(stats.calls.saturating_sub(1));
     metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
     metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
