@@ -76,8 +76,57 @@ where
     Failure { kind, code, message }
 }
 
+/// A one-line description of any SDK error (code and message), for messages to people.
+pub fn classify_any<E, R>(e: &SdkError<E, R>) -> String
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    match (e.code(), e.message()) {
+        (Some(c), Some(m)) => format!("{c}: {m}"),
+        (Some(c), None) => c.to_string(),
+        _ => aws_sdk_dynamodb::error::DisplayErrorContext(e).to_string(),
+    }
+}
+
 /// The SDK configuration from the standard chain (AWS_REGION, AWS_ENDPOINT_URL_*, profiles,
 /// IRSA, ECS task roles).
 pub async fn sdk_config() -> aws_config::SdkConfig {
     aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await
 }
+
+/// Typed DynamoDB JSON (`{"S": "x"}`, `{"N": "1"}`, ...) from an SDK attribute value. Total:
+/// a variant the SDK adds later is an error, never a panic. One body for both SDKs' types.
+macro_rules! attribute_json {
+    ($name:ident, $m:ident) => {
+        pub fn $name(v: &$m::types::AttributeValue) -> Result<serde_json::Value, String> {
+            use base64::Engine as _;
+            use serde_json::json;
+            use $m::types::AttributeValue as A;
+            let b64 = |b: &$m::primitives::Blob| base64::engine::general_purpose::STANDARD.encode(b.as_ref());
+            let map = |m: &std::collections::HashMap<String, A>| -> Result<serde_json::Value, String> {
+                let mut out = serde_json::Map::new();
+                for (k, v) in m {
+                    out.insert(k.clone(), $name(v).map_err(|e| format!("{k}: {e}"))?);
+                }
+                Ok(serde_json::Value::Object(out))
+            };
+            Ok(match v {
+                A::S(s) => json!({ "S": s }),
+                A::N(n) => json!({ "N": n }),
+                A::B(b) => json!({ "B": b64(b) }),
+                A::Bool(b) => json!({ "BOOL": b }),
+                A::Null(b) => json!({ "NULL": b }),
+                A::Ss(v) => json!({ "SS": v }),
+                A::Ns(v) => json!({ "NS": v }),
+                A::Bs(v) => json!({ "BS": v.iter().map(b64).collect::<Vec<_>>() }),
+                A::L(items) => json!({ "L": items.iter().map($name).collect::<Result<Vec<_>, _>>()? }),
+                A::M(m) => json!({ "M": map(m)? }),
+                _ => return Err("an attribute type this version does not know".to_string()),
+            })
+        }
+    };
+}
+
+attribute_json!(attribute_to_json, aws_sdk_dynamodb);
+attribute_json!(stream_attribute_to_json, aws_sdk_dynamodbstreams);

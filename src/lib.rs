@@ -8,6 +8,7 @@ pub mod aws;
 pub mod config;
 pub mod decimal;
 pub mod pattern;
+pub mod reconcile;
 pub mod rules;
 pub mod service;
 pub mod sink;

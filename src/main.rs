@@ -34,6 +34,51 @@ enum Command {
         #[arg(long, value_enum, default_value_t = LogFormat::Json)]
         log_format: LogFormat,
     },
+    /// Recompute targets from the source items and repair drift, safely while the stream is
+    /// being consumed. Say what with the rules' variable names (`--customer c1`, `--date
+    /// 2026-11-30`: `reconcile --config FILE --help` lists them) or `--all` (a parallel scan;
+    /// also the initial backfill). Exit 0 when no drift is left, 1 when drift remains
+    /// (always with --dry-run if any is found), 2 for bad input.
+    Reconcile {
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// Every target of every rule, from a full scan of the source table.
+        #[arg(long)]
+        all: bool,
+        /// Only this rule.
+        #[arg(long, value_name = "NAME")]
+        rule: Option<String>,
+        /// Report drift, write nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// `table` for people, `json` (one object per drift, then a summary) for scripts.
+        #[arg(long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+        /// Parallel scan segments (--all and scan rules).
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+        segments: u32,
+        /// Most items read per second by scans (default: unlimited).
+        #[arg(long, value_name = "ITEMS", value_parser = clap::value_parser!(u32).range(1..))]
+        read_rate: Option<u32>,
+        /// Longest wait for the stream consumer to catch up before correcting.
+        #[arg(long, default_value = "60s", value_name = "DURATION")]
+        wait: String,
+        /// Do not wait for a consumer (only when no `run` will ever read this stream).
+        #[arg(long)]
+        no_wait: bool,
+        /// Rounds for targets that change while being reconciled; still changing after them,
+        /// they are reported (not forced) and the exit code is 1.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+        rounds: u32,
+        /// Variable values as `--NAME VALUE` (collected before parsing; see --help with --config).
+        #[arg(skip)]
+        vars: Vec<(String, String)>,
+    },
+    /// Dead-letter queue tools.
+    Dlq {
+        #[command(subcommand)]
+        action: DlqAction,
+    },
     /// Load and check a config: settings, filter patterns, templates, measures and feedback
     /// loops. Prints a summary; errors name the setting's path and exit 2.
     Validate {
@@ -67,6 +112,28 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum DlqAction {
+    /// For each dead letter: reconcile the targets its record touched, then delete it.
+    /// Letters whose targets cannot be determined or still drift stay in the queue.
+    Replay {
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// Most letters to process in this run.
+        #[arg(long, default_value_t = 1000)]
+        max: u64,
+        /// Longest wait for the stream consumer to catch up before correcting.
+        #[arg(long, default_value = "60s", value_name = "DURATION")]
+        wait: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum LogFormat {
     Json,
@@ -89,9 +156,104 @@ fn bad(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(BadInput(msg.into()))
 }
 
+/// Flags of `reconcile` that are not variables (the rest `--NAME VALUE` are).
+const RECONCILE_FLAGS: &[&str] = &[
+    "--config",
+    "--all",
+    "--rule",
+    "--dry-run",
+    "--output",
+    "--segments",
+    "--read-rate",
+    "--wait",
+    "--no-wait",
+    "--rounds",
+    "--help",
+    "-h",
+];
+
+/// Pulls `--NAME VALUE` variable pairs out of a `reconcile` command line.
+/// `--NAME VALUE` pairs taken out of a command line.
+type Vars = Vec<(String, String)>;
+
+fn split_reconcile_vars(args: Vec<String>) -> Result<(Vec<String>, Vars), String> {
+    if args.get(1).map(String::as_str) != Some("reconcile") {
+        return Ok((args, Vec::new()));
+    }
+    let mut rest = Vec::new();
+    let mut vars = Vec::new();
+    let mut it = args.into_iter().peekable();
+    while let Some(a) = it.next() {
+        let name = a.split('=').next().unwrap_or("");
+        if a.starts_with("--") && a.len() > 2 && !RECONCILE_FLAGS.contains(&name) {
+            let (key, value) = match a.split_once('=') {
+                Some((k, v)) => (k.to_string(), v.to_string()),
+                None => match it.next() {
+                    Some(v) => (a.clone(), v),
+                    None => return Err(format!("{a} needs a value, e.g. {a} c1")),
+                },
+            };
+            vars.push((key.trim_start_matches("--").to_string(), value));
+        } else {
+            rest.push(a);
+        }
+    }
+    Ok((rest, vars))
+}
+
+/// `reconcile --config FILE --help`: the usual help plus the variable flags of that config.
+fn reconcile_help(args: &[String]) -> Option<ExitCode> {
+    if args.get(1).map(String::as_str) != Some("reconcile") || !args.iter().any(|a| a == "--help" || a == "-h") {
+        return None;
+    }
+    let config = args.iter().position(|a| a == "--config").and_then(|i| args.get(i + 1))?;
+    use clap::CommandFactory;
+    let mut cmd = Cli::command();
+    let help = cmd.find_subcommand_mut("reconcile").map(|c| c.render_long_help().to_string()).unwrap_or_default();
+    println!("{help}");
+    match Config::load(Path::new(config)) {
+        Ok(c) => {
+            println!("Variable flags of {config}:");
+            for v in c.target_variables() {
+                let rules: Vec<String> = c
+                    .engine
+                    .rules
+                    .iter()
+                    .filter(|r| r.target.iter().any(|(_, t)| t.variables().any(|x| x == v)))
+                    .map(|r| r.name.to_string())
+                    .collect();
+                println!("  --{v} <VALUE>    determines targets of {}", rules.join(", "));
+            }
+            Some(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("error: {config}: {e}");
+            Some(ExitCode::from(2))
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let (args, vars) = match split_reconcile_vars(std::env::args().collect()) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(code) = reconcile_help(&args) {
+        return code;
+    }
+    let mut cli = Cli::parse_from(args);
+    if let Command::Reconcile { vars: v, .. } = &mut cli.command {
+        *v = vars;
+    }
     let result = match cli.command {
+        Command::Reconcile { config, all, rule, dry_run, output, segments, read_rate, wait, no_wait, rounds, vars } => {
+            let opts = ReconcileCli { all, rule, dry_run, output, segments, read_rate, wait, no_wait, rounds, vars };
+            reconcile(&config, opts)
+        }
+        Command::Dlq { action: DlqAction::Replay { config, max, wait } } => dlq_replay(&config, max, &wait),
         Command::Run { config, log_format } => run(&config, log_format),
         Command::Validate { config } => validate(&config),
         Command::TestPattern { pattern, event, numeric_strings } => test_pattern(&pattern, &event, numeric_strings),
@@ -118,6 +280,163 @@ fn run(path: &Path, format: LogFormat) -> anyhow::Result<()> {
         ddb_aggregator::service::ServiceError::Setup(m) => bad(m),
         ddb_aggregator::service::ServiceError::Runtime(m) => anyhow!(m),
     })
+}
+
+struct ReconcileCli {
+    all: bool,
+    rule: Option<String>,
+    dry_run: bool,
+    output: Output,
+    segments: u32,
+    read_rate: Option<u32>,
+    wait: String,
+    no_wait: bool,
+    rounds: u32,
+    vars: Vec<(String, String)>,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+}
+
+fn reconcile(path: &Path, cli: ReconcileCli) -> anyhow::Result<()> {
+    use ddb_aggregator::reconcile::{Options, Reconciler};
+    let config = load_config(path)?;
+    let wait = ddb_aggregator::config::parse_duration(&cli.wait).map_err(|e| bad(format!("--wait: {e}")))?;
+    let mut vars = std::collections::BTreeMap::new();
+    for (k, v) in cli.vars {
+        if vars.insert(k.clone(), v).is_some() {
+            return Err(bad(format!("--{k} given twice")));
+        }
+    }
+    let opts = Options {
+        vars,
+        all: cli.all,
+        rule: cli.rule,
+        dry_run: cli.dry_run,
+        segments: cli.segments,
+        read_rate: cli.read_rate,
+        wait,
+        no_wait: cli.no_wait,
+        attempts: cli.rounds,
+        progress: true,
+    };
+    // Bad input is refused before any request.
+    Reconciler::check(&config, &opts).map_err(bad)?;
+    ddb_aggregator::telemetry::init_logging(false);
+    let key_names = config.engine.key_names.clone();
+    let report = runtime()?.block_on(async move {
+        let sdk = ddb_aggregator::aws::sdk_config().await;
+        let reconciler = Reconciler::new(aws_sdk_dynamodb::Client::new(&sdk), config).await?;
+        reconciler.run(&opts).await
+    });
+    let report = report.map_err(|e| anyhow!(e))?;
+    print_report(&report, &key_names, cli.output, cli.dry_run)?;
+    if report.uncorrected() > 0 {
+        return Err(anyhow!("{} drifted attribute(s) or target(s) left uncorrected", report.uncorrected()));
+    }
+    Ok(())
+}
+
+fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String], output: Output, dry_run: bool) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    let target_text = |t: &TargetKey| t.0.join(" / ");
+    match output {
+        Output::Json => {
+            for d in &report.drifts {
+                let target: serde_json::Map<String, Value> =
+                    key_names.iter().cloned().zip(d.target.0.iter().map(|v| Value::String(v.to_string()))).collect();
+                let line = serde_json::json!({
+                    "rule": d.rule, "target": target, "attribute": d.attribute,
+                    "stored": d.stored.to_string(), "true": d.truth.to_string(),
+                    "difference": d.difference().map(|x| x.to_string()), "corrected": d.corrected,
+                });
+                writeln!(out, "{line}")?;
+            }
+            let not_quiet: Vec<String> = report.not_quiet.iter().map(|(r, t)| format!("{r}: {}", target_text(t))).collect();
+            let summary = serde_json::json!({"summary": {
+                "targets_checked": report.targets_checked, "items_read": report.items_read, "drifts": report.drifts.len(),
+                "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet,
+                "poison_items": report.poisons, "seconds": report.elapsed.as_secs_f64(), "dry_run": dry_run,
+            }});
+            writeln!(out, "{summary}")?;
+        }
+        Output::Table => {
+            if !report.drifts.is_empty() {
+                writeln!(
+                    out,
+                    "{:<20} {:<32} {:<20} {:>14} {:>14} {:>14}  {}",
+                    "rule", "target", "attribute", "stored", "true", "difference", ""
+                )?;
+                for d in &report.drifts {
+                    let diff = d.difference().map(|x| x.to_string()).unwrap_or_else(|| "-".into());
+                    writeln!(
+                        out,
+                        "{:<20} {:<32} {:<20} {:>14} {:>14} {:>14}  {}",
+                        d.rule,
+                        target_text(&d.target),
+                        d.attribute,
+                        d.stored.to_string(),
+                        d.truth.to_string(),
+                        diff,
+                        if d.corrected { "corrected" } else { "" }
+                    )?;
+                }
+            }
+            for (r, t) in &report.not_quiet {
+                writeln!(out, "{r}: {} kept changing while being reconciled; not forced (run again)", target_text(t))?;
+            }
+            writeln!(
+                out,
+                "reconcile: {} target(s) checked, {} item(s) read in {:.1}s ({:.0}/s), {} drift(s){}, {} not quiet{}",
+                report.targets_checked,
+                report.items_read,
+                report.elapsed.as_secs_f64(),
+                report.items_read as f64 / report.elapsed.as_secs_f64().max(0.001),
+                report.drifts.len(),
+                if dry_run {
+                    " (dry run: nothing written)".to_string()
+                } else {
+                    format!(", {} corrected", report.drifts.iter().filter(|d| d.corrected).count())
+                },
+                report.not_quiet.len(),
+                if report.poisons > 0 { format!(", {} poison item(s) skipped", report.poisons) } else { String::new() },
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn dlq_replay(path: &Path, max: u64, wait: &str) -> anyhow::Result<()> {
+    use ddb_aggregator::reconcile::{replay_dead_letters, Options, Reconciler};
+    let config = load_config(path)?;
+    let wait = ddb_aggregator::config::parse_duration(wait).map_err(|e| bad(format!("--wait: {e}")))?;
+    let queue = config
+        .dead_letter
+        .as_ref()
+        .map(|d| d.queue_url.clone())
+        .ok_or_else(|| bad(format!("{}: no dead_letter.queue_url configured", path.display())))?;
+    ddb_aggregator::telemetry::init_logging(false);
+    let summary = runtime()?.block_on(async move {
+        let sdk = ddb_aggregator::aws::sdk_config().await;
+        let sqs = aws_sdk_sqs::Client::new(&sdk);
+        let reconciler = Reconciler::new(aws_sdk_dynamodb::Client::new(&sdk), config).await?;
+        replay_dead_letters(&reconciler, &sqs, &queue, max, &Options { wait, ..Options::default() }).await
+    });
+    let summary = summary.map_err(|e| anyhow!(e))?;
+    for k in &summary.kept {
+        eprintln!("kept: {k}");
+    }
+    println!(
+        "dlq replay: {} letter(s) replayed and deleted, {} corrected attribute(s), {} kept",
+        summary.replayed,
+        summary.corrected,
+        summary.kept.len()
+    );
+    if !summary.kept.is_empty() {
+        return Err(anyhow!("{} letter(s) could not be replayed", summary.kept.len()));
+    }
+    Ok(())
 }
 
 fn load_config(path: &Path) -> anyhow::Result<Config> {

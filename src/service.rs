@@ -98,7 +98,13 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     };
     let shared = Shared::new(config, DynamoDbStream::new(streams, stream_arn.clone()), leases, sink, owner, health)
         .with_dead_letters(dead_letters, stream_arn);
+    let reconcile_interval = shared.config.reconcile_interval;
+    let schedule_config = shared.config.clone();
     let worker = Worker::new(shared);
+    if let Some(interval) = reconcile_interval {
+        let reconciler = crate::reconcile::Reconciler::new(ddb.clone(), schedule_config).await.map_err(ServiceError::Runtime)?;
+        tokio::spawn(crate::reconcile::schedule::run_schedule(worker.shared().clone(), reconciler, ddb.clone(), interval, cancel.clone()));
+    }
 
     let signals = cancel.clone();
     tokio::spawn(async move {

@@ -59,6 +59,8 @@ pub struct Config {
     pub dead_letter: Option<DeadLetterConfig>,
     /// None: no scheduled reconcile.
     pub reconcile_interval: Option<Duration>,
+    /// The schedule reconciles every target (true) or the touched ones.
+    pub reconcile_all: bool,
     pub metrics_listen: SocketAddr,
     pub engine: Engine,
 }
@@ -240,6 +242,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     };
     let interval = duration("reconcile.interval", raw.reconcile.as_ref().and_then(|r| r.interval.as_deref()), "1h")?;
     let reconcile_interval = (!interval.is_zero()).then_some(interval);
+    let reconcile_all = match raw.reconcile.as_ref().and_then(|r| r.scope.as_deref()).unwrap_or("touched") {
+        "touched" => false,
+        "all" => true,
+        other => return Err(err("reconcile.scope", format!("{other:?}: use touched or all"))),
+    };
     let listen = raw.metrics.as_ref().and_then(|m| m.listen.as_deref()).unwrap_or("0.0.0.0:9464");
     let metrics_listen: SocketAddr =
         listen.parse().map_err(|_| err("metrics.listen", format!("{listen:?} is not an address like 0.0.0.0:9464")))?;
@@ -266,6 +273,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         aggregates_table,
         dead_letter,
         reconcile_interval,
+        reconcile_all,
         metrics_listen,
         engine,
     })

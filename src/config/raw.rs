@@ -98,6 +98,10 @@ pub struct RawReconcile {
     /// `0s` disables the schedule (default 1h).
     #[serde(default, deserialize_with = "text")]
     pub interval: Option<String>,
+    /// What the schedule reconciles: `touched` (targets this replica wrote since its last
+    /// run, default) or `all` (a full scan every interval).
+    #[serde(default)]
+    pub scope: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

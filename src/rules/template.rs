@@ -157,6 +157,22 @@ impl Template {
         Ok(())
     }
 
+    /// Whether `text` could be an expansion of this template (each variable standing for a
+    /// non-empty run of characters without `#`).
+    pub fn matches_expansion(&self, text: &str) -> bool {
+        fn go(parts: &[Part], text: &str) -> bool {
+            match parts.split_first() {
+                None => text.is_empty(),
+                Some((Part::Literal(l), rest)) => text.strip_prefix(l.as_str()).is_some_and(|t| go(rest, t)),
+                Some((Part::Var { .. }, rest)) => {
+                    let limit = text.find(DELIMITER).unwrap_or(text.len());
+                    text[..limit].char_indices().map(|(i, c)| i + c.len_utf8()).any(|end| go(rest, &text[end..]))
+                }
+            }
+        }
+        go(&self.parts, text)
+    }
+
     /// Matches `value`, pushing `(variable, captured text)`; false if it does not match.
     pub fn capture<'t, 'v>(&'t self, value: &'v str, out: &mut Vec<(&'t str, &'v str)>) -> bool {
         let mut pos = 0;
@@ -325,6 +341,19 @@ mod tests {
         let literal = Template::parse("PROFILE").unwrap();
         assert!(literal.capture("PROFILE", &mut out));
         assert!(!literal.capture("PROFILEX", &mut out));
+    }
+
+    #[test]
+    fn expansions() {
+        let t = Template::parse("orders_{status}").unwrap();
+        assert!(t.matches_expansion("orders_PAID"));
+        assert!(!t.matches_expansion("orders_"));
+        assert!(!t.matches_expansion("orderCount"));
+        assert!(!t.matches_expansion("orders_A#B"));
+        let k = Template::parse("SALES#{date|day}").unwrap();
+        assert!(k.matches_expansion("SALES#2026-11-30"));
+        assert!(!k.matches_expansion("SALES#"));
+        assert!(Template::parse("a{x}b{y}").unwrap().matches_expansion("a1b2b3"));
     }
 
     #[test]

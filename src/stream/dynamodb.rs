@@ -8,11 +8,10 @@ use aws_sdk_dynamodbstreams::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodbstreams::types::{AttributeValue, Record, ShardIteratorType};
 use aws_sdk_dynamodbstreams::Client;
 use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
-use base64::Engine as _;
 use serde_json::{json, Map, Value};
 
 use super::{Page, Position, ShardInfo, StreamError, StreamSource};
-use crate::aws::{classify, FailureKind};
+use crate::aws::{classify, stream_attribute_to_json as attribute_to_json, FailureKind};
 
 pub struct DynamoDbStream {
     client: Client,
@@ -165,30 +164,13 @@ fn item_to_json(item: &HashMap<String, AttributeValue>) -> Result<Value, String>
     Ok(Value::Object(m))
 }
 
-/// Typed DynamoDB JSON (`{"S": "x"}`, `{"N": "1"}`, ...). Total: unknown variants are errors.
-pub fn attribute_to_json(v: &AttributeValue) -> Result<Value, String> {
-    let b64 = |b: &aws_sdk_dynamodbstreams::primitives::Blob| base64::engine::general_purpose::STANDARD.encode(b.as_ref());
-    Ok(match v {
-        AttributeValue::S(s) => json!({ "S": s }),
-        AttributeValue::N(n) => json!({ "N": n }),
-        AttributeValue::B(b) => json!({ "B": b64(b) }),
-        AttributeValue::Bool(b) => json!({ "BOOL": b }),
-        AttributeValue::Null(b) => json!({ "NULL": b }),
-        AttributeValue::Ss(v) => json!({ "SS": v }),
-        AttributeValue::Ns(v) => json!({ "NS": v }),
-        AttributeValue::Bs(v) => json!({ "BS": v.iter().map(b64).collect::<Vec<_>>() }),
-        AttributeValue::L(items) => json!({ "L": items.iter().map(attribute_to_json).collect::<Result<Vec<_>, _>>()? }),
-        AttributeValue::M(map) => json!({ "M": item_to_json(map)? }),
-        _ => return Err("an attribute type this version does not know".to_string()),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use aws_sdk_dynamodbstreams::primitives::{Blob, DateTime};
     use aws_sdk_dynamodbstreams::types::{Identity, OperationType, StreamRecord};
 
     use super::*;
+    use crate::aws::stream_attribute_to_json as attribute_to_json;
 
     #[test]
     fn converts_every_attribute_type() {

@@ -18,6 +18,10 @@ pub const GET_RECORDS: &str = "ddb_aggregator_get_records_total";
 pub const TRIMMED_DATA: &str = "ddb_aggregator_trimmed_data_total";
 pub const DEAD_LETTERS: &str = "ddb_aggregator_dead_letters_total";
 pub const DEAD_LETTER_FAILURES: &str = "ddb_aggregator_dead_letter_send_failures_total";
+pub const RECONCILE_RUNS: &str = "ddb_aggregator_reconcile_runs_total";
+pub const RECONCILE_DRIFT: &str = "ddb_aggregator_reconcile_drift_total";
+pub const RECONCILE_CORRECTIONS: &str = "ddb_aggregator_reconcile_corrections_total";
+pub const RECONCILE_LAST_SUCCESS: &str = "ddb_aggregator_reconcile_last_success_timestamp_seconds";
 pub const BUILD_INFO: &str = "ddb_aggregator_build_info";
 
 /// Registers help texts and units.
@@ -43,5 +47,9 @@ pub fn describe() {
     describe_counter!(TRIMMED_DATA, "Times a shard position was older than the stream's retention: data was lost and needs a reconcile.");
     describe_counter!(DEAD_LETTERS, "Records sent to the dead-letter queue, by reason.");
     describe_counter!(DEAD_LETTER_FAILURES, "Failed attempts to send a dead letter (the shard waits and retries; alert on it).");
+    describe_counter!(RECONCILE_RUNS, "Reconcile runs by outcome (ok, drift_remaining, error).");
+    describe_counter!(RECONCILE_DRIFT, "Drifted target attributes found by reconcile, per rule.");
+    describe_counter!(RECONCILE_CORRECTIONS, "Drifted target attributes corrected by reconcile, per rule.");
+    describe_gauge!(RECONCILE_LAST_SUCCESS, Unit::Seconds, "When a reconcile last finished with no drift left (epoch seconds).");
     describe_gauge!(BUILD_INFO, "Build information; the value is always 1.");
 }

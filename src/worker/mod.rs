@@ -45,6 +45,10 @@ pub struct Shared<S, L, A> {
     /// Creation time (epoch ms) of the oldest shard not yet finished; 0 when unknown. Ledger
     /// entries of shards created before it can be pruned.
     pub open_floor_ms: AtomicU64,
+    /// Targets written since the last scheduled reconcile, per rule (bounded).
+    pub touched: std::sync::Mutex<BTreeMap<String, std::collections::BTreeSet<crate::rules::TargetKey>>>,
+    /// Set when data was lost (trimmed): the next scheduled reconcile covers every target.
+    pub reconcile_everything: std::sync::atomic::AtomicBool,
     /// Ledger entries to remove on the next write to each target (bounded).
     pub pending_prunes: std::sync::Mutex<HashMap<crate::rules::TargetKey, Vec<String>>>,
 }
@@ -66,6 +70,8 @@ impl<S, L, A> Shared<S, L, A> {
             dead_letters: DeadLetters::Disabled,
             stream_arn: String::new(),
             open_floor_ms: AtomicU64::new(0),
+            touched: Default::default(),
+            reconcile_everything: Default::default(),
             pending_prunes: Default::default(),
         }
     }
@@ -74,6 +80,18 @@ impl<S, L, A> Shared<S, L, A> {
         self.dead_letters = dead_letters;
         self.stream_arn = stream_arn;
         self
+    }
+
+    /// Remembers a written target for the schedule (bounded: past 100,000 targets the next
+    /// run covers everything instead).
+    pub fn touch(&self, rule: &str, key: &crate::rules::TargetKey) {
+        let mut t = self.touched.lock().unwrap_or_else(|e| e.into_inner());
+        let total: usize = t.values().map(|s| s.len()).sum();
+        if total >= 100_000 {
+            self.reconcile_everything.store(true, Ordering::Relaxed);
+            return;
+        }
+        t.entry(rule.to_string()).or_default().insert(key.clone());
     }
 
     /// Ledger entries seen on `key` that may now be removed.

@@ -96,6 +96,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
                     // Never continue silently: count, log, and restart from the oldest record.
                     metrics::counter!(names::TRIMMED_DATA).increment(1);
                     shared.trimmed_events.fetch_add(1, Ordering::Relaxed);
+                    shared.reconcile_everything.store(true, Ordering::Relaxed);
                     error!(shard = %shard, reason = %why, "checkpoint is beyond the stream's retention: records were lost; aggregates need a reconcile");
                     position = Position::TrimHorizon;
                     continue;
@@ -114,6 +115,9 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
                 }
             },
         };
+        // A page shorter than the limit means the shard's tip was reached as of this call:
+        // everything in the shard before `called_at` is in this page or earlier ones.
+        let called_at = now_ms();
         let page = tokio::select! {
             _ = stop.cancelled() => return ShardExit::Stopped,
             p = shared.source.records(&it, shared.config.source.batch_size) => p,
@@ -134,6 +138,8 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
                     StreamError::TrimmedData(why) => {
                         metrics::counter!(names::TRIMMED_DATA).increment(1);
                         shared.trimmed_events.fetch_add(1, Ordering::Relaxed);
+                        shared.reconcile_everything.store(true, Ordering::Relaxed);
+                        shared.reconcile_everything.store(true, Ordering::Relaxed);
                         error!(shard = %shard, reason = %why, "iterator points at trimmed data: records were lost; aggregates need a reconcile");
                         position = Position::TrimHorizon;
                     }
@@ -150,7 +156,8 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         };
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
         if !page.records.is_empty() {
-            match apply_batch(&shared, &lease, &ctx, &page.records, &mut dead_lettered).await {
+            let at_tip = (page.records.len() < shared.config.source.batch_size as usize).then_some(called_at);
+            match apply_batch(&shared, &lease, &ctx, &page.records, &mut dead_lettered, at_tip).await {
                 Ok(Some(p)) => {
                     if let Some(Checkpoint::Sequence(seq)) = &p {
                         position = Position::After(seq.clone());
@@ -177,7 +184,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
             shared.set_age(&shard, 0.0);
             let now = now_ms();
             if now.saturating_sub(last_tip_report) >= shared.config.state.lease_duration.as_millis() as u64 / 2 {
-                let progress = Progress { checkpoint: None, last_record_ms: None, at_tip_ms: Some(now) };
+                let progress = Progress { checkpoint: None, last_record_ms: None, at_tip_ms: Some(called_at) };
                 if let Ok(false) = shared.leases.checkpoint(&shard, &shared.owner, lease.counter, &progress).await {
                     return ShardExit::LeaseLost;
                 }
@@ -281,6 +288,7 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     ctx: &ShardContext,
     records: &[Value],
     dead_lettered: &mut std::collections::HashSet<String>,
+    at_tip: Option<u64>,
 ) -> Result<Option<Option<Checkpoint>>, SinkError> {
     let started = Instant::now();
     let shard = &lease.shard_id;
@@ -372,6 +380,11 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
             Ok(stats) => {
                 record_write(shared, &stats);
                 shared.add_prunes(key, stats.prunable);
+                let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
+                rules.dedup();
+                for r in rules {
+                    shared.touch(r, key);
+                }
             }
             Err(SinkError::Invalid(why)) => {
                 metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "rejected").increment(1);
@@ -454,7 +467,7 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     if !lease.valid() {
         return Ok(None);
     }
-    let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: newest_ms, at_tip_ms: None };
+    let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: newest_ms, at_tip_ms: at_tip };
     let mut attempt = 0;
     loop {
         match shared.leases.checkpoint(shard, &shared.owner, lease.counter, &progress).await {

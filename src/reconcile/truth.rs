@@ -1,0 +1,145 @@
+//! The truth, computed from the source items themselves (pure): what every target's measure
+//! attributes should hold given the items as they are now.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Map, Value};
+
+use crate::decimal::Decimal;
+use crate::rules::record::StreamRecord;
+use crate::rules::template::VarValue;
+use crate::rules::{Poison, Rule, TargetKey};
+
+/// Attribute values per target.
+pub type Values = BTreeMap<TargetKey, BTreeMap<String, Decimal>>;
+
+/// What a rule's measures sum to over a set of items.
+#[derive(Debug, Default)]
+pub struct Truth {
+    pub values: Values,
+    pub items: u64,
+    /// Items the rule cannot evaluate (they are in the dead-letter queue or will be).
+    pub poisons: Vec<Poison>,
+}
+
+impl Truth {
+    /// Adds one source item (typed DynamoDB JSON). The item counts as a stream INSERT of
+    /// itself, so the rule's filter, source key and `where` decide exactly as for the stream;
+    /// `key_names` are the source table's key attributes (for `dynamodb.Keys`).
+    pub fn add_item(&mut self, rule: &Rule, key_names: &[String], item: &Map<String, Value>) {
+        self.items += 1;
+        let keys: Map<String, Value> = key_names.iter().filter_map(|k| item.get(k).map(|v| (k.clone(), v.clone()))).collect();
+        let record = json!({"eventName": "INSERT", "eventSource": "aws:dynamodb", "dynamodb": {"Keys": keys, "NewImage": item, "StreamViewType": "NEW_AND_OLD_IMAGES"}});
+        if !rule.filter_matches(&record) {
+            return;
+        }
+        let Ok(decoded) = StreamRecord::decode(&record) else { return };
+        match rule.deltas(&decoded) {
+            Ok(deltas) => {
+                for (target, values) in deltas {
+                    let entry = self.values.entry(target).or_default();
+                    for (name, v) in values {
+                        let sum = entry.entry(name).or_insert(Decimal::ZERO);
+                        match sum.checked_add(v) {
+                            Ok(s) => *sum = s,
+                            Err(e) => self.poisons.push(Poison {
+                                code: crate::rules::PoisonCode::OutOfRange,
+                                rule: Some(rule.name.clone()),
+                                message: format!("the true sum leaves DynamoDB's number range: {e}"),
+                                variables: BTreeMap::new(),
+                            }),
+                        }
+                    }
+                }
+            }
+            Err(p) => self.poisons.push(p),
+        }
+    }
+}
+
+/// The target a rule writes for the given variables, if they determine it.
+pub fn target_for(rule: &Rule, vars: &BTreeMap<String, String>) -> Option<TargetKey> {
+    let mut parts = Vec::with_capacity(rule.target.len());
+    for (_, t) in &rule.target {
+        let v = t.expand(|name| vars.get(name).map(|s| VarValue::Str(s.as_str()))).ok()?;
+        parts.push(v.into_boxed_str());
+    }
+    Some(TargetKey(parts.into_boxed_slice()))
+}
+
+/// Whether an item key (values in the table's key order) could be one of the rule's targets.
+pub fn is_target(rule: &Rule, key: &[&str]) -> bool {
+    rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v))
+}
+
+/// Whether an attribute could be written by one of the rule's measures.
+pub fn owns_attribute(rule: &Rule, attribute: &str) -> bool {
+    !attribute.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX)
+        && !rule.target.iter().any(|(k, _)| k == attribute)
+        && rule.measures.iter().any(|m| m.name.matches_expansion(attribute))
+}
+
+/// The variables a target key was expanded from (captures of the target templates).
+pub fn variables_of(rule: &Rule, key: &TargetKey) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for ((_, t), v) in rule.target.iter().zip(key.0.iter()) {
+        let mut caps = Vec::new();
+        if t.capture(v, &mut caps) {
+            for (n, c) in caps {
+                out.insert(n.to_string(), c.to_string());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn rules() -> Vec<Rule> {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+        Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules
+    }
+
+    fn item(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn truth_from_items() {
+        let rules = rules();
+        let keys = vec!["PK".to_string(), "SK".to_string()];
+        let mut t = Truth::default();
+        for i in [
+            json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#o1"}, "status": {"S": "PAID"}, "total": {"N": "10.5"}}),
+            json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#o2"}, "status": {"S": "SHIPPED"}, "total": {"N": "5"}}),
+            json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}, "orderCount": {"N": "7"}}),
+            json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#o3"}, "status": {"S": "PAID"}, "total": {"S": "x"}}),
+        ] {
+            t.add_item(&rules[0], &keys, &item(i));
+        }
+        assert_eq!(t.items, 4);
+        assert_eq!(t.poisons.len(), 1);
+        let c1 = &t.values[&target_for(&rules[0], &[("customer".to_string(), "c1".to_string())].into()).unwrap()];
+        let shown: Vec<String> = c1.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        assert_eq!(shown, ["openOrders=1", "openRevenue=10.5", "orderCount=2", "orders_PAID=1", "orders_SHIPPED=1", "revenue=15.5"]);
+    }
+
+    #[test]
+    fn targets_and_attributes() {
+        let rules = rules();
+        assert!(is_target(&rules[0], &["CUST#c1", "PROFILE"]));
+        assert!(!is_target(&rules[0], &["CUST#c1", "ORDER#x#y"]));
+        assert!(is_target(&rules[1], &["SALES#2026-11-30", "TOTAL"]));
+        assert!(owns_attribute(&rules[0], "orders_PAID"));
+        assert!(!owns_attribute(&rules[0], "name"));
+        assert!(!owns_attribute(&rules[0], "_agg:0001"));
+        let key = target_for(&rules[0], &[("customer".to_string(), "c9".to_string())].into()).unwrap();
+        assert_eq!(variables_of(&rules[0], &key).get("customer").map(String::as_str), Some("c9"));
+        assert!(target_for(&rules[1], &[("customer".to_string(), "c9".to_string())].into()).is_none(), "daily-sales needs {{date}}");
+    }
+}
