@@ -363,11 +363,7 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
         }
         Output::Table => {
             if !report.drifts.is_empty() {
-                writeln!(
-                    out,
-                    "{:<20} {:<32} {:<20} {:>14} {:>14} {:>14}  {}",
-                    "rule", "target", "attribute", "stored", "true", "difference", ""
-                )?;
+                writeln!(out, "{:<20} {:<32} {:<20} {:>14} {:>14} {:>14}", "rule", "target", "attribute", "stored", "true", "difference")?;
                 for d in &report.drifts {
                     let diff = d.difference().map(|x| x.to_string()).unwrap_or_else(|| "-".into());
                     writeln!(
