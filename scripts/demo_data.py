@@ -5,6 +5,9 @@
                                  stream, and the dead-letter queue
   demo_data.py write [--seed N]  write customers and orders: inserts, status changes, total
                                  changes, deletes
+  demo_data.py poison            write one order whose total is not a number (a poison record)
+  demo_data.py drift             set CUST#c1's orderCount to a wrong value, then write an order
+                                 for c1 (so the service's schedule reconciles c1)
   demo_data.py show [--check]    print the aggregate items next to the truth computed from a
                                  scan of the orders; with --check exit 1 unless they agree
 
@@ -21,7 +24,8 @@ from decimal import Decimal
 import boto3
 
 TABLE = os.environ.get("DEMO_TABLE", "commerce-main")
-QUEUE = "ddb-aggregator-dlq"
+STATE = os.environ.get("DEMO_STATE", "ddb-aggregator-state")
+QUEUE = os.environ.get("DEMO_QUEUE", "ddb-aggregator-dlq")
 STATUSES = ["PENDING", "PAID", "SHIPPED", "CANCELLED"]
 
 
@@ -46,7 +50,7 @@ def setup():
     c.get_waiter("table_exists").wait(TableName=TABLE)
     # The state table is per stream; a fresh demo starts from a fresh one.
     try:
-        c.delete_table(TableName="ddb-aggregator-state")
+        c.delete_table(TableName=STATE)
     except c.exceptions.ResourceNotFoundException:
         pass
     sqs = boto3.client("sqs", endpoint_url=os.environ["AWS_ENDPOINT_URL_SQS"], region_name=os.environ.get("AWS_REGION", "us-east-1"))
@@ -83,6 +87,18 @@ def write(seed):
     print(f"wrote {writes} changes: 5 customers, 60 orders, 20 status changes, 10 total changes, 8 deletes")
 
 
+def poison():
+    ddb().put_item(TableName=TABLE, Item={"PK": {"S": "CUST#c2"}, "SK": {"S": "ORDER#2026-11-30#poison"}, "status": {"S": "PAID"}, "total": {"S": "12 EUR"}})
+    print("wrote one poison order (total is a string)")
+
+
+def drift():
+    c = ddb()
+    c.update_item(TableName=TABLE, Key={"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}}, UpdateExpression="SET orderCount = :v", ExpressionAttributeValues={":v": {"N": "999"}})
+    c.put_item(TableName=TABLE, Item={"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#late"}, "status": {"S": "PAID"}, "total": {"N": "1"}})
+    print("set CUST#c1 orderCount to 999 and wrote an order for c1")
+
+
 def scan():
     c = ddb()
     items = []
@@ -102,6 +118,8 @@ def truth(items):
         parts = sk.split("#")
         if not (pk.startswith("CUST#") and len(pk.split("#")) == 2 and len(parts) == 3 and parts[0] == "ORDER"):
             continue
+        if "total" in it and "N" not in it["total"]:
+            continue  # a poison item: both rules refuse it (it is in the dead-letter queue)
         total = Decimal(it["total"]["N"]) if "total" in it else None
         status = it.get("status", {}).get("S")
         prof = (pk, "PROFILE")
@@ -145,7 +163,7 @@ def show(check):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["setup", "write", "show"])
+    p.add_argument("command", choices=["setup", "write", "poison", "drift", "show"])
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--check", action="store_true")
     a = p.parse_args()
@@ -153,6 +171,10 @@ def main():
         setup()
     elif a.command == "write":
         write(a.seed)
+    elif a.command == "poison":
+        poison()
+    elif a.command == "drift":
+        drift()
     else:
         sys.exit(0 if show(a.check) else 1)
 

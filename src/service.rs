@@ -64,6 +64,7 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     let lease_ms = u64::try_from(config.state.lease_duration.as_millis()).unwrap_or(u64::MAX);
     let handle = telemetry::install_metrics(std::time::Duration::from_millis(lease_ms.saturating_mul(3).max(30_000)))
         .map_err(ServiceError::Runtime)?;
+    telemetry::names::init_series(&config.engine.rules.iter().map(|r| r.name.to_string()).collect::<Vec<_>>());
     let listener = telemetry::bind(config.metrics_listen).await.map_err(ServiceError::Setup)?;
     let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     tokio::spawn(telemetry::serve(listener, handle, health.clone(), cancel.clone()));

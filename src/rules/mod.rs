@@ -57,6 +57,18 @@ pub enum PoisonCode {
 }
 
 impl PoisonCode {
+    pub const ALL: [PoisonCode; 9] = [
+        PoisonCode::MalformedRecord,
+        PoisonCode::NonNumericSum,
+        PoisonCode::OutOfRange,
+        PoisonCode::KeyDelimiter,
+        PoisonCode::EmptyKeyPart,
+        PoisonCode::MissingVariable,
+        PoisonCode::BadTimestamp,
+        PoisonCode::KeyTooLong,
+        PoisonCode::ReservedAttribute,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             PoisonCode::MalformedRecord => "malformed_record",

@@ -53,3 +53,31 @@ pub fn describe() {
     describe_gauge!(RECONCILE_LAST_SUCCESS, Unit::Seconds, "When a reconcile last finished with no drift left (epoch seconds).");
     describe_gauge!(BUILD_INFO, "Build information; the value is always 1.");
 }
+
+/// Creates every counter series with its fixed label values at zero, so dashboards and alerts
+/// (`increase()`, `rate()`) see the series before the first event.
+pub fn init_series(rules: &[String]) {
+    use metrics::counter;
+    for name in [RECORDS_READ, COALESCED_UPDATES, WRITE_CAPACITY_UNITS, TRIMMED_DATA, DEAD_LETTER_FAILURES] {
+        counter!(name).increment(0);
+    }
+    for outcome in ["applied", "stale", "fenced", "rejected", "error"] {
+        counter!(AGGREGATE_WRITES, "outcome" => outcome).increment(0);
+    }
+    for outcome in ["ok", "empty", "expired", "throttled", "trimmed", "error"] {
+        counter!(GET_RECORDS, "outcome" => outcome).increment(0);
+    }
+    for outcome in ["ok", "drift_remaining", "error"] {
+        counter!(RECONCILE_RUNS, "outcome" => outcome).increment(0);
+    }
+    let reasons = crate::rules::PoisonCode::ALL.iter().map(|c| c.as_str()).chain(["too_old", "write_rejected"]);
+    for reason in reasons {
+        counter!(DEAD_LETTERS, "reason" => reason).increment(0);
+        counter!(RECORDS_SKIPPED, "reason" => reason).increment(0);
+    }
+    for rule in rules {
+        counter!(RECORDS_MATCHED, "rule" => rule.clone()).increment(0);
+        counter!(RECONCILE_DRIFT, "rule" => rule.clone()).increment(0);
+        counter!(RECONCILE_CORRECTIONS, "rule" => rule.clone()).increment(0);
+    }
+}
