@@ -461,3 +461,58 @@ async fn ledger_entries_of_finished_shards_are_pruned_and_stale_writers_fenced()
     assert!(stale.fenced && stale.applied_records == 0, "{stale:?}");
     assert_eq!(fakes.2.numbers(), expected(&records), "nothing was applied twice");
 }
+
+/// Random lineage graphs (splits and rollovers at random points, records everywhere) are read
+/// parent-first and applied exactly once, with two replicas sharing the work.
+#[tokio::test]
+async fn random_lineages_are_read_parent_first() {
+    for seed in 0..6u64 {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+        let mut open: Vec<String> = (0..rng.usize(1..3)).map(|_| fakes.0.add_shard(None)).collect();
+        let mut parents: Vec<(String, String)> = Vec::new();
+        let mut records = Vec::new();
+        let mut closed = 0;
+        let mut n = 0u32;
+        for _ in 0..rng.usize(3..8) {
+            // Records on every open shard, then one shard splits or rolls over.
+            for s in &open {
+                for _ in 0..rng.u32(0..6) {
+                    n += 1;
+                    let r = order(&format!("c{}", rng.u32(0..4)), n, "INSERT", &format!("{}.{}", rng.u32(0..50), rng.u32(0..10)), "PAID");
+                    fakes.0.append(s, r.clone());
+                    records.push(r);
+                }
+            }
+            let i = rng.usize(0..open.len());
+            let s = open.remove(i);
+            closed += 1;
+            if rng.bool() {
+                let (a, b) = fakes.0.split(&s);
+                parents.push((a.clone(), s.clone()));
+                parents.push((b.clone(), s.clone()));
+                open.extend([a, b]);
+            } else {
+                let c = fakes.0.rollover(&s);
+                parents.push((c.clone(), s.clone()));
+                open.push(c);
+            }
+        }
+        let a = start(&fakes, "a");
+        let b = start(&fakes, "b");
+        settle(&fakes, &expected(&records), closed).await;
+        a.cancel.cancel();
+        b.cancel.cancel();
+        a.handle.await.unwrap().unwrap();
+        b.handle.await.unwrap().unwrap();
+        let reads = fakes.0.reads();
+        for (child, parent) in &parents {
+            let (Some(last_parent), Some(first_child)) =
+                (reads.iter().rposition(|(s, _)| s == parent), reads.iter().position(|(s, _)| s == child))
+            else {
+                continue;
+            };
+            assert!(last_parent < first_child, "seed {seed}: {child} read before its parent {parent} was done");
+        }
+    }
+}
