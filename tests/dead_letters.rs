@@ -262,7 +262,7 @@ async fn retriable_faults_are_retried_not_dead_lettered() {
         Fault { target: "GetRecords", status: 400, error_type: "LimitExceededException", rate: 0.3 },
         Fault { target: "GetShardIterator", status: 500, error_type: "InternalServerError", rate: 0.1 },
     ];
-    let proxy = proxy::start(DDB_PORT, faults, 5_000).await;
+    let proxy = proxy::start(ddb_port(), faults, 5_000).await;
     let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
     let svc = Service::start(
         &config,

@@ -17,8 +17,25 @@ use aws_sdk_dynamodb::types::{
 use aws_sdk_dynamodb::Client;
 use ddb_aggregator::decimal::Decimal;
 
-pub const DDB_PORT: u16 = 8100;
-pub const SQS_PORT: u16 = 9424;
+/// Each test binary gets emulators of its own (DynamoDB Local slows down as tables and
+/// stream records pile up, and the heavy binaries would slow the timing-sensitive ones):
+/// DynamoDB Local on 8100 + k, moto on 9424 + k. scripts/test stops them all.
+pub const EMULATOR_SLOTS: &[&str] = &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup"];
+
+fn slot() -> u16 {
+    let exe = std::env::current_exe().ok();
+    let name = exe.as_ref().and_then(|p| p.file_name()).and_then(|n| n.to_str()).unwrap_or("");
+    let base = name.rsplit_once('-').map_or(name, |(b, _)| b);
+    EMULATOR_SLOTS.iter().position(|s| *s == base).map_or(0, |i| i as u16)
+}
+
+pub fn ddb_port() -> u16 {
+    8100 + slot()
+}
+
+pub fn sqs_port() -> u16 {
+    9424 + slot()
+}
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -30,8 +47,8 @@ pub fn emulators() {
     STARTED.get_or_init(|| {
         let out = Command::new(root().join("scripts/local-aws"))
             .arg("start")
-            .env("DDB_LOCAL_PORT", DDB_PORT.to_string())
-            .env("SQS_LOCAL_PORT", SQS_PORT.to_string())
+            .env("DDB_LOCAL_PORT", ddb_port().to_string())
+            .env("SQS_LOCAL_PORT", sqs_port().to_string())
             .stdout(Stdio::null())
             .output()
             .expect("scripts/local-aws runs");
@@ -40,11 +57,11 @@ pub fn emulators() {
 }
 
 pub fn endpoint() -> String {
-    format!("http://127.0.0.1:{DDB_PORT}")
+    format!("http://127.0.0.1:{}", ddb_port())
 }
 
 pub fn sqs_endpoint() -> String {
-    format!("http://127.0.0.1:{SQS_PORT}")
+    format!("http://127.0.0.1:{}", sqs_port())
 }
 
 /// Environment for the service process and the SDK clients.
