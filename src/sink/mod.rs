@@ -76,6 +76,8 @@ pub struct WriteStats {
     pub pruned: usize,
     /// The item's ledger floor is above this shard: the write was a replay and was refused.
     pub fenced: bool,
+    /// Calls whose ledger condition failed (records already applied).
+    pub stale: u64,
 }
 
 /// The shard a batch comes from, and what the ledger may prune.
@@ -172,6 +174,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
                 return Ok(stats);
             }
             Ok(WriteOutcome::Stale { entry, floor }) => {
+                stats.stale += 1;
                 if let (Some(item_floor), Some(mine)) = (&floor, &shard.floor) {
                     if item_floor > mine {
                         // The item's floor passed this shard: the shard was finished (every

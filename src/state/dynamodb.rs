@@ -70,6 +70,37 @@ fn lease_from(item: &HashMap<String, AttributeValue>) -> Option<Lease> {
 
 const OWNED: &str = "#o = :owner AND #c = :counter";
 
+impl DynamoDbLeases {
+    /// An UpdateItem on a lease, conditioned on `owner` still holding it with `counter`.
+    fn owned(
+        &self,
+        shard_id: &str,
+        owner: &str,
+        counter: u64,
+    ) -> aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder {
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(shard_id))
+            .condition_expression(OWNED)
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#c", "counter")
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":counter", n(counter))
+    }
+
+    /// Sends an [`DynamoDbLeases::owned`] update: false when the lease is someone else's now.
+    async fn send_owned(
+        &self,
+        req: aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder,
+    ) -> Result<bool, StateError> {
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+}
+
 impl LeaseStore for DynamoDbLeases {
     async fn prepare(&self, create: bool) -> Result<(), StateError> {
         match self.client.describe_table().table_name(&self.table).send().await {
@@ -199,39 +230,17 @@ impl LeaseStore for DynamoDbLeases {
     }
 
     async fn renew(&self, shard_id: &str, owner: &str, counter: u64, expires_at_ms: u64) -> Result<bool, StateError> {
-        let resp = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("shard_id", s(shard_id))
+        let req = self
+            .owned(shard_id, owner, counter)
             .update_expression("SET #e = :exp")
-            .condition_expression(OWNED)
-            .expression_attribute_names("#o", "owner")
-            .expression_attribute_names("#c", "counter")
             .expression_attribute_names("#e", "expires_at")
-            .expression_attribute_values(":owner", s(owner))
-            .expression_attribute_values(":counter", n(counter))
-            .expression_attribute_values(":exp", n(expires_at_ms))
-            .send()
-            .await;
-        match resp {
-            Ok(_) => Ok(true),
-            Err(e) => map_err(e, &self.table),
-        }
+            .expression_attribute_values(":exp", n(expires_at_ms));
+        self.send_owned(req).await
     }
 
     async fn checkpoint(&self, shard_id: &str, owner: &str, counter: u64, progress: &Progress) -> Result<bool, StateError> {
         let mut sets = Vec::new();
-        let mut req = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("shard_id", s(shard_id))
-            .condition_expression(OWNED)
-            .expression_attribute_names("#o", "owner")
-            .expression_attribute_names("#c", "counter")
-            .expression_attribute_values(":owner", s(owner))
-            .expression_attribute_values(":counter", n(counter));
+        let mut req = self.owned(shard_id, owner, counter);
         if let Some(cp) = &progress.checkpoint {
             sets.push("#cp = :cp");
             req = req.expression_attribute_names("#cp", "checkpoint").expression_attribute_values(":cp", s(cp.as_str()));
@@ -247,31 +256,15 @@ impl LeaseStore for DynamoDbLeases {
         if sets.is_empty() {
             return Ok(true);
         }
-        match req.update_expression(format!("SET {}", sets.join(", "))).send().await {
-            Ok(_) => Ok(true),
-            Err(e) => map_err(e, &self.table),
-        }
+        self.send_owned(req.update_expression(format!("SET {}", sets.join(", ")))).await
     }
 
     async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, StateError> {
-        let resp = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("shard_id", s(shard_id))
+        let req = self
+            .owned(shard_id, owner, counter)
             .update_expression("REMOVE #o SET #e = :zero")
-            .condition_expression(OWNED)
-            .expression_attribute_names("#o", "owner")
-            .expression_attribute_names("#c", "counter")
             .expression_attribute_names("#e", "expires_at")
-            .expression_attribute_values(":owner", s(owner))
-            .expression_attribute_values(":counter", n(counter))
-            .expression_attribute_values(":zero", n(0))
-            .send()
-            .await;
-        match resp {
-            Ok(_) => Ok(true),
-            Err(e) => map_err(e, &self.table),
-        }
+            .expression_attribute_values(":zero", n(0));
+        self.send_owned(req).await
     }
 }

@@ -493,11 +493,11 @@ async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
 }
 
 fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {
-    if stats.fenced {
-        metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "fenced").increment(1);
-    }
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(u64::from(!stats.fenced).min(stats.calls));
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "stale").increment(stats.calls.saturating_sub(1));
+    // A fenced write is also a failed condition: count it once, as fenced.
+    let stale = stats.stale.saturating_sub(u64::from(stats.fenced));
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "fenced").increment(u64::from(stats.fenced));
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "stale").increment(stale);
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(stats.calls.saturating_sub(stats.stale));
     metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
     metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
     shared.capacity_milli.fetch_add((stats.capacity * 1000.0).round() as u64, Ordering::Relaxed);
