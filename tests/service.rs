@@ -18,7 +18,7 @@ const LEASE_SECS: u64 = 2;
 async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let table = unique("orders");
     create_source_table(&c, &table).await;
     let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
@@ -86,7 +86,7 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
 async fn sigkill_at_random_moments_loses_and_doubles_nothing() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let table = unique("kills");
     create_source_table(&c, &table).await;
     let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
@@ -121,7 +121,7 @@ async fn sigkill_at_random_moments_loses_and_doubles_nothing() {
 async fn replicas_take_over_killed_and_stopped_owners() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let table = unique("replicas");
     let state = format!("{table}-state");
     create_source_table(&c, &table).await;

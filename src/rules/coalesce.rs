@@ -62,12 +62,16 @@ impl Coalescer {
         let mut applied: Vec<(&TargetKey, &str, Decimal)> = Vec::new();
         let mut failure = None;
         'outer: for (target, values) in deltas {
+            // A record whose deltas on a target are all zero does not touch it.
+            if values.iter().all(|(_, v)| v.is_zero()) {
+                continue;
+            }
             // Clone keys only when they are new: most records hit targets seen before.
             if !self.targets.contains_key(target) {
                 self.targets.insert(target.clone(), TargetDelta::default());
             }
             let Some(entry) = self.targets.get_mut(target) else { continue };
-            for (name, v) in values {
+            for (name, v) in values.iter().filter(|(_, v)| !v.is_zero()) {
                 if !entry.attributes.contains_key(name) {
                     entry.attributes.insert(name.clone(), Decimal::ZERO);
                 }
@@ -95,14 +99,13 @@ impl Coalescer {
         }
         self.records += 1;
         for (target, values) in deltas {
+            let values: Vec<(String, Decimal)> = values.iter().filter(|(_, v)| !v.is_zero()).cloned().collect();
+            if values.is_empty() {
+                continue;
+            }
             if let Some(entry) = self.targets.get_mut(target) {
                 entry.records += 1;
-                entry.contributions.push(Contribution {
-                    sequence: sequence.map(str::to_string),
-                    rule: rule.cloned(),
-                    created,
-                    values: values.clone(),
-                });
+                entry.contributions.push(Contribution { sequence: sequence.map(str::to_string), rule: rule.cloned(), created, values });
                 if let Some(seq) = sequence {
                     if entry.first_sequence.as_deref().is_none_or(|f| sequence_cmp(seq, f).is_lt()) {
                         entry.first_sequence = Some(seq.to_string());
@@ -125,14 +128,18 @@ impl Coalescer {
         self.targets.is_empty()
     }
 
-    /// The non-zero deltas per target, sorted by target key; targets left with nothing to
-    /// change are dropped.
+    /// The deltas per target, sorted by target key, zero sums left out of `attributes`.
+    ///
+    /// A target whose records cancel out (an order inserted and deleted in one batch) is kept:
+    /// its write still has to advance the ledger. Had a replica that died applied the insert
+    /// alone, skipping the target would leave the insert counted for ever; the ledger-only
+    /// write finds the insert applied and applies the delete.
     pub fn into_targets(self) -> Vec<(TargetKey, TargetDelta)> {
         self.targets
             .into_iter()
             .filter_map(|(key, mut delta)| {
                 delta.attributes.retain(|_, v| !v.is_zero());
-                (!delta.attributes.is_empty()).then_some((key, delta))
+                (!delta.contributions.is_empty()).then_some((key, delta))
             })
             .collect()
     }

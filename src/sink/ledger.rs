@@ -83,8 +83,9 @@ pub enum PlanError {
 }
 
 /// Sums the contributions after `applied` (a padded sequence number, or None for all).
-/// None when nothing is left to write (all applied already, or the rest sums to zero and
-/// there is nothing to record).
+/// None when every contribution is applied already. Records that cancel out still give a
+/// plan (with no adds): its write advances the ledger, so a replica that applied only some
+/// of them cannot leave their sum half applied.
 pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Option<WritePlan>, PlanError> {
     let mut adds: Vec<(String, Decimal)> = Vec::new();
     let (mut first, mut last): (Option<String>, Option<String>) = (None, None);
@@ -117,7 +118,7 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
     adds.retain(|(_, v)| !v.is_zero());
     adds.sort_by(|a, b| a.0.cmp(&b.0));
     match (first, last) {
-        (Some(first), Some(last)) if !adds.is_empty() => Ok(Some(WritePlan { adds, first, last, newest_created: newest, records })),
+        (Some(first), Some(last)) => Ok(Some(WritePlan { adds, first, last, newest_created: newest, records })),
         _ => Ok(None),
     }
 }
@@ -163,5 +164,17 @@ mod tests {
         assert_eq!(entry_sequence(&v), all.last);
         assert_eq!(entry_time(&v), Some(1_764_460_800));
         assert_eq!(entry_name("shardId-00000001796001337266-8e340a17"), "_agg:00000001796001337266-8e340a17");
+    }
+
+    #[test]
+    fn records_that_cancel_out_still_advance_the_ledger() {
+        // An order inserted, re-priced and deleted: the sums are zero, but a replica may have
+        // applied the insert alone; the write must still go out to find that out.
+        let cs = [c("10", &[("n", "1"), ("rev", "448.3")]), c("11", &[("rev", "-194.86")]), c("12", &[("n", "-1"), ("rev", "-253.44")])];
+        let p = plan(&cs, None).unwrap().unwrap();
+        assert!(p.adds.is_empty());
+        assert_eq!((p.first, p.last, p.records), (pad_sequence("10").unwrap(), pad_sequence("12").unwrap(), 3));
+        let rest = plan(&cs, Some(&pad_sequence("10").unwrap())).unwrap().unwrap();
+        assert_eq!(rest.adds.iter().map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>(), ["n=-1", "rev=-448.3"]);
     }
 }

@@ -516,3 +516,128 @@ async fn random_lineages_are_read_parent_first() {
         }
     }
 }
+
+/// A random order history for a few customers, with sequence numbers: inserts, status and
+/// total changes (some that change nothing the rules count), deletes.
+fn random_history(rng: &mut fastrand::Rng, len: usize) -> Vec<Value> {
+    let statuses = ["PENDING", "PAID", "SHIPPED"];
+    let mut live: Vec<Value> = Vec::new();
+    let mut out = Vec::new();
+    for n in 0..len {
+        let (event, old, new) = if live.is_empty() || rng.u8(0..10) < 4 {
+            let img = json!({"PK": {"S": format!("CUST#c{}", rng.u8(0..3))}, "SK": {"S": format!("ORDER#2026-11-30#o{n}")},
+                             "total": {"N": format!("{}.{:02}", rng.u32(0..500), rng.u32(0..100))}, "status": {"S": statuses[rng.usize(0..2)]}});
+            live.push(img.clone());
+            ("INSERT", None, Some(img))
+        } else {
+            let i = rng.usize(0..live.len());
+            match rng.u8(0..10) {
+                0..=2 => ("REMOVE", Some(live.swap_remove(i)), None),
+                r => {
+                    let old = live[i].clone();
+                    match r {
+                        3..=5 => live[i]["status"] = json!({"S": statuses[rng.usize(0..3)]}),
+                        6..=8 => live[i]["total"] = json!({"N": format!("{}.{:02}", rng.u32(0..500), rng.u32(0..100))}),
+                        _ => live[i]["note"] = json!({"S": "nothing counted changes"}),
+                    }
+                    ("MODIFY", Some(old), Some(live[i].clone()))
+                }
+            }
+        };
+        let img = old.as_ref().or(new.as_ref()).unwrap();
+        let mut ddb = json!({"Keys": {"PK": img["PK"], "SK": img["SK"]}, "SequenceNumber": format!("{:021}", 100 + n),
+                             "ApproximateCreationDateTime": 1_764_460_800});
+        if let Some(o) = old {
+            ddb["OldImage"] = o;
+        }
+        if let Some(n) = new {
+            ddb["NewImage"] = n;
+        }
+        out.push(json!({"eventName": event, "dynamodb": ddb}));
+    }
+    out
+}
+
+/// Readers of one shard that overlap in every way the lease protocol allows: a reader starts
+/// at a checkpoint its predecessor wrote, cuts batches differently, and the predecessor's
+/// writes after that checkpoint land late, partly, or not at all, interleaved with the new
+/// reader's. Whatever the cuts, every record is applied exactly once: in particular records
+/// that cancel out within one reader's batch while a predecessor applied only some of them.
+#[tokio::test]
+async fn overlapping_readers_with_any_batch_cuts_apply_every_record_once() {
+    use crate::rules::{TargetDelta, TargetKey};
+    use crate::sink::{write_target, ShardContext};
+    let engine = config().engine;
+    let ctx = ShardContext::new("shardId-00000001796001337266-8e340a17");
+    // One reader's batches over records[from..to]: each batch's target writes.
+    let batches = |rng: &mut fastrand::Rng, records: &[Value], from: usize, to: usize| -> Vec<(usize, Vec<(TargetKey, TargetDelta)>)> {
+        let mut out = Vec::new();
+        let mut at = from;
+        while at < to {
+            let end = (at + rng.usize(1..8)).min(to);
+            let mut batch = Coalescer::new();
+            for r in &records[at..end] {
+                assert!(engine.apply(r, &mut batch).poisons.is_empty());
+            }
+            out.push((end, batch.into_targets()));
+            at = end;
+        }
+        out
+    };
+    for case in 0..400u64 {
+        let mut rng = fastrand::Rng::with_seed(case);
+        let len = rng.usize(5..40);
+        let records = random_history(&mut rng, len);
+        let store = MemoryAggregates::new();
+        let mut checkpoint = 0;
+        // Per dead reader, its batches after its last checkpoint, in order: all writes of one
+        // batch land before any of the next (a batch starts when the one before is written).
+        let mut zombies: Vec<std::collections::VecDeque<Vec<(TargetKey, TargetDelta)>>> = Vec::new();
+        let readers = rng.usize(1..5);
+        for r in 0..readers {
+            let last = r + 1 == readers;
+            let to = if last { records.len() } else { rng.usize(checkpoint..=records.len()) };
+            let mine = batches(&mut rng, &records, checkpoint, to);
+            // This reader checkpoints after `done` batches, then dies with the rest in flight.
+            let done = if last { mine.len() } else { rng.usize(0..=mine.len()) };
+            let mut tail = std::collections::VecDeque::new();
+            for (i, (end, writes)) in mine.into_iter().enumerate() {
+                if i < done {
+                    for (key, delta) in &writes {
+                        // A dead reader's writes land at random moments.
+                        if let Some(z) = (!zombies.is_empty() && rng.bool()).then(|| rng.usize(0..zombies.len())) {
+                            if let Some(front) = zombies[z].front_mut() {
+                                let (k, d) = front.swap_remove(rng.usize(0..front.len()));
+                                write_target(&store, &engine.key_names, &k, &d, &ctx).await.unwrap();
+                                if front.is_empty() {
+                                    zombies[z].pop_front();
+                                }
+                            }
+                        }
+                        write_target(&store, &engine.key_names, key, delta, &ctx).await.unwrap();
+                    }
+                    checkpoint = end;
+                } else {
+                    // Not checkpointed: written whole, or partly when the reader died in it.
+                    let whole = rng.bool();
+                    let landing: Vec<_> = writes.into_iter().filter(|_| whole || rng.bool()).collect();
+                    if !landing.is_empty() {
+                        tail.push_back(landing);
+                    }
+                    if !whole {
+                        break;
+                    }
+                }
+            }
+            zombies.push(tail);
+        }
+        for z in zombies {
+            for batch in z {
+                for (k, d) in batch {
+                    write_target(&store, &engine.key_names, &k, &d, &ctx).await.unwrap();
+                }
+            }
+        }
+        assert_eq!(store.numbers(), expected(&records), "case {case}: {} records", records.len());
+    }
+}

@@ -464,3 +464,14 @@ pub async fn drain_queue(sqs: &aws_sdk_sqs::Client, url: &str) -> Vec<(serde_jso
     }
     out
 }
+
+/// A directory for a test's configs and service logs. With `KEEP_TEST_LOGS=1` it is kept
+/// (its path is printed) so the logs of a failed run can be read.
+pub fn test_dir() -> tempfile::TempDir {
+    let mut dir = tempfile::tempdir().unwrap();
+    if std::env::var_os("KEEP_TEST_LOGS").is_some() {
+        println!("test logs kept in {}", dir.path().display());
+        dir.disable_cleanup(true);
+    }
+    dir
+}
