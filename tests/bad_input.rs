@@ -35,7 +35,7 @@ fn expect_bad(o: Output, message: &str, case: &str) {
 const CONFIG_CASES: &[(&str, &str, &str, &str)] = &[
     ("unknown top-level key", "rules:", "rulez: []\nrules:", "unknown field `rulez`"),
     ("unknown nested key", "  batch_size: 1000", "  batch_size: 1000\n  batchsize: 5", "source.batchsize: unknown field `batchsize`"),
-    ("batch size out of range", "  batch_size: 1000", "  batch_size: 0", "source.batch_size: 0: GetRecords takes 1 to 1000"),
+    ("batch size out of range", "  batch_size: 1000", "  batch_size: 0", "source.batch_size: 0: 1 to 10000 records"),
     ("duration without unit", "  lease_duration: 10s", "  lease_duration: 10", "state.lease_duration: duration \"10\" needs a unit"),
     ("lease too short", "  lease_duration: 10s", "  lease_duration: 100ms", "state.lease_duration: between 300ms and 600s"),
     (

@@ -194,8 +194,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         other => return Err(err("source.start_position", format!("{other:?}: use trim_horizon or latest"))),
     };
     let batch_size = raw.source.batch_size.unwrap_or(1000);
-    if !(1..=1000).contains(&batch_size) {
-        return Err(err("source.batch_size", format!("{batch_size}: GetRecords takes 1 to 1000")));
+    if !(1..=10_000).contains(&batch_size) {
+        return Err(err(
+            "source.batch_size",
+            format!("{batch_size}: 1 to 10000 records (as Lambda; above 1000 a batch gathers several GetRecords pages)"),
+        ));
     }
     let batching_window = duration("source.batching_window", raw.source.batching_window.as_deref(), "0s")?;
     if batching_window > Duration::from_secs(300) {
@@ -263,7 +266,19 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         }
         rules.push(validate_rule(&path, r, &key_names)?);
     }
-    let engine = Engine { rules, key_names };
+    // Rules with the same filter (and options) share one evaluation per record.
+    let filter_of = raw
+        .rules
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            raw.rules[..i]
+                .iter()
+                .position(|e| r.filter.is_some() && e.filter == r.filter && e.numeric_strings == r.numeric_strings)
+                .unwrap_or(i)
+        })
+        .collect();
+    let engine = Engine { rules, key_names, filter_of };
     if aggregates_table == source_table {
         loops::check(&engine)?;
     }

@@ -63,7 +63,7 @@ fn environment_overrides() {
 #[test]
 fn errors_name_the_path() {
     let cases: &[(&str, &str, &str)] = &[
-        ("  batch_size: 1000", "  batch_size: 5000", "source.batch_size: 5000"),
+        ("  batch_size: 1000", "  batch_size: 10001", "source.batch_size: 10001"),
         ("  batch_size: 1000", "  batch_size: 100\n  bogus: 1", "unknown field `bogus`"),
         ("  lease_duration: 10s", "  lease_duration: 10", "state.lease_duration: duration \"10\" needs a unit"),
         ("  interval: 1h", "  interval: 1 hour", "reconcile.interval"),

@@ -57,11 +57,11 @@ impl Coalescer {
         sequence: Option<&str>,
         created: Option<Decimal>,
         rule: Option<&Arc<str>>,
-        deltas: &[(TargetKey, Vec<(String, Decimal)>)],
+        deltas: Vec<(TargetKey, Vec<(String, Decimal)>)>,
     ) -> Result<(), DecimalError> {
         let mut applied: Vec<(&TargetKey, &str, Decimal)> = Vec::new();
         let mut failure = None;
-        'outer: for (target, values) in deltas {
+        'outer: for (target, values) in &deltas {
             // A record whose deltas on a target are all zero does not touch it.
             if values.iter().all(|(_, v)| v.is_zero()) {
                 continue;
@@ -98,12 +98,12 @@ impl Coalescer {
             return Err(e);
         }
         self.records += 1;
-        for (target, values) in deltas {
-            let values: Vec<(String, Decimal)> = values.iter().filter(|(_, v)| !v.is_zero()).cloned().collect();
+        for (target, mut values) in deltas {
+            values.retain(|(_, v)| !v.is_zero());
             if values.is_empty() {
                 continue;
             }
-            if let Some(entry) = self.targets.get_mut(target) {
+            if let Some(entry) = self.targets.get_mut(&target) {
                 entry.records += 1;
                 entry.contributions.push(Contribution { sequence: sequence.map(str::to_string), rule: rule.cloned(), created, values });
                 if let Some(seq) = sequence {
@@ -166,11 +166,11 @@ mod tests {
                 Some(&format!("{:021}", i + 1)),
                 None,
                 None,
-                &[(key(&cust), vec![("orderCount".into(), Decimal::ONE), ("revenue".into(), d("0.1"))])],
+                vec![(key(&cust), vec![("orderCount".into(), Decimal::ONE), ("revenue".into(), d("0.1"))])],
             )
             .unwrap();
         }
-        c.add(Some("5000"), None, None, &[(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
+        c.add(Some("5000"), None, None, vec![(key("CUST#c0"), vec![("revenue".into(), d("-10"))])]).unwrap();
         let targets = c.into_targets();
         assert_eq!(targets.len(), 10, "1,000 records on 10 customers: 10 writes");
         let (k, first) = &targets[0];
@@ -186,8 +186,8 @@ mod tests {
     fn a_failing_record_changes_nothing() {
         let mut c = Coalescer::new();
         let max = d(&"9".repeat(38));
-        c.add(None, None, None, &[(key("a"), vec![("x".into(), max)])]).unwrap();
-        let err = c.add(None, None, None, &[(key("b"), vec![("y".into(), Decimal::ONE)]), (key("a"), vec![("x".into(), d("0.5"))])]);
+        c.add(None, None, None, vec![(key("a"), vec![("x".into(), max)])]).unwrap();
+        let err = c.add(None, None, None, vec![(key("b"), vec![("y".into(), Decimal::ONE)]), (key("a"), vec![("x".into(), d("0.5"))])]);
         assert!(err.is_err());
         let targets = c.into_targets();
         assert_eq!(targets.len(), 1, "b's partial sum was rolled back (zero, dropped)");

@@ -324,6 +324,8 @@ impl Rule {
 pub struct Engine {
     pub rules: Vec<Rule>,
     pub key_names: Vec<String>,
+    /// Per rule, the first rule with the same filter: its result is reused for this record.
+    pub filter_of: Vec<usize>,
 }
 
 /// What one record did.
@@ -346,13 +348,23 @@ impl Engine {
                 return report;
             }
         };
+        // Filter results per rule, reused by later rules with the same filter.
+        let mut passed = [false; 32];
         for (i, rule) in self.rules.iter().enumerate() {
-            if !rule.filter_matches(record) {
+            let shared = self.filter_of.get(i).copied().filter(|&j| j < i && j < passed.len());
+            let pass = match shared {
+                Some(j) => passed[j],
+                None => rule.filter_matches(record),
+            };
+            if let Some(slot) = passed.get_mut(i) {
+                *slot = pass;
+            }
+            if !pass {
                 continue;
             }
             report.matched.push(i);
             let result = rule.deltas(&decoded).and_then(|deltas| {
-                batch.add(decoded.sequence_number, decoded.approximate_creation, Some(&rule.name), &deltas).map_err(|e| Poison {
+                batch.add(decoded.sequence_number, decoded.approximate_creation, Some(&rule.name), deltas).map_err(|e| Poison {
                     code: PoisonCode::OutOfRange,
                     rule: Some(rule.name.clone()),
                     message: format!("the batch's running sum would leave DynamoDB's number range: {e}"),

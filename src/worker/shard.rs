@@ -47,6 +47,8 @@ impl ShardLease {
 
 /// Most concurrent aggregate writes per batch.
 const WRITE_CONCURRENCY: usize = 16;
+/// GetRecords returns at most 1,000 records; larger batches gather several pages.
+const GET_RECORDS_MAX: u32 = 1000;
 const IDLE_MIN: Duration = Duration::from_millis(100);
 const IDLE_MAX: Duration = Duration::from_secs(2);
 
@@ -78,6 +80,14 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     let mut failures: u32 = 0;
     let mut last_tip_report = 0u64;
     let mut dead_lettered = std::collections::HashSet::new();
+    // Records read but not yet applied: a batch gathers pages until it holds `batch_size`
+    // records or the oldest has waited `batching_window` (as Lambda's batching window).
+    // Whenever reading restarts from the checkpoint it is emptied, so no record is in a
+    // batch twice.
+    let batch_size = shared.config.source.batch_size as usize;
+    let window = shared.config.source.batching_window;
+    let mut pending: Vec<Value> = Vec::new();
+    let mut pending_since: Option<Instant> = None;
     info!(shard = %shard, position = ?position, "reading shard");
     loop {
         if stop.is_cancelled() {
@@ -118,13 +128,17 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         // A page shorter than the limit means the shard's tip was reached as of this call:
         // everything in the shard before `called_at` is in this page or earlier ones.
         let called_at = now_ms();
+        let limit = u32::try_from(batch_size.saturating_sub(pending.len())).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
         let page = tokio::select! {
             _ = stop.cancelled() => return ShardExit::Stopped,
-            p = shared.source.records(&it, shared.config.source.batch_size) => p,
+            p = shared.source.records(&it, limit) => p,
         };
         let page = match page {
             Ok(p) => p,
             Err(e) => {
+                // Reading restarts from the checkpoint: what was gathered is read again.
+                pending.clear();
+                pending_since = None;
                 let outcome = match &e {
                     StreamError::ExpiredIterator => "expired",
                     StreamError::Throttled(_) => "throttled",
@@ -155,9 +169,20 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
             }
         };
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
-        if !page.records.is_empty() {
-            let at_tip = (page.records.len() < shared.config.source.batch_size as usize).then_some(called_at);
-            match apply_batch(&shared, &lease, &ctx, &page.records, &mut dead_lettered, at_tip).await {
+        let got = page.records.len();
+        let short = got < limit as usize;
+        if got > 0 {
+            pending_since.get_or_insert_with(Instant::now);
+            pending.extend(page.records);
+        }
+        let due = !pending.is_empty()
+            && (page.next_iterator.is_none() || pending.len() >= batch_size || pending_since.is_some_and(|s| s.elapsed() >= window));
+        if due {
+            let batch = std::mem::take(&mut pending);
+            pending_since = None;
+            // A page shorter than asked for: everything before `called_at` is in this batch.
+            let at_tip = short.then_some(called_at);
+            match apply_batch(&shared, &lease, &ctx, &batch, &mut dead_lettered, at_tip).await {
                 Ok(Some(p)) => {
                     if let Some(Checkpoint::Sequence(seq)) = &p {
                         position = Position::After(seq.clone());
@@ -180,7 +205,12 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
             None => return finish(&shared, &lease, &shard).await,
             Some(next) => iterator = Some(next),
         }
-        if page.records.is_empty() {
+        if let Some(since) = pending_since {
+            // Gathering: poll again soon, but not past the window.
+            if short && !pause(window.saturating_sub(since.elapsed()).min(IDLE_MIN), &stop).await {
+                return ShardExit::Stopped;
+            }
+        } else if got == 0 {
             shared.set_age(&shard, 0.0);
             let now = now_ms();
             if now.saturating_sub(last_tip_report) >= shared.config.state.lease_duration.as_millis() as u64 / 2 {

@@ -17,11 +17,14 @@ use crate::state::memory::MemoryLeases;
 use crate::stream::sim::SimStream;
 
 fn config() -> Config {
+    config_with(&[("SOURCE__BATCH_SIZE", "7")])
+}
+
+/// The demo config with a 600 ms lease and `DDB_AGGREGATOR__<name>` overrides.
+fn config_with(overrides: &[(&str, &str)]) -> Config {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
-    let env = vec![
-        ("DDB_AGGREGATOR__STATE__LEASE_DURATION".to_string(), "600ms".to_string()),
-        ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE".to_string(), "7".to_string()),
-    ];
+    let mut env = vec![("DDB_AGGREGATOR__STATE__LEASE_DURATION".to_string(), "600ms".to_string())];
+    env.extend(overrides.iter().map(|(k, v)| (format!("DDB_AGGREGATOR__{k}"), v.to_string())));
     Config::from_yaml(&text, env).unwrap()
 }
 
@@ -68,8 +71,12 @@ fn start(fakes: &Fakes, name: &str) -> Replica {
 }
 
 fn start_with(fakes: &Fakes, name: &str, dlq: Option<Arc<MemoryDeadLetters>>) -> Replica {
+    start_config(fakes, name, dlq, config())
+}
+
+fn start_config(fakes: &Fakes, name: &str, dlq: Option<Arc<MemoryDeadLetters>>, config: Config) -> Replica {
     let mut shared = Shared::new(
-        config(),
+        config,
         ArcSource(fakes.0.clone()),
         ArcLeases(fakes.1.clone()),
         fakes.2.clone(),
@@ -639,5 +646,31 @@ async fn overlapping_readers_with_any_batch_cuts_apply_every_record_once() {
             }
         }
         assert_eq!(store.numbers(), expected(&records), "case {case}: {} records", records.len());
+    }
+}
+
+/// A batch larger than one GetRecords page gathers pages (within the batching window), so each
+/// target is written once for all of them; a window that expires first cuts the batch short.
+#[tokio::test]
+async fn batches_gather_pages_up_to_batch_size_within_the_window() {
+    for (window, writes) in [("60s", 2), ("0s", 6)] {
+        let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+        let shard = fakes.0.add_shard(None);
+        // 2,500 orders of one customer on one day: two targets (CUST#c1, SALES#2026-11-30).
+        let records: Vec<Value> = (1..=2500).map(|n| order("c1", n, "INSERT", "1.25", "PAID")).collect();
+        for r in &records {
+            fakes.0.append(&shard, r.clone());
+        }
+        let config = config_with(&[("SOURCE__BATCH_SIZE", "2500"), ("SOURCE__BATCHING_WINDOW", window)]);
+        let r = start_config(&fakes, "r1", None, config);
+        settle(&fakes, &expected(&records), 0).await;
+        r.cancel.cancel();
+        r.handle.await.unwrap().unwrap();
+        // Pages of 1,000, 1,000 and 500: one batch with a long window, three without one.
+        assert_eq!(fakes.2.calls(), writes, "window {window}");
+        assert_eq!(
+            fakes.2.numbers().get(&(vec!["CUST#c1".to_string(), "PROFILE".to_string()], "revenue".to_string())),
+            Some(&Decimal::parse("3125").unwrap())
+        );
     }
 }
