@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use aws_sdk_dynamodb::types::AttributeValue;
 use common::proxy::{self, Fault};
 use common::*;
-use ddb_aggregator::decimal::Decimal;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -23,42 +22,6 @@ async fn put_order(c: &aws_sdk_dynamodb::Client, table: &str, customer: &str, sk
         .send()
         .await
         .expect("put order");
-}
-
-/// The truth over the good records: the commerce rules, with each poison record left out of
-/// the rules it poisons.
-fn truth_without_poison(items: &[std::collections::HashMap<String, AttributeValue>]) -> Values {
-    let mut out = Values::new();
-    let mut add = |k: (String, String, String), v: Decimal| {
-        let e = out.entry(k).or_insert(Decimal::ZERO);
-        *e = e.checked_add(v).unwrap();
-    };
-    for item in items {
-        let sk = item["SK"].as_s().unwrap();
-        let pk = item["PK"].as_s().unwrap();
-        let non_numeric = item.get("total").is_some_and(|t| t.as_s().is_ok());
-        let bad_status = item.get("status").and_then(|s| s.as_s().ok()).is_some_and(|s| s.contains('#'));
-        let bad_date = sk.contains("#someday#");
-        let rejected_customer = pk == "CUST#cbad";
-        // Rule customer-orders: poisoned by a string total, a '#' in status, cbad's profile.
-        let mut one = vec![item.clone()];
-        let orders_ok = !(non_numeric || bad_status || rejected_customer);
-        let sales_ok = !(non_numeric || bad_date);
-        if orders_ok || sales_ok {
-            if bad_date {
-                // Let truth() parse the item; its SALES part is dropped below.
-                one[0].insert("SK".into(), AttributeValue::S(sk.replace("#someday#", "#1999-01-01#")));
-            }
-            for (k, v) in truth(&one) {
-                let is_sales = k.0.starts_with("SALES#");
-                if (is_sales && sales_ok) || (!is_sales && orders_ok) {
-                    add(k, v);
-                }
-            }
-        }
-    }
-    out.retain(|_, v| !v.is_zero());
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

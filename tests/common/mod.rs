@@ -20,7 +20,7 @@ use ddb_aggregator::decimal::Decimal;
 /// Each test binary gets emulators of its own (DynamoDB Local slows down as tables and
 /// stream records pile up, and the heavy binaries would slow the timing-sensitive ones):
 /// DynamoDB Local on 8100 + k, moto on 9424 + k. scripts/test stops them all.
-pub const EMULATOR_SLOTS: &[&str] = &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup"];
+pub const EMULATOR_SLOTS: &[&str] = &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup", "chaos"];
 
 fn slot() -> u16 {
     let exe = std::env::current_exe().ok();
@@ -474,4 +474,40 @@ pub fn test_dir() -> tempfile::TempDir {
         dir.disable_cleanup(true);
     }
     dir
+}
+
+/// The truth over the good records: the commerce rules, with each poison record left out of
+/// the rules it poisons.
+pub fn truth_without_poison(items: &[std::collections::HashMap<String, AttributeValue>]) -> Values {
+    let mut out = Values::new();
+    let mut add = |k: (String, String, String), v: Decimal| {
+        let e = out.entry(k).or_insert(Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    };
+    for item in items {
+        let sk = item["SK"].as_s().unwrap();
+        let pk = item["PK"].as_s().unwrap();
+        let non_numeric = item.get("total").is_some_and(|t| t.as_s().is_ok());
+        let bad_status = item.get("status").and_then(|s| s.as_s().ok()).is_some_and(|s| s.contains('#'));
+        let bad_date = sk.contains("#someday#");
+        let rejected_customer = pk == "CUST#cbad";
+        // Rule customer-orders: poisoned by a string total, a '#' in status, cbad's profile.
+        let mut one = vec![item.clone()];
+        let orders_ok = !(non_numeric || bad_status || rejected_customer);
+        let sales_ok = !(non_numeric || bad_date);
+        if orders_ok || sales_ok {
+            if bad_date {
+                // Let truth() parse the item; its SALES part is dropped below.
+                one[0].insert("SK".into(), AttributeValue::S(sk.replace("#someday#", "#1999-01-01#")));
+            }
+            for (k, v) in truth(&one) {
+                let is_sales = k.0.starts_with("SALES#");
+                if (is_sales && sales_ok) || (!is_sales && orders_ok) {
+                    add(k, v);
+                }
+            }
+        }
+    }
+    out.retain(|_, v| !v.is_zero());
+    out
 }

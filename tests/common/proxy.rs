@@ -1,10 +1,14 @@
-//! A fault-injecting HTTP/1.1 proxy on loopback, in front of DynamoDB Local: for requests
-//! whose `X-Amz-Target` matches, it answers with a throttling or 5xx error at a given rate
-//! instead of forwarding. Bounded: at most `max_faults` faults, and it stops when dropped.
+//! A fault-injecting HTTP/1.1 proxy on loopback, in front of DynamoDB Local (and its streams)
+//! or the SQS server. Two policies: [`start`] answers requests whose `X-Amz-Target` matches
+//! with a throttling or 5xx error at a given rate; [`start_chaos`] hits every call at one
+//! rate with a fault chosen among those the call can meet in production (errors, dropped
+//! connections before or after forwarding, delays). Bounded: at most `max_faults` faults,
+//! and it stops when dropped.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -24,7 +28,59 @@ pub struct FaultProxy {
     pub port: u16,
     pub injected: Arc<AtomicU64>,
     pub forwarded: Arc<AtomicU64>,
+    /// Faults injected, by kind (chaos policy).
+    pub by_kind: Arc<Mutex<BTreeMap<String, u64>>>,
     task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Clone, Debug)]
+enum Policy {
+    Listed(Vec<Fault>),
+    /// Every request: a fault with this probability.
+    Chaos(f64),
+}
+
+/// What the proxy does to one request.
+enum Action {
+    Error(u16, String),
+    /// Close the connection without forwarding.
+    DropBefore,
+    /// Forward, then close the connection instead of answering: the call took effect but
+    /// the caller cannot know.
+    DropAfter,
+    Delay(u64),
+}
+
+/// A fault for a call, by its `X-Amz-Target`, as production can produce it.
+fn chaos_action(target: &str) -> (String, Action) {
+    let op = target.rsplit('.').next().unwrap_or("");
+    let (service, throttle) = if target.starts_with("DynamoDBStreams") {
+        ("streams", "LimitExceededException")
+    } else if target.starts_with("AmazonSQS") {
+        ("sqs", "")
+    } else {
+        ("dynamodb", "ProvisionedThroughputExceededException")
+    };
+    let mut kinds: Vec<&str> = vec!["500", "drop-before", "delay"];
+    if !op.starts_with("Get") && !op.starts_with("Describe") && !op.starts_with("Scan") && !op.starts_with("Query") {
+        kinds.push("drop-after");
+    }
+    if !throttle.is_empty() {
+        kinds.push("throttle");
+    }
+    if op == "GetRecords" {
+        kinds.push("expired-iterator");
+    }
+    let kind = kinds[fastrand::usize(..kinds.len())];
+    let action = match kind {
+        "500" => Action::Error(500, "InternalServerError".into()),
+        "throttle" => Action::Error(400, throttle.into()),
+        "expired-iterator" => Action::Error(400, "ExpiredIteratorException".into()),
+        "drop-before" => Action::DropBefore,
+        "drop-after" => Action::DropAfter,
+        _ => Action::Delay(fastrand::u64(100..1500)),
+    };
+    (format!("{service} {kind}"), action)
 }
 
 impl Drop for FaultProxy {
@@ -40,22 +96,52 @@ impl FaultProxy {
 }
 
 pub async fn start(upstream_port: u16, faults: Vec<Fault>, max_faults: u64) -> FaultProxy {
+    launch(upstream_port, Policy::Listed(faults), max_faults).await
+}
+
+/// Every call through the proxy meets a fault with probability `rate`.
+pub async fn start_chaos(upstream_port: u16, rate: f64, max_faults: u64) -> FaultProxy {
+    launch(upstream_port, Policy::Chaos(rate), max_faults).await
+}
+
+async fn launch(upstream_port: u16, policy: Policy, max_faults: u64) -> FaultProxy {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let injected = Arc::new(AtomicU64::new(0));
     let forwarded = Arc::new(AtomicU64::new(0));
-    let (inj, fwd) = (injected.clone(), forwarded.clone());
-    let faults = Arc::new(faults);
+    let by_kind = Arc::new(Mutex::new(BTreeMap::new()));
+    let counters = Counters { injected: injected.clone(), forwarded: forwarded.clone(), by_kind: by_kind.clone(), max_faults };
+    let policy = Arc::new(policy);
     let task = tokio::spawn(async move {
         loop {
             let Ok((client, _)) = listener.accept().await else { continue };
-            let (inj, fwd, faults) = (inj.clone(), fwd.clone(), faults.clone());
+            let (counters, policy) = (counters.clone(), policy.clone());
             tokio::spawn(async move {
-                let _ = serve(client, upstream_port, &faults, max_faults, &inj, &fwd).await;
+                let _ = serve(client, upstream_port, &policy, &counters).await;
             });
         }
     });
-    FaultProxy { port, injected, forwarded, task }
+    FaultProxy { port, injected, forwarded, by_kind, task }
+}
+
+#[derive(Clone)]
+struct Counters {
+    injected: Arc<AtomicU64>,
+    forwarded: Arc<AtomicU64>,
+    by_kind: Arc<Mutex<BTreeMap<String, u64>>>,
+    max_faults: u64,
+}
+
+impl Counters {
+    /// Takes one fault from the budget; false when it is spent.
+    fn take(&self, kind: &str) -> bool {
+        if self.injected.fetch_add(1, Ordering::SeqCst) >= self.max_faults {
+            self.injected.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        *self.by_kind.lock().unwrap_or_else(|e| e.into_inner()).entry(kind.to_string()).or_default() += 1;
+        true
+    }
 }
 
 /// Reads more bytes into `buf`; false at end of stream.
@@ -127,14 +213,7 @@ async fn read_message(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<O
     }
 }
 
-async fn serve(
-    mut client: TcpStream,
-    upstream_port: u16,
-    faults: &[Fault],
-    max_faults: u64,
-    injected: &AtomicU64,
-    forwarded: &AtomicU64,
-) -> std::io::Result<()> {
+async fn serve(mut client: TcpStream, upstream_port: u16, policy: &Policy, counters: &Counters) -> std::io::Result<()> {
     let mut upstream: Option<TcpStream> = None;
     let (mut cbuf, mut ubuf) = (Vec::new(), Vec::new());
     // Bounded: a connection serves at most 100,000 requests.
@@ -146,23 +225,31 @@ async fn serve(
                 l.split_once(':').filter(|(k, _)| k.trim().eq_ignore_ascii_case("x-amz-target")).map(|(_, v)| v.trim().to_string())
             })
             .unwrap_or_default();
-        let fault = faults.iter().find(|f| target.contains(f.target) && fastrand::f64() < f.rate);
-        if let Some(f) = fault {
-            if injected.fetch_add(1, Ordering::SeqCst) < max_faults {
+        let action = match policy {
+            Policy::Listed(faults) => faults
+                .iter()
+                .find(|f| target.contains(f.target) && fastrand::f64() < f.rate)
+                .map(|f| (f.error_type.to_string(), Action::Error(f.status, f.error_type.to_string()))),
+            Policy::Chaos(rate) => (fastrand::f64() < *rate).then(|| chaos_action(&target)),
+        };
+        let action = action.filter(|(kind, _)| counters.take(kind)).map(|(_, a)| a);
+        match &action {
+            Some(Action::Error(status, error_type)) => {
+                let status = *status;
                 let body =
-                    format!(r#"{{"__type":"com.amazonaws.dynamodb.v20120810#{}","message":"injected by the test proxy"}}"#, f.error_type);
-                let reason = if f.status == 400 { "Bad Request" } else { "Internal Server Error" };
+                    format!(r#"{{"__type":"com.amazonaws.dynamodb.v20120810#{error_type}","message":"injected by the test proxy"}}"#);
+                let reason = if status == 400 { "Bad Request" } else { "Internal Server Error" };
                 let resp = format!(
-                    "HTTP/1.1 {} {reason}\r\nContent-Type: application/x-amz-json-1.0\r\nx-amzn-RequestId: proxy-{}\r\nx-amzn-ErrorType: {}\r\nContent-Length: {}\r\n\r\n{body}",
-                    f.status,
+                    "HTTP/1.1 {status} {reason}\r\nContent-Type: application/x-amz-json-1.0\r\nx-amzn-RequestId: proxy-{}\r\nx-amzn-ErrorType: {error_type}\r\nContent-Length: {}\r\n\r\n{body}",
                     fastrand::u64(..),
-                    f.error_type,
                     body.len()
                 );
                 client.write_all(resp.as_bytes()).await?;
                 continue;
             }
-            injected.fetch_sub(1, Ordering::SeqCst);
+            Some(Action::DropBefore) => return Ok(()),
+            Some(Action::Delay(ms)) => tokio::time::sleep(std::time::Duration::from_millis(*ms)).await,
+            Some(Action::DropAfter) | None => {}
         }
         if upstream.is_none() {
             upstream = Some(TcpStream::connect(("127.0.0.1", upstream_port)).await?);
@@ -170,7 +257,10 @@ async fn serve(
         let Some(up) = upstream.as_mut() else { return Ok(()) };
         up.write_all(&request).await?;
         let Some((_, response)) = read_message(up, &mut ubuf).await? else { return Ok(()) };
-        forwarded.fetch_add(1, Ordering::SeqCst);
+        counters.forwarded.fetch_add(1, Ordering::SeqCst);
+        if matches!(action, Some(Action::DropAfter)) {
+            return Ok(());
+        }
         client.write_all(&response).await?;
     }
     Ok(())
