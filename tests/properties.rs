@@ -11,6 +11,14 @@ use ddb_aggregator::rules::{Coalescer, Engine};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 
+/// Cases per no-panic property: 2,000 in the test suite; `scripts/fuzz` raises it with
+/// FUZZ_CASES and runs the properties again and again with fresh seeds for a set time.
+fn cases(default: u32) -> u32 {
+    std::env::var("FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+const COMMERCE: &str = include_str!("../config/commerce.yaml");
+
 fn engine() -> Engine {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
     Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine
@@ -284,7 +292,7 @@ fn json_value() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(2000), ..ProptestConfig::default() })]
 
     /// Any JSON is either a pattern or an error, and any event can be matched: no panic.
     #[test]
@@ -324,6 +332,28 @@ proptest! {
             let _ = t.capture(&value, &mut caps);
             let _ = t.expand(|_| Some(VarValue::Str(&value)));
         }
+    }
+
+    #[test]
+    fn config_loader_never_panics_on_edited_configs(edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 0..12)) {
+        // The demo config with random bytes deleted, inserted or replaced.
+        let mut text = COMMERCE.as_bytes().to_vec();
+        for (at, byte, kind) in edits {
+            let i = at.index(text.len() + 1);
+            match kind {
+                0 if i < text.len() => { text.remove(i); }
+                1 => text.insert(i, byte),
+                _ if i < text.len() => text[i] = byte,
+                _ => {}
+            }
+        }
+        let _ = Config::from_yaml(&String::from_utf8_lossy(&text), Vec::<(String, String)>::new());
+    }
+
+    #[test]
+    fn config_loader_never_panics_on_random_documents_and_overrides(doc in json_value(), name in "[A-Z_0-9]{0,30}", value in "\\PC{0,20}") {
+        let _ = Config::from_yaml(&doc.to_string(), Vec::<(String, String)>::new());
+        let _ = Config::from_yaml(COMMERCE, vec![(format!("DDB_AGGREGATOR__{name}"), value)]);
     }
 
     #[test]
