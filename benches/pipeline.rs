@@ -15,6 +15,10 @@ use ddb_aggregator::pattern::{Pattern, PatternOptions};
 use ddb_aggregator::rules::Coalescer;
 use serde_json::Value;
 
+/// The allocator the service binary uses (src/main.rs).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const RECORDS: usize = 50_000;
 const RUNS: usize = 7;
 
