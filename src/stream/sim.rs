@@ -30,6 +30,8 @@ struct State {
     reads: Vec<(String, u64)>,
     /// GetRecords calls that should fail with throttling before succeeding.
     throttles: u32,
+    /// DynamoDB Local's answer to GetRecords on an empty shard: TrimmedDataAccess.
+    trimmed_when_empty: bool,
 }
 
 #[derive(Debug, Default)]
@@ -104,6 +106,12 @@ impl SimStream {
         lock(&self.state).shards.remove(shard);
     }
 
+    /// From now on GetRecords on a shard without records fails with TrimmedDataAccess, as
+    /// DynamoDB Local answers for a TRIM_HORIZON iterator of an empty shard.
+    pub fn trimmed_when_empty(&self) {
+        lock(&self.state).trimmed_when_empty = true;
+    }
+
     pub fn throttle_next(&self, n: u32) {
         lock(&self.state).throttles = n;
     }
@@ -161,7 +169,7 @@ impl StreamSource for SimStream {
         }
         let current = s.generation;
         let sh = s.shards.get(&shard).ok_or_else(|| StreamError::NotFound(shard.clone()))?;
-        if index < sh.trimmed {
+        if index < sh.trimmed || (s.trimmed_when_empty && sh.records.is_empty()) {
             return Err(StreamError::TrimmedData(format!("{shard}: iterator points at trimmed data")));
         }
         let end = (index + limit as usize).min(sh.records.len());

@@ -282,6 +282,37 @@ async fn trimmed_data_is_counted_not_skipped_silently() {
     assert!(shared.trimmed_events.load(Ordering::Relaxed) >= 1);
 }
 
+/// DynamoDB Local answers TrimmedDataAccess to GetRecords on an empty shard read from
+/// TRIM_HORIZON. With no checkpoint nothing can have been lost: the reader polls again,
+/// schedules no reconcile, and applies the records once they come.
+#[tokio::test]
+async fn trimmed_answers_before_any_checkpoint_are_not_a_loss() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    fakes.0.trimmed_when_empty();
+    let worker = Worker::new(Shared::new(
+        config(),
+        ArcSource(fakes.0.clone()),
+        ArcLeases(fakes.1.clone()),
+        fakes.2.clone(),
+        "r1".into(),
+        Arc::new(Health::default()),
+    ));
+    let shared = worker.shared().clone();
+    let cancel = CancellationToken::new();
+    let h = tokio::spawn(worker.run(cancel.clone()));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let records: Vec<Value> = (1..=5).map(|i| order("c1", i, "INSERT", "2.5", "PAID")).collect();
+    for r in &records {
+        fakes.0.append(&shard, r.clone());
+    }
+    settle(&fakes, &expected(&records), 0).await;
+    cancel.cancel();
+    h.await.unwrap().unwrap();
+    assert_eq!(shared.trimmed_events.load(Ordering::Relaxed), 0, "no loss reported");
+    assert!(!shared.reconcile_everything.load(Ordering::Relaxed), "no reconcile scheduled");
+}
+
 #[tokio::test]
 async fn two_replicas_share_shards_and_stay_exact() {
     let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
