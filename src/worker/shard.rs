@@ -83,7 +83,8 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     let mut last_tip_report = 0u64;
     let mut dead_lettered = std::collections::HashSet::new();
     // Records read but not yet applied: a batch gathers pages until it holds `batch_size`
-    // records or the oldest has waited `batching_window` (as Lambda's batching window).
+    // records or the shard's tip is reached, and at the tip waits up to `batching_window`
+    // (from its oldest record) for more, as Lambda's batching window.
     // Whenever reading restarts from the checkpoint it is emptied, so no record is in a
     // batch twice.
     let batch_size = shared.config.source.batch_size as usize;
@@ -172,8 +173,12 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
             pending_since.get_or_insert_with(Instant::now);
             pending.extend(page.records);
         }
+        // A full page means more records are there right now: keep gathering (no waiting) up
+        // to batch_size. A short page means the tip: apply, or wait out the window first.
         let due = !pending.is_empty()
-            && (page.next_iterator.is_none() || pending.len() >= batch_size || pending_since.is_some_and(|s| s.elapsed() >= window));
+            && (page.next_iterator.is_none()
+                || pending.len() >= batch_size
+                || (short && pending_since.is_some_and(|s| s.elapsed() >= window)));
         if due {
             let batch = std::mem::take(&mut pending);
             pending_since = None;

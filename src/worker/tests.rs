@@ -680,11 +680,11 @@ async fn overlapping_readers_with_any_batch_cuts_apply_every_record_once() {
     }
 }
 
-/// A batch larger than one GetRecords page gathers pages (within the batching window), so each
-/// target is written once for all of them; a window that expires first cuts the batch short.
+/// A batch larger than one GetRecords page gathers full pages without waiting, so each target
+/// is written once for all of them; batch_size cuts batches; at the tip the window waits.
 #[tokio::test]
-async fn batches_gather_pages_up_to_batch_size_within_the_window() {
-    for (window, writes) in [("60s", 2), ("0s", 6)] {
+async fn batches_gather_pages_up_to_batch_size() {
+    for (size, window, writes) in [("2500", "60s", 2), ("2500", "0s", 2), ("1000", "0s", 6)] {
         let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
         let shard = fakes.0.add_shard(None);
         // 2,500 orders of one customer on one day: two targets (CUST#c1, SALES#2026-11-30).
@@ -692,13 +692,13 @@ async fn batches_gather_pages_up_to_batch_size_within_the_window() {
         for r in &records {
             fakes.0.append(&shard, r.clone());
         }
-        let config = config_with(&[("SOURCE__BATCH_SIZE", "2500"), ("SOURCE__BATCHING_WINDOW", window)]);
+        let config = config_with(&[("SOURCE__BATCH_SIZE", size), ("SOURCE__BATCHING_WINDOW", window)]);
         let r = start_config(&fakes, "r1", None, config);
         settle(&fakes, &expected(&records), 0).await;
         r.cancel.cancel();
         r.handle.await.unwrap().unwrap();
-        // Pages of 1,000, 1,000 and 500: one batch with a long window, three without one.
-        assert_eq!(fakes.2.calls(), writes, "window {window}");
+        // Pages of 1,000, 1,000 and 500: one batch of 2,500, or three of up to 1,000.
+        assert_eq!(fakes.2.calls(), writes, "batch_size {size}, window {window}");
         assert_eq!(
             fakes.2.numbers().get(&(vec!["CUST#c1".to_string(), "PROFILE".to_string()], "revenue".to_string())),
             Some(&Decimal::parse("3125").unwrap())
