@@ -1,0 +1,1 @@
+"""Two Lambda-style stream handlers that maintain the commerce aggregates: naive and idempotent."""
