@@ -235,7 +235,10 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
 /// silent: counted, logged, a reconcile of everything scheduled, and reading restarts at the
 /// oldest record. Reading from TRIM_HORIZON or LATEST there is no checkpoint to lose records
 /// after (DynamoDB Local answers it for a TRIM_HORIZON iterator of an empty shard): the
-/// caller just polls again. Returns whether records were lost.
+/// caller just polls again. (Records that age out while a first batch is gathered from the
+/// horizon of a stream older than its retention predate everything this consumer applied;
+/// such a table needs the initial backfill, `reconcile --all`, in any case.) Returns whether
+/// records were lost.
 fn trimmed<S, L, A>(shared: &Shared<S, L, A>, shard: &str, why: &str, position: &mut Position) -> bool {
     if !matches!(position, Position::After(_)) {
         debug!(shard = %shard, reason = %why, "trimmed-data answer while reading from the start position; polling again");
