@@ -201,6 +201,9 @@ def live(work, binary, aws_python):
         # The schedule (every 2 s) reconciles c1, which the drift's order touched.
         wait_until("a scheduled reconcile with a correction",
                    lambda: re.search(r"^ddb_aggregator_reconcile_corrections_total\{rule=\"customer-orders\"\} [1-9]", http_get(f"http://127.0.0.1:{metrics_port}/metrics"), re.M), 60)
+        # ... and finishes with no drift left (the gauge the reconcile-not-succeeding alert reads).
+        wait_until("a scheduled reconcile that finished with no drift left",
+                   lambda: re.search(r"^ddb_aggregator_reconcile_last_success_timestamp_seconds [0-9]", http_get(f"http://127.0.0.1:{metrics_port}/metrics"), re.M), 120)
         wait_until("a dead letter", lambda: re.search(r'^ddb_aggregator_dead_letters_total\{reason="non_numeric_sum"\} 1', http_get(f"http://127.0.0.1:{metrics_port}/metrics"), re.M), 60)
         time.sleep(8)  # several scrapes, so rate() and increase() have samples
         text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
