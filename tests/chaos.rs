@@ -67,37 +67,12 @@ async fn writer(
             orders.push((pk.clone(), sk.clone()));
             put(sk, statuses[rng.usize(0..2)], total).await.map(|_| ()).map_err(|e| format!("{e:?}"))
         } else {
-            let i = rng.usize(0..orders.len());
-            let (pk, sk) = orders[i].clone();
-            let upd = c.update_item().table_name(&table).key("PK", AttributeValue::S(pk.clone())).key("SK", AttributeValue::S(sk.clone()));
-            if roll < 70 {
-                let s = AttributeValue::S(statuses[rng.usize(0..4)].into());
-                upd.update_expression("SET #s = :s")
-                    .expression_attribute_names("#s", "status")
-                    .expression_attribute_values(":s", s)
-                    .send()
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| format!("{e:?}"))
-            } else if roll < 90 {
-                upd.update_expression("SET #t = :t")
-                    .expression_attribute_names("#t", "total")
-                    .expression_attribute_values(":t", total)
-                    .send()
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| format!("{e:?}"))
-            } else {
-                orders.swap_remove(i);
-                c.delete_item()
-                    .table_name(&table)
-                    .key("PK", AttributeValue::S(pk))
-                    .key("SK", AttributeValue::S(sk))
-                    .send()
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| format!("{e:?}"))
-            }
+            let change = match roll {
+                ..70 => Change::Status,
+                70..90 => Change::Total,
+                _ => Change::Delete,
+            };
+            change_order(&c, &table, &mut orders, &mut rng, change).await
         };
         result.expect("workload write (straight to DynamoDB Local, no faults)");
     }

@@ -63,6 +63,7 @@ type Fakes = (Arc<SimStream>, Arc<MemoryLeases>, Arc<MemoryAggregates>);
 struct Replica {
     cancel: CancellationToken,
     handle: tokio::task::JoinHandle<Result<(), WorkerError>>,
+    shared: Arc<Shared<ArcSource, ArcLeases, MemoryAggregates>>,
 }
 
 /// Starts a replica over shared fakes (the fakes are shared through Arc wrappers).
@@ -87,9 +88,10 @@ fn start_config(fakes: &Fakes, name: &str, dlq: Option<Arc<MemoryDeadLetters>>, 
         shared = shared.with_dead_letters(DeadLetters::Memory(d), "arn:sim".into());
     }
     let worker = Worker::new(shared);
+    let shared = worker.shared().clone();
     let cancel = CancellationToken::new();
     let c = cancel.clone();
-    Replica { cancel, handle: tokio::spawn(worker.run(c)) }
+    Replica { cancel, handle: tokio::spawn(worker.run(c)), shared }
 }
 
 struct ArcSource(Arc<SimStream>);
@@ -262,24 +264,13 @@ async fn trimmed_data_is_counted_not_skipped_silently() {
     lease.checkpoint = Some(crate::state::Checkpoint::Sequence(format!("{:021}", 3)));
     fakes.1.create(&lease).await.unwrap();
     fakes.0.trim(&shard, 6);
-    let shared = Shared::new(
-        config(),
-        ArcSource(fakes.0.clone()),
-        ArcLeases(fakes.1.clone()),
-        fakes.2.clone(),
-        "r1".into(),
-        Arc::new(Health::default()),
-    );
-    let worker = Worker::new(shared);
-    let shared = worker.shared().clone();
-    let cancel = CancellationToken::new();
-    let h = tokio::spawn(worker.run(cancel.clone()));
+    let r = start(&fakes, "r1");
     // Records 7..10 survive the trim and are applied; 4..6 are lost and reported.
     let want = expected(&(7..=10).map(|i| order("c1", i - 1, "INSERT", "1", "PAID")).collect::<Vec<_>>());
     settle(&fakes, &want, 0).await;
-    cancel.cancel();
-    h.await.unwrap().unwrap();
-    assert!(shared.trimmed_events.load(Ordering::Relaxed) >= 1);
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    assert!(r.shared.trimmed_events.load(Ordering::Relaxed) >= 1);
 }
 
 /// DynamoDB Local answers TrimmedDataAccess to GetRecords on an empty shard read from
@@ -290,27 +281,17 @@ async fn trimmed_answers_before_any_checkpoint_are_not_a_loss() {
     let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
     let shard = fakes.0.add_shard(None);
     fakes.0.trimmed_when_empty();
-    let worker = Worker::new(Shared::new(
-        config(),
-        ArcSource(fakes.0.clone()),
-        ArcLeases(fakes.1.clone()),
-        fakes.2.clone(),
-        "r1".into(),
-        Arc::new(Health::default()),
-    ));
-    let shared = worker.shared().clone();
-    let cancel = CancellationToken::new();
-    let h = tokio::spawn(worker.run(cancel.clone()));
+    let r = start(&fakes, "r1");
     tokio::time::sleep(Duration::from_millis(800)).await;
     let records: Vec<Value> = (1..=5).map(|i| order("c1", i, "INSERT", "2.5", "PAID")).collect();
     for r in &records {
         fakes.0.append(&shard, r.clone());
     }
     settle(&fakes, &expected(&records), 0).await;
-    cancel.cancel();
-    h.await.unwrap().unwrap();
-    assert_eq!(shared.trimmed_events.load(Ordering::Relaxed), 0, "no loss reported");
-    assert!(!shared.reconcile_everything.load(Ordering::Relaxed), "no reconcile scheduled");
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    assert_eq!(r.shared.trimmed_events.load(Ordering::Relaxed), 0, "no loss reported");
+    assert!(!r.shared.reconcile_everything.load(Ordering::Relaxed), "no reconcile scheduled");
 }
 
 #[tokio::test]

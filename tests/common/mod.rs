@@ -353,47 +353,13 @@ pub async fn workload(c: &Client, table: &str, writes: usize, customers: usize, 
                         .map(|_| ())
                         .map_err(|e| format!("{e:?}"))
                 } else {
-                    let i = rng.usize(0..orders.len());
-                    let (pk, sk) = orders[i].clone();
-                    let upd = c
-                        .update_item()
-                        .table_name(&table)
-                        .key("PK", AttributeValue::S(pk.clone()))
-                        .key("SK", AttributeValue::S(sk.clone()));
-                    if roll < 65 {
-                        upd.update_expression("SET #s = :s")
-                            .expression_attribute_names("#s", "status")
-                            .expression_attribute_values(":s", AttributeValue::S(statuses[rng.usize(0..4)].into()))
-                            .send()
-                            .await
-                            .map(|_| ())
-                            .map_err(|e| format!("{e:?}"))
-                    } else if roll < 85 {
-                        upd.update_expression("SET #t = :t")
-                            .expression_attribute_names("#t", "total")
-                            .expression_attribute_values(":t", AttributeValue::N(total))
-                            .send()
-                            .await
-                            .map(|_| ())
-                            .map_err(|e| format!("{e:?}"))
-                    } else if roll < 90 {
-                        upd.update_expression("SET note = :n")
-                            .expression_attribute_values(":n", AttributeValue::S(format!("note {done}")))
-                            .send()
-                            .await
-                            .map(|_| ())
-                            .map_err(|e| format!("{e:?}"))
-                    } else {
-                        orders.swap_remove(i);
-                        c.delete_item()
-                            .table_name(&table)
-                            .key("PK", AttributeValue::S(pk))
-                            .key("SK", AttributeValue::S(sk))
-                            .send()
-                            .await
-                            .map(|_| ())
-                            .map_err(|e| format!("{e:?}"))
-                    }
+                    let change = match roll {
+                        ..65 => Change::Status,
+                        65..85 => Change::Total,
+                        85..90 => Change::Note,
+                        _ => Change::Delete,
+                    };
+                    change_order(&c, &table, &mut orders, &mut rng, change).await
                 };
                 r.expect("workload write");
                 done += 1;
@@ -406,6 +372,70 @@ pub async fn workload(c: &Client, table: &str, writes: usize, customers: usize, 
         total += h.await.unwrap();
     }
     total
+}
+
+/// A change to an existing order.
+#[derive(Clone, Copy, Debug)]
+pub enum Change {
+    /// A random status (one of the four).
+    Status,
+    /// A random total.
+    Total,
+    /// An attribute no rule counts.
+    Note,
+    Delete,
+}
+
+/// Applies `change` to a random order of `orders` (deleted orders leave the list).
+pub async fn change_order(
+    c: &Client,
+    table: &str,
+    orders: &mut Vec<(String, String)>,
+    rng: &mut fastrand::Rng,
+    change: Change,
+) -> Result<(), String> {
+    let i = rng.usize(0..orders.len());
+    let (pk, sk) = orders[i].clone();
+    let upd = c.update_item().table_name(table).key("PK", AttributeValue::S(pk.clone())).key("SK", AttributeValue::S(sk.clone()));
+    let sent = match change {
+        Change::Status => {
+            let status = ["PENDING", "PAID", "SHIPPED", "CANCELLED"][rng.usize(0..4)];
+            upd.update_expression("SET #s = :s")
+                .expression_attribute_names("#s", "status")
+                .expression_attribute_values(":s", AttributeValue::S(status.into()))
+                .send()
+                .await
+                .map(|_| ())
+        }
+        Change::Total => {
+            let total = format!("{}.{:02}", rng.u32(0..500), rng.u32(0..100));
+            upd.update_expression("SET #t = :t")
+                .expression_attribute_names("#t", "total")
+                .expression_attribute_values(":t", AttributeValue::N(total))
+                .send()
+                .await
+                .map(|_| ())
+        }
+        Change::Note => upd
+            .update_expression("SET note = :n")
+            .expression_attribute_values(":n", AttributeValue::S(format!("note {}", rng.u32(..))))
+            .send()
+            .await
+            .map(|_| ()),
+        Change::Delete => {
+            orders.swap_remove(i);
+            return c
+                .delete_item()
+                .table_name(table)
+                .key("PK", AttributeValue::S(pk))
+                .key("SK", AttributeValue::S(sk))
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("{e:?}"));
+        }
+    };
+    sent.map_err(|e| format!("{e:?}"))
 }
 
 /// The lease items of a state table: (shard, owner, checkpoint).
