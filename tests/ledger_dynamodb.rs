@@ -37,19 +37,7 @@ async fn ledger_condition_on_dynamodb_local() {
     let a = "shardId-00000001700000000001-aaaaaaaa";
     let b = "shardId-00000001700000000002-bbbbbbbb";
     let ctx_a = ShardContext::new(a);
-    let read = || async {
-        c.get_item()
-            .table_name(&table)
-            .key("PK", AttributeValue::S("CUST#c1".into()))
-            .key("SK", AttributeValue::S("PROFILE".into()))
-            .consistent_read(true)
-            .send()
-            .await
-            .unwrap()
-            .item()
-            .cloned()
-            .unwrap_or_default()
-    };
+    let read = || get(&c, &table, "CUST#c1", "PROFILE");
     // Records 1..3 of shard A.
     let s = write_target(&store, &names, &key, &delta(&[1, 2, 3], "1.5"), &ctx_a).await.unwrap();
     assert_eq!((s.calls, s.applied_records), (1, 3));

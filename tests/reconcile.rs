@@ -48,20 +48,6 @@ async fn set_number(c: &aws_sdk_dynamodb::Client, table: &str, pk: &str, sk: &st
         .unwrap();
 }
 
-async fn get(c: &aws_sdk_dynamodb::Client, table: &str, pk: &str, sk: &str) -> std::collections::HashMap<String, AttributeValue> {
-    c.get_item()
-        .table_name(table)
-        .key("PK", AttributeValue::S(pk.into()))
-        .key("SK", AttributeValue::S(sk.into()))
-        .consistent_read(true)
-        .send()
-        .await
-        .unwrap()
-        .item()
-        .cloned()
-        .unwrap_or_default()
-}
-
 fn n(item: &std::collections::HashMap<String, AttributeValue>, attr: &str) -> String {
     item.get(attr).and_then(|v| v.as_n().ok()).cloned().unwrap_or_default()
 }

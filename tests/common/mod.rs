@@ -438,6 +438,21 @@ pub async fn change_order(
     sent.map_err(|e| format!("{e:?}"))
 }
 
+/// One item by key, read strongly consistently (empty when absent).
+pub async fn get(c: &Client, table: &str, pk: &str, sk: &str) -> std::collections::HashMap<String, AttributeValue> {
+    c.get_item()
+        .table_name(table)
+        .key("PK", AttributeValue::S(pk.into()))
+        .key("SK", AttributeValue::S(sk.into()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item()
+        .cloned()
+        .unwrap_or_default()
+}
+
 /// The lease items of a state table: (shard, owner, checkpoint).
 pub async fn leases(c: &Client, state: &str) -> Vec<(String, Option<String>, Option<String>)> {
     let Ok(_) = c.describe_table().table_name(state).send().await else { return Vec::new() };
