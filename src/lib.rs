@@ -11,6 +11,7 @@ pub mod pattern;
 pub mod reconcile;
 pub mod rules;
 pub mod service;
+pub mod shard_id;
 pub mod sink;
 pub mod state;
 pub mod stream;

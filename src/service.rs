@@ -102,10 +102,16 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     let reconcile_interval = shared.config.reconcile_interval;
     let schedule_config = shared.config.clone();
     let worker = Worker::new(shared);
-    if let Some(interval) = reconcile_interval {
-        let reconciler = crate::reconcile::Reconciler::new(ddb.clone(), schedule_config).await.map_err(ServiceError::Runtime)?;
-        tokio::spawn(crate::reconcile::schedule::run_schedule(worker.shared().clone(), reconciler, ddb.clone(), interval, cancel.clone()));
-    }
+    // Also with the schedule off: a persisted request to reconcile everything (data lost)
+    // is still carried out.
+    let reconciler = crate::reconcile::Reconciler::new(ddb.clone(), schedule_config).await.map_err(ServiceError::Runtime)?;
+    tokio::spawn(crate::reconcile::schedule::run_schedule(
+        worker.shared().clone(),
+        reconciler,
+        ddb.clone(),
+        reconcile_interval,
+        cancel.clone(),
+    ));
 
     let signals = cancel.clone();
     tokio::spawn(async move {

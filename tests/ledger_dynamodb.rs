@@ -8,7 +8,9 @@ use common::*;
 use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::rules::{Contribution, TargetDelta, TargetKey};
 use ddb_aggregator::sink::dynamodb::DynamoDbAggregates;
-use ddb_aggregator::sink::ledger::{entry_name, floor_value, FLOOR_ATTRIBUTE};
+use std::sync::Arc;
+
+use ddb_aggregator::sink::ledger::{floor_value, FloorPlan, Ledger};
 use ddb_aggregator::sink::{write_target, write_target_pruning, ShardContext, SinkError};
 
 fn delta(seqs: &[u64], amount: &str) -> TargetDelta {
@@ -36,7 +38,8 @@ async fn ledger_condition_on_dynamodb_local() {
     let key = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice());
     let a = "shardId-00000001700000000001-aaaaaaaa";
     let b = "shardId-00000001700000000002-bbbbbbbb";
-    let ctx_a = ShardContext::new(a);
+    let ledger = Ledger::new("dep1");
+    let ctx_a = ShardContext::new(&ledger, a);
     let read = || get(&c, &table, "CUST#c1", "PROFILE");
     // Records 1..3 of shard A.
     let s = write_target(&store, &names, &key, &delta(&[1, 2, 3], "1.5"), &ctx_a).await.unwrap();
@@ -46,21 +49,41 @@ async fn ledger_condition_on_dynamodb_local() {
     assert_eq!((s.calls, s.applied_records, s.skipped_records), (2, 2, 3));
     let item = read().await;
     assert_eq!(item["revenue"].as_n().unwrap(), "7.5");
-    assert_eq!(&item[&entry_name(a)].as_s().unwrap()[..40], format!("{:040}", 5));
-    // Shard B (created later) writes; A is finished, so its entry is prunable.
-    let ctx_b = ShardContext { open_floor: Some(floor_value(1_700_000_000_002)), ..ShardContext::new(b) };
+    assert_eq!(&item[&ledger.entry_name(a)].as_s().unwrap()[..40], format!("{:040}", 5));
+    // Another deployment (its own namespace) writes the same item from a shard of the same
+    // id: its entry is its own, so neither refuses the other.
+    let other = ShardContext::new(&Ledger::new("dep2"), a);
+    let s = write_target(&store, &names, &key, &delta(&[1], "100"), &other).await.unwrap();
+    assert_eq!(s.applied_records, 1, "a second deployment is not refused by the first one's entry");
+    // Shard B (created later) writes; A is finished, so its entry is prunable. Shard S (older
+    // than the floor, still open) stays admitted as a straggler.
+    let straggler = "shardId-00000001699999999999-cccccccc";
+    let plan = FloorPlan { floor: floor_value(1_700_000_000_002), stragglers: vec!["00000001699999999999-cccccccc".into()] };
+    let ctx_b = ShardContext { plan: Some(Arc::new(plan)), ..ShardContext::new(&ledger, b) };
     let s = write_target(&store, &names, &key, &delta(&[10], "1"), &ctx_b).await.unwrap();
-    assert_eq!(s.prunable, vec![entry_name(a)]);
-    let s = write_target_pruning(&store, &names, &key, &delta(&[11], "1"), &ctx_b, s.prunable).await.unwrap();
+    let seen = s.seen.unwrap();
+    assert_eq!(seen.entries, vec![ledger.entry_name(a), ledger.entry_name(b)]);
+    let s = write_target_pruning(&store, &names, &key, &delta(&[11], "1"), &ctx_b, Some(&seen)).await.unwrap();
     assert_eq!(s.pruned, 1);
     let item = read().await;
-    assert!(!item.contains_key(&entry_name(a)), "A's entry was pruned");
-    assert_eq!(item[FLOOR_ATTRIBUTE].as_s().unwrap(), &floor_value(1_700_000_000_002));
-    assert_eq!(item["revenue"].as_n().unwrap(), "9.5");
+    assert!(!item.contains_key(&ledger.entry_name(a)), "A's entry was pruned");
+    assert_eq!(item[&ledger.floor_attribute()].as_s().unwrap(), &floor_value(1_700_000_000_002));
+    assert_eq!(item[&ledger.open_attribute()].as_s().unwrap(), ",00000001699999999999-cccccccc,");
+    assert!(item.contains_key(&Ledger::new("dep2").entry_name(a)), "the other deployment's entry is untouched");
+    assert_eq!(item["revenue"].as_n().unwrap(), "109.5");
+    // A stale pruning write (it saw the item before the floor moved) prunes nothing and still
+    // applies its records.
+    let s = write_target_pruning(&store, &names, &key, &delta(&[12], "1"), &ctx_b, Some(&seen)).await.unwrap();
+    assert_eq!((s.pruned, s.applied_records), (0, 1));
+    // The straggler, created before the floor, is admitted by name.
+    let ctx_s = ShardContext::new(&ledger, straggler);
+    let s = write_target(&store, &names, &key, &delta(&[1], "1"), &ctx_s).await.unwrap();
+    assert!(!s.fenced && s.applied_records == 1, "{s:?}");
+    assert_eq!(read().await["revenue"].as_n().unwrap(), "111.5");
     // A stalled former owner of A wakes up: fenced, nothing applied twice.
     let stale = write_target(&store, &names, &key, &delta(&[4, 5, 6], "1.5"), &ctx_a).await.unwrap();
     assert!(stale.fenced && stale.applied_records == 0, "{stale:?}");
-    assert_eq!(read().await["revenue"].as_n().unwrap(), "9.5");
+    assert_eq!(read().await["revenue"].as_n().unwrap(), "111.5");
     // A measure attribute holding a string: a permanent error, not a retry loop.
     c.update_item()
         .table_name(&table)
@@ -71,5 +94,5 @@ async fn ledger_condition_on_dynamodb_local() {
         .send()
         .await
         .unwrap();
-    assert!(matches!(write_target(&store, &names, &key, &delta(&[12], "1"), &ctx_b).await, Err(SinkError::Invalid(_))));
+    assert!(matches!(write_target(&store, &names, &key, &delta(&[13], "1"), &ctx_b).await, Err(SinkError::Invalid(_))));
 }

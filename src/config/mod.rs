@@ -56,6 +56,8 @@ pub struct Config {
     pub source: SourceConfig,
     pub state: StateConfig,
     pub aggregates_table: String,
+    /// Namespace of this deployment's ledger entries, floor and straggler set on target items.
+    pub ledger_namespace: String,
     pub dead_letter: Option<DeadLetterConfig>,
     /// None: no scheduled reconcile.
     pub reconcile_interval: Option<Duration>,
@@ -230,6 +232,10 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if state.table == source_table || state.table == aggregates_table {
         return Err(err("state.table", "must be a table of its own, not the source or aggregates table"));
     }
+    let ledger_namespace = match raw.aggregates.as_ref().and_then(|a| a.ledger_namespace.as_deref()) {
+        None => crate::sink::ledger::default_namespace(&state.table),
+        Some(ns) => crate::sink::ledger::check_namespace(ns).map_err(|m| err("aggregates.ledger_namespace", m))?.to_string(),
+    };
     let dead_letter = match raw.dead_letter {
         Some(d) => {
             if !(d.queue_url.starts_with("https://") || d.queue_url.starts_with("http://")) {
@@ -286,6 +292,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         source: SourceConfig { table: source_table, start_position, batch_size, batching_window, max_record_age },
         state,
         aggregates_table,
+        ledger_namespace,
         dead_letter,
         reconcile_interval,
         reconcile_all,

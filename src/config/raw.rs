@@ -77,6 +77,10 @@ pub struct RawState {
 #[serde(deny_unknown_fields)]
 pub struct RawAggregates {
     pub table: String,
+    /// Names this deployment's ledger entries on target items (default: derived from the
+    /// state table), so two deployments writing one item never refuse or prune each other.
+    #[serde(default)]
+    pub ledger_namespace: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -2,7 +2,6 @@
 //! lease item in the state table) reconciles the targets it wrote since its last run, or
 //! everything when so configured or when data was lost (trimmed stream data).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,15 +49,15 @@ async fn release(ddb: &Client, table: &str, owner: &str) {
         .await;
 }
 
-pub async fn run_schedule<S, L, A>(
+pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     shared: Arc<Shared<S, L, A>>,
     reconciler: Reconciler,
     ddb: Client,
-    interval: Duration,
+    interval: Option<Duration>,
     cancel: CancellationToken,
 ) {
     let table = shared.config.state.table.clone();
-    let check = Duration::from_secs(5).min(interval);
+    let check = interval.map_or(Duration::from_secs(5), |i| Duration::from_secs(5).min(i));
     let mut since = Duration::ZERO;
     loop {
         tokio::select! {
@@ -66,15 +65,20 @@ pub async fn run_schedule<S, L, A>(
             _ = tokio::time::sleep(check) => {}
         }
         since += check;
-        let everything = shared.reconcile_everything.load(Ordering::Relaxed);
-        if since < interval && !everything {
+        // A persisted request (data was lost) runs a full reconcile even with the schedule
+        // off (interval 0s), and after restarts.
+        let requested = shared.leases.reconcile_request().await.ok().flatten();
+        metrics::gauge!(crate::telemetry::names::RECONCILE_REQUESTED).set(if requested.is_some() { 1.0 } else { 0.0 });
+        if requested.is_none() && interval.is_none_or(|i| since < i) {
             continue;
         }
         since = Duration::ZERO;
-        if !acquire(&ddb, &table, &shared.owner, interval.max(Duration::from_secs(60)) * 2).await {
+        let hold = interval.unwrap_or(Duration::ZERO).max(Duration::from_secs(60)) * 2;
+        if !acquire(&ddb, &table, &shared.owner, hold).await {
             continue;
         }
-        let all = shared.config.reconcile_all || shared.reconcile_everything.swap(false, Ordering::Relaxed);
+        let started_ms = now_ms();
+        let all = shared.config.reconcile_all || requested.is_some();
         let touched = std::mem::take(&mut *shared.touched.lock().unwrap_or_else(|e| e.into_inner()));
         let opts = Options { wait: Duration::from_secs(120), ..Options::default() };
         let mut retry: Vec<(String, crate::rules::TargetKey)> = Vec::new();
@@ -97,16 +101,20 @@ pub async fn run_schedule<S, L, A>(
         }
         .await;
         match result {
-            Ok(()) => info!(all, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done"),
+            Ok(()) => {
+                info!(all, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done");
+                if requested.is_some() {
+                    if let Err(e) = shared.leases.clear_reconcile_request(started_ms).await {
+                        warn!(error = %e, "cannot clear the reconcile request; the next round runs it again");
+                    }
+                }
+            }
             Err(e) => {
                 metrics::counter!(crate::telemetry::names::RECONCILE_RUNS, "outcome" => "error").increment(1);
                 warn!(error = %e, "scheduled reconcile failed; its targets are kept for the next run");
                 let mut t = shared.touched.lock().unwrap_or_else(|e| e.into_inner());
                 for (rule, targets) in touched {
                     t.entry(rule).or_default().extend(targets);
-                }
-                if all {
-                    shared.reconcile_everything.store(true, Ordering::Relaxed);
                 }
             }
         }

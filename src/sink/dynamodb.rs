@@ -6,7 +6,7 @@ use aws_sdk_dynamodb::Client;
 
 use super::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
 use crate::aws::{classify, FailureKind};
-use crate::sink::ledger::FLOOR_ATTRIBUTE;
+use crate::sink::ledger::{entry_prefix_of, expressions, ExprValue, Seen};
 
 pub struct DynamoDbAggregates {
     client: Client,
@@ -19,65 +19,53 @@ impl DynamoDbAggregates {
     }
 }
 
+fn attribute(v: &ExprValue) -> AttributeValue {
+    match v {
+        ExprValue::S(s) => AttributeValue::S(s.clone()),
+        ExprValue::N(n) => AttributeValue::N(n.clone()),
+    }
+}
+
 impl AggregateStore for DynamoDbAggregates {
     async fn apply(&self, w: &LedgerWrite) -> Result<WriteOutcome, SinkError> {
+        let e = expressions(w);
         let mut req = self
             .client
             .update_item()
             .table_name(&self.table)
             .return_consumed_capacity(ReturnConsumedCapacity::Total)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .expression_attribute_names("#l", &w.entry_name)
-            .expression_attribute_values(":l", AttributeValue::S(w.entry_value.clone()))
-            .expression_attribute_values(":first", AttributeValue::S(w.first.clone()));
+            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew)
+            .update_expression(e.update)
+            .condition_expression(e.condition);
         for (name, value) in &w.key {
             req = req.key(name, AttributeValue::S(value.clone()));
         }
-        let mut adds = Vec::with_capacity(w.adds.len());
-        for (i, (name, v)) in w.adds.iter().enumerate() {
-            adds.push(format!("#m{i} :m{i}"));
-            req = req
-                .expression_attribute_names(format!("#m{i}"), name)
-                .expression_attribute_values(format!(":m{i}"), AttributeValue::N(v.to_string()));
+        for (k, v) in e.names {
+            req = req.expression_attribute_names(k, v);
         }
-        // The ledger condition: this shard's entry is absent or below the first record of
-        // the write, and the item's floor (if any) does not exclude this shard.
-        let mut condition = "(attribute_not_exists(#l) OR #l < :first)".to_string();
-        // With pruning the item's floor must not exceed the new floor (which is at most this
-        // shard's own); otherwise it must not exceed this shard's.
-        if let Some(floor) = w.new_floor.as_ref().or(w.shard_floor.as_ref()) {
-            condition.push_str(" AND (attribute_not_exists(#f) OR #f <= :floor)");
-            req = req
-                .expression_attribute_names("#f", FLOOR_ATTRIBUTE)
-                .expression_attribute_values(":floor", AttributeValue::S(floor.clone()));
+        for (k, v) in &e.values {
+            req = req.expression_attribute_values(k, attribute(v));
         }
-        let mut update = if adds.is_empty() { String::new() } else { format!("ADD {} ", adds.join(", ")) };
-        update.push_str(if w.new_floor.is_some() { "SET #l = :l, #f = :floor" } else { "SET #l = :l" });
-        if !w.prune.is_empty() {
-            let names: Vec<String> = (0..w.prune.len()).map(|i| format!("#p{i}")).collect();
-            for (name, p) in names.iter().zip(&w.prune) {
-                req = req.expression_attribute_names(name, p);
+        let (floor_attr, open_attr) = w.fence.as_ref().map(|f| (f.floor_attribute.as_str(), f.open_attribute.as_str())).unwrap_or(("", ""));
+        match req.send().await {
+            Ok(out) => {
+                let item = out.attributes();
+                let text = |k: &str| item.and_then(|i| i.get(k)).and_then(|v| v.as_s().ok()).cloned();
+                let prefix = entry_prefix_of(&w.entry_name);
+                Ok(WriteOutcome::Applied {
+                    capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0),
+                    seen: Seen {
+                        entries: item.map(|a| a.keys().filter(|k| k.starts_with(prefix)).cloned().collect()).unwrap_or_default(),
+                        floor: text(floor_attr),
+                        open: text(open_attr),
+                    },
+                })
             }
-            update.push_str(&format!(" REMOVE {}", names.join(", ")));
-        }
-        let resp = req
-            .update_expression(update)
-            .condition_expression(condition)
-            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew)
-            .send()
-            .await;
-        match resp {
-            Ok(out) => Ok(WriteOutcome::Applied {
-                capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0),
-                entries: out
-                    .attributes()
-                    .map(|a| a.keys().filter(|k| k.starts_with(crate::sink::ledger::ENTRY_PREFIX)).cloned().collect())
-                    .unwrap_or_default(),
-            }),
             Err(e) => {
                 if let Some(UpdateItemError::ConditionalCheckFailedException(c)) = e.as_service_error() {
                     let text = |k: &str| c.item().and_then(|i| i.get(k)).and_then(|v| v.as_s().ok()).cloned();
-                    return Ok(WriteOutcome::Stale { entry: text(&w.entry_name), floor: text(FLOOR_ATTRIBUTE) });
+                    return Ok(WriteOutcome::Stale { entry: text(&w.entry_name), floor: text(floor_attr), open: text(open_attr) });
                 }
                 let f = classify(&e);
                 Err(match f.kind {

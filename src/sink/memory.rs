@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use super::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
 use crate::decimal::Decimal;
-use crate::sink::ledger::FLOOR_ATTRIBUTE;
+use crate::sink::ledger::{admits, entry_prefix_of, expressions, Seen, MAX_EXPRESSION_BYTES};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MemValue {
@@ -18,6 +18,8 @@ struct State {
     items: HashMap<Vec<String>, BTreeMap<String, MemValue>>,
     fail_next: u32,
     calls: u64,
+    /// Largest item size written, bytes.
+    largest_item: usize,
 }
 
 #[derive(Debug, Default)]
@@ -67,7 +69,31 @@ impl MemoryAggregates {
     pub fn calls(&self) -> u64 {
         self.lock().calls
     }
+
+    /// The largest item size any write produced, in bytes.
+    pub fn largest_item(&self) -> usize {
+        self.lock().largest_item
+    }
 }
+
+/// DynamoDB's item size: attribute names and values in bytes (numbers about their digits).
+pub fn item_size(key: &[(String, String)], item: &BTreeMap<String, MemValue>) -> usize {
+    let keys: usize = key.iter().map(|(n, v)| n.len() + v.len()).sum();
+    let attrs: usize = item
+        .iter()
+        .map(|(n, v)| {
+            n.len()
+                + match v {
+                    MemValue::Num(d) => d.to_string().len() / 2 + 2,
+                    MemValue::Str(s) => s.len(),
+                }
+        })
+        .sum();
+    keys + attrs
+}
+
+/// DynamoDB's largest item.
+pub const MAX_ITEM_BYTES: usize = 400 * 1024;
 
 impl AggregateStore for MemoryAggregates {
     async fn apply(&self, w: &LedgerWrite) -> Result<WriteOutcome, SinkError> {
@@ -77,23 +103,29 @@ impl AggregateStore for MemoryAggregates {
             s.fail_next -= 1;
             return Err(SinkError::Transient("simulated throttling".into()));
         }
+        let longest = expressions(w).longest();
+        if longest > MAX_EXPRESSION_BYTES {
+            return Err(SinkError::Invalid(format!(
+                "ValidationException: Invalid UpdateExpression: Expression size has exceeded the maximum allowed size ({longest} bytes)"
+            )));
+        }
         let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
         let item = s.items.entry(key).or_default();
         let text = |v: Option<&MemValue>| match v {
             Some(MemValue::Str(s)) => Some(s.clone()),
             _ => None,
         };
+        let (floor_attr, open_attr) = w.fence.as_ref().map(|f| (f.floor_attribute.as_str(), f.open_attribute.as_str())).unwrap_or(("", ""));
         let entry = text(item.get(&w.entry_name));
-        let floor = text(item.get(FLOOR_ATTRIBUTE));
+        let floor = text(item.get(floor_attr));
+        let open = text(item.get(open_attr));
         let entry_ok = entry.as_ref().is_none_or(|e| *e < w.first);
-        let limit = w.new_floor.as_ref().or(w.shard_floor.as_ref());
-        let floor_ok = match (&floor, limit) {
-            (Some(f), Some(limit)) => f <= limit,
-            _ => true,
-        };
-        if !(entry_ok && floor_ok) {
-            return Ok(WriteOutcome::Stale { entry, floor });
+        let fence_ok = w.fence.as_ref().is_none_or(|f| admits(floor.as_deref(), open.as_deref(), &f.mine, &f.token));
+        let cas_ok = w.prune.as_ref().is_none_or(|p| p.seen_floor == floor && p.seen_open == open);
+        if !(entry_ok && fence_ok && cas_ok) {
+            return Ok(WriteOutcome::Stale { entry, floor, open });
         }
+        let before = item_size(&w.key, item);
         let mut updated = item.clone();
         for (name, v) in &w.adds {
             let current = match updated.get(name) {
@@ -107,14 +139,27 @@ impl AggregateStore for MemoryAggregates {
             updated.insert(name.clone(), MemValue::Num(sum));
         }
         updated.insert(w.entry_name.clone(), MemValue::Str(w.entry_value.clone()));
-        for p in &w.prune {
-            updated.remove(p);
+        if let (Some(p), Some(_)) = (&w.prune, &w.fence) {
+            for e in &p.entries {
+                updated.remove(e);
+            }
+            updated.insert(floor_attr.to_string(), MemValue::Str(p.floor.clone()));
+            updated.insert(open_attr.to_string(), MemValue::Str(p.open.clone()));
         }
-        if let Some(f) = &w.new_floor {
-            updated.insert(FLOOR_ATTRIBUTE.to_string(), MemValue::Str(f.clone()));
+        let after = item_size(&w.key, &updated);
+        if after > MAX_ITEM_BYTES {
+            return Err(SinkError::Invalid("ValidationException: Item size has exceeded the maximum allowed size".into()));
         }
-        let entries = updated.keys().filter(|k| k.starts_with(crate::sink::ledger::ENTRY_PREFIX)).cloned().collect();
+        let prefix = entry_prefix_of(&w.entry_name);
+        let seen = Seen {
+            entries: updated.keys().filter(|k| k.starts_with(prefix)).cloned().collect(),
+            floor: text(updated.get(floor_attr)),
+            open: text(updated.get(open_attr)),
+        };
         *item = updated;
-        Ok(WriteOutcome::Applied { capacity: 1.0, entries })
+        s.largest_item = s.largest_item.max(after);
+        // 1 WCU per started KB of the larger of the item before and after.
+        let capacity = before.max(after).div_ceil(1024).max(1) as f64;
+        Ok(WriteOutcome::Applied { capacity, seen })
     }
 }

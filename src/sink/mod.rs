@@ -11,7 +11,18 @@ use std::time::Duration;
 
 use crate::decimal::Decimal;
 use crate::rules::{TargetDelta, TargetKey};
-use ledger::{entry_sequence, entry_value, plan, WritePlan};
+use ledger::{admits, entry_sequence, entry_value, plan, FloorPlan, Ledger, Prune, Seen, WritePlan};
+
+/// How a write proves the item still admits its shard (see [`ledger`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub floor_attribute: String,
+    pub open_attribute: String,
+    /// This shard's creation time as a floor value.
+    pub mine: String,
+    /// `,<shard>,`: this shard in a straggler set.
+    pub token: String,
+}
 
 /// One ledger-guarded write.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,20 +34,18 @@ pub struct LedgerWrite {
     pub entry_value: String,
     /// Padded first sequence number of the write: the entry must be below it.
     pub first: String,
-    /// This shard's creation time as a floor value; None for shard ids without one.
-    pub shard_floor: Option<String>,
-    /// Ledger entries of finished shards to remove, with the floor to set (at most this
-    /// shard's own floor). The write then requires the item's floor to be at most the new one.
-    pub prune: Vec<String>,
-    pub new_floor: Option<String>,
+    /// None for shard ids without a creation time (no floor, no pruning).
+    pub fence: Option<Fence>,
+    /// Entries of finished shards to remove, with the floor and straggler set to set.
+    pub prune: Option<Prune>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum WriteOutcome {
-    /// `entries`: the ledger entry names the item holds after the write.
-    Applied { capacity: f64, entries: Vec<String> },
-    /// The condition failed: the item's current entry and floor.
-    Stale { entry: Option<String>, floor: Option<String> },
+    /// `seen`: the item's ledger after the write.
+    Applied { capacity: f64, seen: Seen },
+    /// The condition failed: the item's current entry, floor and straggler set.
+    Stale { entry: Option<String>, floor: Option<String>, open: Option<String> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -69,12 +78,11 @@ pub struct WriteStats {
     /// Records whose effect was already in the item (replays).
     pub skipped_records: u64,
     pub applied_records: u64,
-    /// Ledger entries the item still holds that belong to finished shards (to prune on the
-    /// next write to it).
-    pub prunable: Vec<String>,
+    /// What the item's ledger looked like after the write, for pruning on the next one.
+    pub seen: Option<Seen>,
     /// Entries removed by this write.
     pub pruned: usize,
-    /// The item's ledger floor is above this shard: the write was a replay and was refused.
+    /// The item no longer admits this shard (floor passed it): the write was refused.
     pub fenced: bool,
     /// Calls whose ledger condition failed (records already applied).
     pub stale: u64,
@@ -84,35 +92,33 @@ pub struct WriteStats {
 #[derive(Debug, Clone)]
 pub struct ShardContext {
     pub entry_name: String,
-    pub floor: Option<String>,
-    /// Creation time (floor format) of the oldest shard still open: every shard created before
-    /// it is finished, so its entries can go. None: unknown, prune nothing.
-    pub open_floor: Option<String>,
+    pub fence: Option<Fence>,
+    /// The current floor plan (from the lease table); None: prune nothing.
+    pub plan: Option<std::sync::Arc<FloorPlan>>,
 }
 
 impl ShardContext {
-    pub fn new(shard_id: &str) -> ShardContext {
+    pub fn new(ledger: &Ledger, shard_id: &str) -> ShardContext {
         ShardContext {
-            entry_name: ledger::entry_name(shard_id),
-            floor: crate::stream::shard_created_ms(shard_id).map(ledger::floor_value),
-            open_floor: None,
+            entry_name: ledger.entry_name(shard_id),
+            fence: crate::shard_id::created_ms(shard_id).map(|c| Fence {
+                floor_attribute: ledger.floor_attribute(),
+                open_attribute: ledger.open_attribute(),
+                mine: ledger::floor_value(c),
+                token: ledger::open_token(shard_id),
+            }),
+            plan: None,
         }
     }
 
-    /// The floor a pruning write sets: the open floor, never above this (open) shard's own.
-    fn prune_floor(&self) -> Option<&String> {
-        Some(self.open_floor.as_ref()?.min(self.floor.as_ref()?))
+    /// What a write to an item last seen as `seen` may prune now.
+    pub fn prune(&self, seen: Option<&Seen>) -> Option<Prune> {
+        self.fence.as_ref()?;
+        ledger::prune_for(self.plan.as_deref()?, seen?, &self.entry_name)
     }
 
-    /// Entries (by name) that belong to shards created before the prune floor.
-    fn prunable(&self, entries: &[String]) -> Vec<String> {
-        let Some(limit) = self.prune_floor() else { return Vec::new() };
-        entries
-            .iter()
-            .filter(|e| **e != self.entry_name)
-            .filter(|e| ledger::entry_created_ms(e).map(ledger::floor_value).is_some_and(|c| c < *limit))
-            .cloned()
-            .collect()
+    fn admitted(&self, floor: Option<&str>, open: Option<&str>) -> bool {
+        self.fence.as_ref().is_none_or(|f| admits(floor, open, &f.mine, &f.token))
     }
 }
 
@@ -129,24 +135,26 @@ pub async fn write_target<S: AggregateStore>(
     delta: &TargetDelta,
     shard: &ShardContext,
 ) -> Result<WriteStats, SinkError> {
-    write_target_pruning(store, key_names, key, delta, shard, Vec::new()).await
+    write_target_pruning(store, key_names, key, delta, shard, None).await
 }
 
-/// [`write_target`], also removing `prune` (entries of finished shards seen on this item
-/// before) and raising the item's floor, in the same UpdateItem.
+/// [`write_target`], also pruning entries of finished shards seen on the item before
+/// (`seen`), in the same UpdateItem.
 pub async fn write_target_pruning<S: AggregateStore>(
     store: &S,
     key_names: &[String],
     key: &TargetKey,
     delta: &TargetDelta,
     shard: &ShardContext,
-    mut prune: Vec<String>,
+    seen: Option<&Seen>,
 ) -> Result<WriteStats, SinkError> {
     let mut stats = WriteStats::default();
+    let mut prune = shard.prune(seen);
     let mut applied: Option<String> = None;
     let mut transient = 0;
     let total_records = delta.contributions.len() as u64;
-    // Each stale round raises `applied` strictly, so this ends; the bound is a safety net.
+    // Each stale round raises `applied` strictly or drops the pruning, so this ends; the
+    // bound is a safety net.
     for _ in 0..64 {
         let Some(p): Option<WritePlan> = plan(&delta.contributions, applied.as_deref()).map_err(|e| SinkError::Fatal(e.to_string()))?
         else {
@@ -159,38 +167,38 @@ pub async fn write_target_pruning<S: AggregateStore>(
             entry_name: shard.entry_name.clone(),
             entry_value: entry_value(&p.last, p.newest_created),
             first: p.first.clone(),
-            shard_floor: shard.floor.clone(),
-            new_floor: if prune.is_empty() { None } else { shard.prune_floor().cloned() },
+            fence: shard.fence.clone(),
             prune: prune.clone(),
         };
+        let longest = ledger::expressions(&write).longest();
+        if longest > ledger::MAX_EXPRESSION_BYTES {
+            // Our own expression: a bug to surface, never a reason to dead-letter records.
+            return Err(SinkError::Fatal(format!("ledger write expression of {longest} bytes exceeds DynamoDB's 4 KB")));
+        }
         stats.calls += 1;
         match store.apply(&write).await {
-            Ok(WriteOutcome::Applied { capacity, entries }) => {
+            Ok(WriteOutcome::Applied { capacity, seen }) => {
                 stats.capacity += capacity;
                 stats.applied_records = p.records as u64;
                 stats.skipped_records = total_records - stats.applied_records;
-                stats.pruned = write.prune.len();
-                stats.prunable = shard.prunable(&entries);
+                stats.pruned = write.prune.as_ref().map_or(0, |p| p.entries.len());
+                stats.seen = Some(seen);
                 return Ok(stats);
             }
-            Ok(WriteOutcome::Stale { entry, floor }) => {
+            Ok(WriteOutcome::Stale { entry, floor, open }) => {
                 stats.stale += 1;
-                if let (Some(item_floor), Some(mine)) = (&floor, &shard.floor) {
-                    if item_floor > mine {
-                        // The item's floor passed this shard: the shard was finished (every
-                        // record applied and checkpointed) when its entry was pruned, so this
-                        // write is a replay. Refuse it; nothing is applied twice.
-                        stats.fenced = true;
-                        stats.skipped_records = total_records - stats.applied_records;
-                        return Ok(stats);
-                    }
+                if !shard.admitted(floor.as_deref(), open.as_deref()) {
+                    // The item's floor passed this shard: someone saw it finished (every
+                    // record applied and checkpointed) and pruned its entry, so this write is
+                    // a replay. Refuse it; nothing is applied twice.
+                    stats.fenced = true;
+                    stats.skipped_records = total_records - stats.applied_records;
+                    return Ok(stats);
                 }
-                if let (Some(item_floor), Some(new_floor)) = (&floor, &write.new_floor) {
-                    if item_floor > new_floor {
-                        // Another replica already raised the floor further: skip our pruning.
-                        prune.clear();
-                        continue;
-                    }
+                if prune.as_ref().is_some_and(|p| p.seen_floor != floor || p.seen_open != open) {
+                    // Another write moved the floor since we saw the item: prune next time.
+                    prune = None;
+                    continue;
                 }
                 match entry {
                     Some(e) if applied.as_deref().is_none_or(|a| entry_sequence(&e) > a) => applied = Some(entry_sequence(&e).to_string()),

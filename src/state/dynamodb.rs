@@ -23,7 +23,17 @@ impl DynamoDbLeases {
     pub fn new(client: Client, table: String, stream_arn: String) -> DynamoDbLeases {
         DynamoDbLeases { client, table, stream_arn }
     }
+
+    /// The state-table item of the pending "reconcile everything" request. It has no
+    /// `stream_arn`, so it is never listed as a lease; it outlives the stream (a re-enabled
+    /// stream's gap is covered by the same request).
+    fn request_key(&self) -> String {
+        RECONCILE_REQUEST.to_string()
+    }
 }
+
+/// Key of the state-table item holding a pending request to reconcile everything.
+pub const RECONCILE_REQUEST: &str = "reconcile-request";
 
 /// Maps an SDK error; a failed condition is `Ok(false)` for the caller.
 fn map_err<E>(e: SdkError<E, HttpResponse>, table: &str) -> Result<bool, StateError>
@@ -257,6 +267,70 @@ impl LeaseStore for DynamoDbLeases {
             return Ok(true);
         }
         self.send_owned(req.update_expression(format!("SET {}", sets.join(", ")))).await
+    }
+
+    async fn delete(&self, lease: &Lease) -> Result<bool, StateError> {
+        let resp = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key("shard_id", s(&lease.shard_id))
+            .condition_expression("#c = :counter AND #cp = :end")
+            .expression_attribute_names("#c", "counter")
+            .expression_attribute_names("#cp", "checkpoint")
+            .expression_attribute_values(":counter", n(lease.counter))
+            .expression_attribute_values(":end", s(Checkpoint::SHARD_END))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    async fn request_reconcile(&self, at_ms: u64) -> Result<(), StateError> {
+        // The oldest pending request wins: a later one is covered by the same reconcile.
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(&self.request_key()))
+            .update_expression("SET #r = :at")
+            .condition_expression("attribute_not_exists(#r) OR #r > :at")
+            .expression_attribute_names("#r", "requested_at")
+            .expression_attribute_values(":at", n(at_ms))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(()),
+            Err(e) => map_err(e, &self.table).map(|_| ()),
+        }
+    }
+
+    async fn reconcile_request(&self) -> Result<Option<u64>, StateError> {
+        let resp =
+            self.client.get_item().table_name(&self.table).key("shard_id", s(&self.request_key())).consistent_read(true).send().await;
+        match resp {
+            Ok(r) => Ok(r.item().and_then(|i| get_n(i, "requested_at"))),
+            Err(e) => map_err(e, &self.table).map(|_| None),
+        }
+    }
+
+    async fn clear_reconcile_request(&self, started_ms: u64) -> Result<bool, StateError> {
+        let resp = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key("shard_id", s(&self.request_key()))
+            .condition_expression("#r <= :started")
+            .expression_attribute_names("#r", "requested_at")
+            .expression_attribute_values(":started", n(started_ms))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
     }
 
     async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, StateError> {

@@ -8,6 +8,7 @@ use super::{Lease, LeaseStore, Progress, StateError};
 #[derive(Debug, Default)]
 pub struct MemoryLeases {
     leases: Mutex<BTreeMap<String, Lease>>,
+    reconcile_request: Mutex<Option<u64>>,
 }
 
 impl MemoryLeases {
@@ -89,5 +90,37 @@ impl LeaseStore for MemoryLeases {
             l.owner = None;
             l.expires_at_ms = 0;
         }))
+    }
+
+    async fn delete(&self, lease: &Lease) -> Result<bool, StateError> {
+        let mut m = self.lock();
+        match m.get(&lease.shard_id) {
+            Some(l) if l.counter == lease.counter && l.finished() => {
+                m.remove(&lease.shard_id);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn request_reconcile(&self, at_ms: u64) -> Result<(), StateError> {
+        let mut r = self.reconcile_request.lock().unwrap_or_else(|e| e.into_inner());
+        *r = Some(r.map_or(at_ms, |t| t.min(at_ms)));
+        Ok(())
+    }
+
+    async fn reconcile_request(&self) -> Result<Option<u64>, StateError> {
+        Ok(*self.reconcile_request.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    async fn clear_reconcile_request(&self, started_ms: u64) -> Result<bool, StateError> {
+        let mut r = self.reconcile_request.lock().unwrap_or_else(|e| e.into_inner());
+        match *r {
+            Some(t) if t <= started_ms => {
+                *r = None;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 }

@@ -123,6 +123,16 @@ pub trait LeaseStore: Send + Sync + 'static {
         progress: &Progress,
     ) -> impl Future<Output = Result<bool, StateError>> + Send;
     fn release(&self, shard_id: &str, owner: &str, counter: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Deletes a finished lease, if it is still as read (counter unchanged).
+    fn delete(&self, lease: &Lease) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Records a request to reconcile everything (data was lost), kept until a full
+    /// reconcile that started after it clears it.
+    fn request_reconcile(&self, at_ms: u64) -> impl Future<Output = Result<(), StateError>> + Send;
+    /// When the oldest pending request to reconcile everything was made, if one is pending.
+    fn reconcile_request(&self) -> impl Future<Output = Result<Option<u64>, StateError>> + Send;
+    /// Clears the request if it was made at or before `started_ms` (a full reconcile that
+    /// started then covered it); a later request stays.
+    fn clear_reconcile_request(&self, started_ms: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
 }
 
 /// Epoch milliseconds now.

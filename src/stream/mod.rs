@@ -67,27 +67,3 @@ pub trait StreamSource: Send + Sync + 'static {
     fn iterator(&self, shard_id: &str, position: &Position) -> impl Future<Output = Result<String, StreamError>> + Send;
     fn records(&self, iterator: &str, limit: u32) -> impl Future<Output = Result<Page, StreamError>> + Send;
 }
-
-/// The creation time embedded in a DynamoDB Streams shard id
-/// (`shardId-00000001796001337266-8e340a17`: epoch milliseconds), if it has one.
-pub fn shard_created_ms(shard_id: &str) -> Option<u64> {
-    let rest = shard_id.strip_prefix("shardId-")?;
-    let digits = rest.split('-').next()?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shard_creation_time() {
-        assert_eq!(shard_created_ms("shardId-00000001796001337266-8e340a17"), Some(1_796_001_337_266));
-        assert_eq!(shard_created_ms("shardId-x-1"), None);
-        assert_eq!(shard_created_ms("other"), None);
-        assert_eq!(shard_created_ms("shardId-99999999999999999999999-1"), None, "overflow is None, not a panic");
-    }
-}

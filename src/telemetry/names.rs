@@ -18,11 +18,18 @@ pub const GET_RECORDS: &str = "ddb_aggregator_get_records_total";
 pub const TRIMMED_DATA: &str = "ddb_aggregator_trimmed_data_total";
 pub const DEAD_LETTERS: &str = "ddb_aggregator_dead_letters_total";
 pub const DEAD_LETTER_FAILURES: &str = "ddb_aggregator_dead_letter_send_failures_total";
+/// Dead letters by the form they reached the queue in (`form`: full, images_cut, keys_only,
+/// dropped, disabled); `dropped` means SQS refused every form and the record is only in the log.
+pub const DEAD_LETTER_DELIVERIES: &str = "ddb_aggregator_dead_letter_deliveries_total";
 pub const RECONCILE_RUNS: &str = "ddb_aggregator_reconcile_runs_total";
 pub const RECONCILE_DRIFT: &str = "ddb_aggregator_reconcile_drift_total";
 pub const RECONCILE_CORRECTIONS: &str = "ddb_aggregator_reconcile_corrections_total";
 pub const RECONCILE_LAST_SUCCESS: &str = "ddb_aggregator_reconcile_last_success_timestamp_seconds";
 pub const BUILD_INFO: &str = "ddb_aggregator_build_info";
+pub const SHARDS_LOST: &str = "ddb_aggregator_shards_lost_total";
+pub const LEDGER_FENCE_VIOLATIONS: &str = "ddb_aggregator_ledger_fence_violations_total";
+pub const LEASES_DELETED: &str = "ddb_aggregator_leases_deleted_total";
+pub const RECONCILE_REQUESTED: &str = "ddb_aggregator_reconcile_requested";
 
 /// Registers help texts and units.
 pub fn describe() {
@@ -45,6 +52,13 @@ pub fn describe() {
     describe_gauge!(LEASES_HELD, "Shard leases this replica holds.");
     describe_counter!(GET_RECORDS, "GetRecords calls by outcome (ok, empty, expired, throttled, trimmed, error).");
     describe_counter!(TRIMMED_DATA, "Times a shard position was older than the stream's retention: data was lost and needs a reconcile.");
+    describe_counter!(
+        SHARDS_LOST,
+        "Leased shards that left the stream before they were read to their end: data was lost and a reconcile of everything was requested."
+    );
+    describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");
+    describe_counter!(LEASES_DELETED, "Finished leases deleted once their shard left the stream and its children held checkpoints.");
+    describe_gauge!(RECONCILE_REQUESTED, "1 while a persisted request to reconcile everything (after lost or trimmed data) is pending.");
     describe_counter!(DEAD_LETTERS, "Records sent to the dead-letter queue, by reason.");
     describe_counter!(DEAD_LETTER_FAILURES, "Failed attempts to send a dead letter (the shard waits and retries; alert on it).");
     describe_counter!(RECONCILE_RUNS, "Reconcile runs by outcome (ok, drift_remaining, error).");
@@ -58,7 +72,16 @@ pub fn describe() {
 /// (`increase()`, `rate()`) see the series before the first event.
 pub fn init_series(rules: &[String]) {
     use metrics::counter;
-    for name in [RECORDS_READ, COALESCED_UPDATES, WRITE_CAPACITY_UNITS, TRIMMED_DATA, DEAD_LETTER_FAILURES] {
+    for name in [
+        RECORDS_READ,
+        COALESCED_UPDATES,
+        WRITE_CAPACITY_UNITS,
+        TRIMMED_DATA,
+        DEAD_LETTER_FAILURES,
+        SHARDS_LOST,
+        LEDGER_FENCE_VIOLATIONS,
+        LEASES_DELETED,
+    ] {
         counter!(name).increment(0);
     }
     for outcome in ["applied", "stale", "fenced", "rejected", "error"] {

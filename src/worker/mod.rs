@@ -2,9 +2,10 @@
 //! one reader per leased shard, and drain on shutdown. One `select!` loop; every reader is a
 //! task under the replica's cancellation token.
 
+pub mod plan;
 pub mod shard;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +20,7 @@ use crate::config::Config;
 use crate::rules::Engine;
 use crate::sink::dead_letter::DeadLetters;
 use crate::sink::AggregateStore;
-use crate::state::{now_ms, Lease, LeaseStore};
+use crate::state::{now_ms, Checkpoint, Lease, LeaseStore, Progress};
 use crate::stream::{lineage, ShardInfo, StreamSource};
 use crate::telemetry::{names, Health};
 use shard::{read_shard, ShardExit, ShardLease};
@@ -42,20 +43,24 @@ pub struct Shared<S, L, A> {
     pub ages: std::sync::Mutex<HashMap<String, f64>>,
     pub dead_letters: DeadLetters,
     pub stream_arn: String,
-    /// Creation time (epoch ms) of the oldest shard not yet finished; 0 when unknown. Ledger
-    /// entries of shards created before it can be pruned.
-    pub open_floor_ms: AtomicU64,
+    /// This deployment's ledger names on target items.
+    pub ledger: crate::sink::ledger::Ledger,
+    /// Which shards target items may still take writes from (from the lease table); None:
+    /// unknown, prune nothing.
+    pub floor_plan: std::sync::Mutex<Option<Arc<crate::sink::ledger::FloorPlan>>>,
     /// Targets written since the last scheduled reconcile, per rule (bounded).
-    pub touched: std::sync::Mutex<BTreeMap<String, std::collections::BTreeSet<crate::rules::TargetKey>>>,
-    /// Set when data was lost (trimmed): the next scheduled reconcile covers every target.
+    pub touched: std::sync::Mutex<BTreeMap<String, BTreeSet<crate::rules::TargetKey>>>,
+    /// Set when data was lost (trimmed, a shard gone): a reconcile of everything is to be
+    /// requested in the state table (where it survives restarts); cleared once persisted.
     pub reconcile_everything: std::sync::atomic::AtomicBool,
-    /// Ledger entries to remove on the next write to each target (bounded).
-    pub pending_prunes: std::sync::Mutex<HashMap<crate::rules::TargetKey, Vec<String>>>,
+    /// What the last write saw of each target's ledger, for pruning on the next (bounded).
+    pub seen: std::sync::Mutex<HashMap<crate::rules::TargetKey, crate::sink::ledger::Seen>>,
 }
 
 impl<S, L, A> Shared<S, L, A> {
     pub fn new(config: Config, source: S, leases: L, sink: Arc<A>, owner: String, health: Arc<Health>) -> Shared<S, L, A> {
         let engine = config.engine.clone();
+        let ledger = crate::sink::ledger::Ledger::new(&config.ledger_namespace);
         Shared {
             config,
             engine,
@@ -69,10 +74,11 @@ impl<S, L, A> Shared<S, L, A> {
             ages: Default::default(),
             dead_letters: DeadLetters::Disabled,
             stream_arn: String::new(),
-            open_floor_ms: AtomicU64::new(0),
+            ledger,
+            floor_plan: Default::default(),
             touched: Default::default(),
             reconcile_everything: Default::default(),
-            pending_prunes: Default::default(),
+            seen: Default::default(),
         }
     }
 
@@ -88,27 +94,34 @@ impl<S, L, A> Shared<S, L, A> {
         let mut t = self.touched.lock().unwrap_or_else(|e| e.into_inner());
         let total: usize = t.values().map(|s| s.len()).sum();
         if total >= 100_000 {
-            self.reconcile_everything.store(true, Ordering::Relaxed);
+            self.request_reconcile_everything();
             return;
         }
         t.entry(rule.to_string()).or_default().insert(key.clone());
     }
 
-    /// Ledger entries seen on `key` that may now be removed.
-    pub fn take_prunes(&self, key: &crate::rules::TargetKey) -> Vec<String> {
-        self.pending_prunes.lock().unwrap_or_else(|e| e.into_inner()).remove(key).unwrap_or_default()
+    /// What the last write saw of `key`'s ledger.
+    pub fn take_seen(&self, key: &crate::rules::TargetKey) -> Option<crate::sink::ledger::Seen> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner()).remove(key)
     }
 
-    pub fn add_prunes(&self, key: &crate::rules::TargetKey, entries: Vec<String>) {
-        if entries.is_empty() {
-            return;
-        }
-        let mut p = self.pending_prunes.lock().unwrap_or_else(|e| e.into_inner());
+    pub fn put_seen(&self, key: &crate::rules::TargetKey, seen: crate::sink::ledger::Seen) {
+        let mut p = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         // Bounded memory: forgetting only delays pruning until the item's next write.
         if p.len() >= 100_000 {
             p.clear();
         }
-        p.insert(key.clone(), entries);
+        p.insert(key.clone(), seen);
+    }
+
+    pub fn floor_plan(&self) -> Option<Arc<crate::sink::ledger::FloorPlan>> {
+        self.floor_plan.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Data was lost: ask for a reconcile of everything (persisted by the next maintenance
+    /// round, so it survives restarts).
+    pub fn request_reconcile_everything(&self) {
+        self.reconcile_everything.store(true, Ordering::Relaxed);
     }
 
     pub fn set_age(&self, shard: &str, seconds: f64) {
@@ -125,8 +138,15 @@ struct Running {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// A maintenance round could not read or write what it needs; retried next round.
     #[error("{0}")]
-    Fatal(String),
+    Aws(String),
+    #[error("state table: {0}")]
+    State(#[from] crate::state::StateError),
+}
+
+fn state_error(e: crate::state::StateError) -> WorkerError {
+    WorkerError::State(e)
 }
 
 /// A replica id: host, process and a random suffix (two processes on one host differ).
@@ -141,20 +161,23 @@ pub fn replica_id() -> String {
 
 pub struct Worker<S, L, A> {
     shared: Arc<Shared<S, L, A>>,
-    running: HashMap<String, Running>,
+    running: BTreeMap<String, Running>,
     tasks: FuturesUnordered<JoinHandle<(String, ShardExit)>>,
     shards: Vec<ShardInfo>,
     last_discovery_ms: u64,
+    /// When each leased shard was first seen missing from DescribeStream.
+    missing_since: BTreeMap<String, u64>,
 }
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     pub fn new(shared: Shared<S, L, A>) -> Worker<S, L, A> {
         Worker {
             shared: Arc::new(shared),
-            running: HashMap::new(),
+            running: BTreeMap::new(),
             tasks: FuturesUnordered::new(),
             shards: Vec::new(),
             last_discovery_ms: 0,
+            missing_since: BTreeMap::new(),
         }
     }
 
@@ -231,15 +254,58 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         info!("stopped; leases released");
     }
 
-    /// One round: renew, discover, take and balance, report.
-    async fn maintain(&mut self) -> Result<(), String> {
-        let shared = self.shared.clone();
-        let lease_ms = self.lease_ms();
+    /// One round: renew, discover, keep the lease table tidy, take and balance, report.
+    async fn maintain(&mut self) -> Result<(), WorkerError> {
         let now = now_ms();
-        // Renew what we hold; a lost lease stops its reader.
+        self.renew(now).await;
+        if now.saturating_sub(self.last_discovery_ms) >= self.lease_ms().max(1000) || self.shards.is_empty() {
+            self.shards = self.shared.source.shards().await.map_err(|e| WorkerError::Aws(format!("DescribeStream: {e}")))?;
+            self.last_discovery_ms = now;
+        }
+        let mut leases: BTreeMap<String, Lease> =
+            self.shared.leases.list().await.map_err(state_error)?.into_iter().map(|l| (l.shard_id.clone(), l)).collect();
+        let listed: BTreeSet<String> = self.shards.iter().map(|s| s.shard_id.clone()).collect();
+        let listed: BTreeSet<&str> = listed.iter().map(String::as_str).collect();
+        for s in &self.shards {
+            if !leases.contains_key(&s.shard_id) {
+                let lease = plan::new_lease(s, &leases);
+                self.shared.leases.create(&lease).await.map_err(state_error)?;
+                leases.insert(s.shard_id.clone(), lease);
+            }
+        }
+        self.shared.health.aws_reachable.store(true, Ordering::Relaxed);
+        self.finish_lost(&listed, &mut leases, now).await;
+        self.delete_finished(&listed, &leases).await;
+        self.persist_reconcile_request().await;
+        let finished = |id: &str| leases.get(id).is_some_and(Lease::finished);
+        let ready: Vec<String> = lineage::ready(&self.shards, &finished).into_iter().map(|s| s.shard_id.clone()).collect();
+        let running: BTreeSet<String> = self.running.keys().cloned().collect();
+        let want: Vec<Lease> = plan::leases_to_take(&ready, &leases, &self.shared.owner, &running, now).into_iter().cloned().collect();
+        let lease_ms = self.lease_ms();
+        for l in want {
+            if let Some(got) = self.shared.leases.take(&l, &self.shared.owner, now + lease_ms).await.map_err(state_error)? {
+                if let Some(o) = l.owner.as_deref().filter(|o| *o != self.shared.owner && !l.available(now)) {
+                    info!(shard = %got.shard_id, from = %o, "took a lease to balance replicas");
+                }
+                let start = plan::initial_position(
+                    got.checkpoint.as_ref(),
+                    plan::parent_known(&got, &leases, &listed),
+                    self.shared.config.source.start_position,
+                );
+                self.start_reader(got, start, now + lease_ms);
+            }
+        }
+        self.report(&ready, &leases);
+        Ok(())
+    }
+
+    /// Renews what this replica holds; a lost lease stops its reader.
+    async fn renew(&self, now: u64) {
+        let shared = &self.shared;
+        let until = now + self.lease_ms();
         for (shard, r) in &self.running {
-            match shared.leases.renew(shard, &shared.owner, r.counter, now + lease_ms).await {
-                Ok(true) => r.valid_until_ms.store(now + lease_ms, Ordering::Relaxed),
+            match shared.leases.renew(shard, &shared.owner, r.counter, until).await {
+                Ok(true) => r.valid_until_ms.store(until, Ordering::Relaxed),
                 Ok(false) => {
                     warn!(shard = %shard, "lease taken by another replica");
                     r.valid_until_ms.store(0, Ordering::Relaxed);
@@ -248,69 +314,54 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 Err(e) => warn!(shard = %shard, error = %e, "lease renewal failed"),
             }
         }
-        if now.saturating_sub(self.last_discovery_ms) >= lease_ms.max(1000) || self.shards.is_empty() {
-            self.shards = shared.source.shards().await.map_err(|e| format!("DescribeStream: {e}"))?;
-            self.last_discovery_ms = now;
+    }
+
+    /// Unfinished leases whose shard left the stream: the loss is counted, a reconcile of
+    /// everything requested, and the lease finished, so it blocks neither its children, nor
+    /// ledger pruning, nor reconcile. A lease a live replica holds is left to its reader
+    /// (which meets the same loss when it next asks for an iterator).
+    async fn finish_lost(&mut self, listed: &BTreeSet<&str>, leases: &mut BTreeMap<String, Lease>, now: u64) {
+        self.missing_since.retain(|id, _| leases.contains_key(id) && !listed.contains(id.as_str()));
+        for l in leases.values().filter(|l| !listed.contains(l.shard_id.as_str())) {
+            self.missing_since.entry(l.shard_id.clone()).or_insert(now);
         }
-        let mut leases: BTreeMap<String, Lease> =
-            shared.leases.list().await.map_err(|e| e.to_string())?.into_iter().map(|l| (l.shard_id.clone(), l)).collect();
-        for s in &self.shards {
-            if !leases.contains_key(&s.shard_id) {
-                let lease = Lease::new(&s.shard_id, s.parent.as_deref());
-                shared.leases.create(&lease).await.map_err(|e| e.to_string())?;
-                leases.insert(s.shard_id.clone(), lease);
-            }
-        }
-        shared.health.aws_reachable.store(true, Ordering::Relaxed);
-        let finished = |id: &str| leases.get(id).is_some_and(Lease::finished);
-        let ready: Vec<String> = lineage::ready(&self.shards, &finished).into_iter().map(|s| s.shard_id.clone()).collect();
-        // Balance: about ready / replicas each, replicas being the live owners plus us.
-        let mut owners: BTreeMap<&str, usize> = BTreeMap::new();
-        owners.insert(shared.owner.as_str(), 0);
-        for id in &ready {
-            if let Some(l) = leases.get(id) {
-                if let (Some(o), false) = (&l.owner, l.available(now)) {
-                    *owners.entry(o.as_str()).or_default() += 1;
+        let lost: Vec<Lease> = plan::lost_leases(listed, leases, &self.missing_since, now)
+            .into_iter()
+            .filter(|l| l.available(now) && !self.running.contains_key(&l.shard_id))
+            .cloned()
+            .collect();
+        let shared = &self.shared;
+        for l in lost {
+            let Ok(Some(got)) = shared.leases.take(&l, &shared.owner, now + self.lease_ms()).await else { continue };
+            shard::shard_lost(shared, &got.shard_id, "DescribeStream no longer lists it").await;
+            let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: None };
+            if let Ok(true) = shared.leases.checkpoint(&got.shard_id, &shared.owner, got.counter, &progress).await {
+                if let Some(x) = leases.get_mut(&got.shard_id) {
+                    x.checkpoint = Some(Checkpoint::ShardEnd);
                 }
             }
+            let _ = shared.leases.release(&got.shard_id, &shared.owner, got.counter).await;
         }
-        let target = ready.len().div_ceil(owners.len().max(1));
-        let mut mine = self.running.len();
-        let mut taken = Vec::new();
-        for id in &ready {
-            if mine >= target {
-                break;
-            }
-            let Some(l) = leases.get(id) else { continue };
-            if self.running.contains_key(id) || !l.available(now) {
-                continue;
-            }
-            if let Some(got) = shared.leases.take(l, &shared.owner, now + lease_ms).await.map_err(|e| e.to_string())? {
-                taken.push(got);
-                mine += 1;
+    }
+
+    /// Deletes finished leases that the listing forgot and whose children hold checkpoints.
+    async fn delete_finished(&self, listed: &BTreeSet<&str>, leases: &BTreeMap<String, Lease>) {
+        for l in plan::deletable_leases(listed, leases) {
+            if let Ok(true) = self.shared.leases.delete(l).await {
+                metrics::counter!(names::LEASES_DELETED).increment(1);
             }
         }
-        if mine < target && taken.is_empty() {
-            // Nothing free: take one lease from the busiest replica above its share.
-            let busiest = owners.iter().filter(|(o, _)| **o != shared.owner).max_by_key(|(_, n)| **n).map(|(o, n)| (o.to_string(), *n));
-            if let Some((victim, n)) = busiest {
-                if n > target {
-                    if let Some(l) = ready
-                        .iter()
-                        .filter_map(|id| leases.get(id))
-                        .find(|l| l.owner.as_deref() == Some(victim.as_str()) && !l.available(now))
-                    {
-                        if let Some(got) = shared.leases.take(l, &shared.owner, now + lease_ms).await.map_err(|e| e.to_string())? {
-                            info!(shard = %got.shard_id, from = %victim, "took a lease to balance replicas");
-                            taken.push(got);
-                        }
-                    }
-                }
-            }
-        }
-        for lease in taken {
-            self.start_reader(lease, now + lease_ms);
-        }
+    }
+
+    /// Writes a pending "reconcile everything" request (a fence violation, or a write that
+    /// failed earlier) to the state table.
+    async fn persist_reconcile_request(&self) {
+        shard::persist_request(&self.shared).await;
+    }
+
+    /// Gauges, and the floor plan target writes prune by.
+    fn report(&self, ready: &[String], leases: &BTreeMap<String, Lease>) {
+        let shared = &self.shared;
         let max_age = {
             let mut ages = shared.ages.lock().unwrap_or_else(|e| e.into_inner());
             ages.retain(|shard, _| self.running.contains_key(shard));
@@ -318,11 +369,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         };
         metrics::gauge!(names::ITERATOR_AGE_MAX_SECONDS).set(max_age);
         let finished_count = leases.values().filter(|l| l.finished()).count();
-        // The ledger floor: every shard created before the oldest unfinished one is finished.
-        let unfinished: Vec<Option<u64>> =
-            leases.values().filter(|l| !l.finished()).map(|l| crate::stream::shard_created_ms(&l.shard_id)).collect();
-        let floor = if unfinished.iter().any(Option::is_none) { 0 } else { unfinished.iter().flatten().copied().min().unwrap_or(0) };
-        shared.open_floor_ms.store(floor, Ordering::Relaxed);
+        let plan = crate::sink::ledger::floor_plan(leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()));
+        *shared.floor_plan.lock().unwrap_or_else(|e| e.into_inner()) = plan.map(Arc::new);
         metrics::gauge!(names::LEASES_HELD).set(self.running.len() as f64);
         metrics::gauge!(names::SHARDS, "state" => "reading").set(ready.len() as f64);
         metrics::gauge!(names::SHARDS, "state" => "waiting")
@@ -330,20 +378,14 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         metrics::gauge!(names::SHARDS, "state" => "finished").set(finished_count as f64);
         metrics::gauge!(names::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         shared.health.last_maintenance_ms.store(now_ms(), Ordering::Relaxed);
-        Ok(())
     }
 
-    fn start_reader(&mut self, lease: Lease, valid_until: u64) {
+    fn start_reader(&mut self, lease: Lease, start: Option<crate::stream::Position>, valid_until: u64) {
         let shard = lease.shard_id.clone();
         info!(shard = %shard, counter = lease.counter, "lease taken");
         let valid_until_ms = Arc::new(AtomicU64::new(valid_until));
         let stop = CancellationToken::new();
-        let handle = ShardLease {
-            shard_id: shard.clone(),
-            counter: lease.counter,
-            valid_until_ms: valid_until_ms.clone(),
-            checkpoint: lease.checkpoint.clone(),
-        };
+        let handle = ShardLease { shard_id: shard.clone(), counter: lease.counter, valid_until_ms: valid_until_ms.clone(), start };
         let shared = self.shared.clone();
         let task_stop = stop.clone();
         let name = shard.clone();

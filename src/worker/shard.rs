@@ -1,6 +1,7 @@
 //! Reading one leased shard: poll, evaluate, write, checkpoint, until the shard ends, the
 //! lease is lost, or the replica stops.
 
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,8 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use super::Shared;
-use crate::config::StartPosition;
-use crate::rules::Coalescer;
+use crate::rules::{Coalescer, TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
 use crate::sink::{write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
@@ -36,7 +36,8 @@ pub struct ShardLease {
     pub counter: u64,
     /// Epoch ms until which the lease is proven; writes stop after it.
     pub valid_until_ms: Arc<AtomicU64>,
-    pub checkpoint: Option<Checkpoint>,
+    /// Where reading starts; None: the shard is finished.
+    pub start: Option<Position>,
 }
 
 impl ShardLease {
@@ -62,172 +63,484 @@ async fn pause(d: Duration, stop: &CancellationToken) -> bool {
     }
 }
 
+/// Whether gathered records are applied now: a full batch, the shard's end, or the tip (a
+/// short page) once the batching window has passed since the oldest record.
+pub fn batch_due(pending: usize, batch_size: usize, shard_end: bool, at_tip: bool, window_passed: bool) -> bool {
+    pending > 0 && (shard_end || pending >= batch_size || (at_tip && window_passed))
+}
+
+/// How one batch ended.
+#[derive(Debug)]
+pub enum BatchOutcome {
+    /// Written and checkpointed (None: the batch held no sequence number to checkpoint).
+    Applied(Option<Checkpoint>),
+    /// The lease was lost or could not be proven: nothing was checkpointed.
+    LeaseLost,
+    /// Not applied; the batch is read again from the checkpoint after a backoff.
+    Failed(SinkError),
+}
+
+/// Whether the reader goes on after handling an event.
+enum Flow {
+    Continue,
+    Exit(ShardExit),
+}
+
+/// One leased shard's reader: poll, evaluate, write, checkpoint.
+pub struct ShardReader<S, L, A> {
+    shared: Arc<Shared<S, L, A>>,
+    lease: ShardLease,
+    stop: CancellationToken,
+    ctx: ShardContext,
+    position: Position,
+    iterator: Option<String>,
+    idle: Duration,
+    failures: u32,
+    last_tip_report: u64,
+    /// Sequence numbers this reader already queued, so a retried batch does not queue twice.
+    dead_lettered: HashSet<String>,
+    /// Records read but not yet applied: a batch gathers pages until it holds `batch_size`
+    /// records or the tip is reached, and at the tip waits up to `batching_window` (from its
+    /// oldest record) for more, as Lambda's batching window. Emptied whenever reading
+    /// restarts from the checkpoint, so no record is in a batch twice.
+    pending: Vec<Value>,
+    pending_since: Option<Instant>,
+}
+
 pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     shared: Arc<Shared<S, L, A>>,
     lease: ShardLease,
     stop: CancellationToken,
 ) -> ShardExit {
-    let shard = lease.shard_id.clone();
-    let ctx = ShardContext::new(&shard);
-    let mut position = match &lease.checkpoint {
-        Some(Checkpoint::ShardEnd) => return ShardExit::Finished,
-        Some(Checkpoint::Sequence(s)) => Position::After(s.clone()),
-        None => match shared.config.source.start_position {
-            StartPosition::TrimHorizon => Position::TrimHorizon,
-            StartPosition::Latest => Position::Latest,
-        },
+    let Some(position) = lease.start.clone() else { return ShardExit::Finished };
+    let ctx = ShardContext::new(&shared.ledger, &lease.shard_id);
+    info!(shard = %lease.shard_id, position = ?position, "reading shard");
+    let reader = ShardReader {
+        shared,
+        lease,
+        stop,
+        ctx,
+        position,
+        iterator: None,
+        idle: IDLE_MIN,
+        failures: 0,
+        last_tip_report: 0,
+        dead_lettered: HashSet::new(),
+        pending: Vec::new(),
+        pending_since: None,
     };
-    let mut iterator: Option<String> = None;
-    let mut idle = IDLE_MIN;
-    let mut failures: u32 = 0;
-    let mut last_tip_report = 0u64;
-    let mut dead_lettered = std::collections::HashSet::new();
-    // Records read but not yet applied: a batch gathers pages until it holds `batch_size`
-    // records or the shard's tip is reached, and at the tip waits up to `batching_window`
-    // (from its oldest record) for more, as Lambda's batching window.
-    // Whenever reading restarts from the checkpoint it is emptied, so no record is in a
-    // batch twice.
-    let batch_size = shared.config.source.batch_size as usize;
-    let window = shared.config.source.batching_window;
-    let mut pending: Vec<Value> = Vec::new();
-    let mut pending_since: Option<Instant> = None;
-    info!(shard = %shard, position = ?position, "reading shard");
-    loop {
-        if stop.is_cancelled() {
-            return ShardExit::Stopped;
+    reader.run().await
+}
+
+impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
+    async fn run(mut self) -> ShardExit {
+        loop {
+            if let Flow::Exit(e) = self.step().await {
+                return e;
+            }
         }
-        if !lease.valid() {
-            warn!(shard = %shard, "lease not renewed in time; stopping reads");
-            return ShardExit::LeaseLost;
+    }
+
+    fn shard(&self) -> &str {
+        &self.lease.shard_id
+    }
+
+    /// One GetRecords call and what follows from it.
+    async fn step(&mut self) -> Flow {
+        if self.stop.is_cancelled() {
+            return Flow::Exit(ShardExit::Stopped);
         }
-        let it = match iterator.take() {
+        if !self.lease.valid() {
+            warn!(shard = %self.shard(), "lease not renewed in time; stopping reads");
+            return Flow::Exit(ShardExit::LeaseLost);
+        }
+        let it = match self.iterator.take() {
             Some(it) => it,
-            None => match shared.source.iterator(&shard, &position).await {
+            None => match self.shared.source.iterator(&self.lease.shard_id, &self.position).await {
                 Ok(it) => it,
-                Err(StreamError::TrimmedData(why)) => {
-                    if !trimmed(&shared, &shard, &why, &mut position) && !pause(idle, &stop).await {
-                        return ShardExit::Stopped;
-                    }
-                    idle = (idle * 2).min(IDLE_MAX);
-                    continue;
-                }
-                Err(StreamError::NotFound(why)) => {
-                    warn!(shard = %shard, reason = %why, "shard no longer exists; treating it as finished");
-                    return finish(&shared, &lease, &shard).await;
-                }
-                Err(e) => {
-                    failures += 1;
-                    warn!(shard = %shard, error = %e, "cannot get a shard iterator; backing off");
-                    if !pause(crate::sink::backoff(failures), &stop).await {
-                        return ShardExit::Stopped;
-                    }
-                    continue;
-                }
+                Err(e) => return self.on_iterator_error(e).await,
             },
         };
         // A page shorter than the limit means the shard's tip was reached as of this call:
         // everything in the shard before `called_at` is in this page or earlier ones.
         let called_at = now_ms();
-        let limit = u32::try_from(batch_size.saturating_sub(pending.len())).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
+        let batch_size = self.shared.config.source.batch_size as usize;
+        let limit = u32::try_from(batch_size.saturating_sub(self.pending.len())).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
         let page = tokio::select! {
-            _ = stop.cancelled() => return ShardExit::Stopped,
-            p = shared.source.records(&it, limit) => p,
+            _ = self.stop.cancelled() => return Flow::Exit(ShardExit::Stopped),
+            p = self.shared.source.records(&it, limit) => p,
         };
         let page = match page {
             Ok(p) => p,
-            Err(e) => {
-                // Reading restarts from the checkpoint: what was gathered is read again.
-                pending.clear();
-                pending_since = None;
-                let outcome = match &e {
-                    StreamError::ExpiredIterator => "expired",
-                    StreamError::Throttled(_) => "throttled",
-                    StreamError::TrimmedData(_) => "trimmed",
-                    _ => "error",
-                };
-                metrics::counter!(names::GET_RECORDS, "outcome" => outcome).increment(1);
-                match e {
-                    // Resume from the checkpoint with a fresh iterator.
-                    StreamError::ExpiredIterator => {}
-                    StreamError::TrimmedData(why) => {
-                        if !trimmed(&shared, &shard, &why, &mut position) && !pause(idle, &stop).await {
-                            return ShardExit::Stopped;
-                        }
-                        idle = (idle * 2).min(IDLE_MAX);
-                    }
-                    e => {
-                        failures += 1;
-                        warn!(shard = %shard, error = %e, "GetRecords failed; backing off");
-                        if !pause(crate::sink::backoff(failures), &stop).await {
-                            return ShardExit::Stopped;
-                        }
-                    }
-                }
-                continue;
-            }
+            Err(e) => return self.on_read_error(e).await,
         };
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
         let got = page.records.len();
         let short = got < limit as usize;
         if got > 0 {
-            pending_since.get_or_insert_with(Instant::now);
-            pending.extend(page.records);
+            self.pending_since.get_or_insert_with(Instant::now);
+            self.pending.extend(page.records);
         }
-        // A full page means more records are there right now: keep gathering (no waiting) up
-        // to batch_size. A short page means the tip: apply, or wait out the window first.
-        let due = !pending.is_empty()
-            && (page.next_iterator.is_none()
-                || pending.len() >= batch_size
-                || (short && pending_since.is_some_and(|s| s.elapsed() >= window)));
-        if due {
-            let batch = std::mem::take(&mut pending);
-            pending_since = None;
-            // A page shorter than asked for: everything before `called_at` is in this batch.
-            let at_tip = short.then_some(called_at);
-            match apply_batch(&shared, &lease, &ctx, &batch, &mut dead_lettered, at_tip).await {
-                Ok(Some(p)) => {
-                    if let Some(Checkpoint::Sequence(seq)) = &p {
-                        position = Position::After(seq.clone());
+        let window = self.shared.config.source.batching_window;
+        let window_passed = self.pending_since.is_some_and(|s| s.elapsed() >= window);
+        if batch_due(self.pending.len(), batch_size, page.next_iterator.is_none(), short, window_passed) {
+            let batch = std::mem::take(&mut self.pending);
+            self.pending_since = None;
+            match self.apply(&batch, short.then_some(called_at)).await {
+                BatchOutcome::Applied(cp) => {
+                    if let Some(Checkpoint::Sequence(seq)) = cp {
+                        self.position = Position::After(seq);
                     }
-                    failures = 0;
-                    idle = IDLE_MIN;
+                    self.failures = 0;
+                    self.idle = IDLE_MIN;
                 }
-                Ok(None) => return ShardExit::LeaseLost,
-                Err(e) => {
-                    failures += 1;
-                    warn!(shard = %shard, error = %e, attempt = failures, "batch not applied; re-reading it from the checkpoint");
-                    if !pause(crate::sink::backoff(failures), &stop).await {
-                        return ShardExit::Stopped;
-                    }
-                    continue; // iterator stays None: re-read from `position`
+                BatchOutcome::LeaseLost => return Flow::Exit(ShardExit::LeaseLost),
+                BatchOutcome::Failed(e) => {
+                    self.failures += 1;
+                    warn!(shard = %self.shard(), error = %e, attempt = self.failures, "batch not applied; re-reading it from the checkpoint");
+                    // The iterator stays None: reading restarts from `position`.
+                    return self.pause_or_stop(crate::sink::backoff(self.failures)).await;
                 }
             }
         }
         match page.next_iterator {
-            None => return finish(&shared, &lease, &shard).await,
-            Some(next) => iterator = Some(next),
+            None => return Flow::Exit(finish(&self.shared, &self.lease, &self.lease.shard_id).await),
+            Some(next) => self.iterator = Some(next),
         }
-        if let Some(since) = pending_since {
+        if let Some(since) = self.pending_since {
             // Gathering: poll again soon, but not past the window.
-            if short && !pause(window.saturating_sub(since.elapsed()).min(IDLE_MIN), &stop).await {
-                return ShardExit::Stopped;
+            if short {
+                return self.pause_or_stop(window.saturating_sub(since.elapsed()).min(IDLE_MIN)).await;
             }
-        } else if got == 0 {
-            shared.set_age(&shard, 0.0);
-            let now = now_ms();
-            if now.saturating_sub(last_tip_report) >= shared.config.state.lease_duration.as_millis() as u64 / 2 {
-                let progress = Progress { checkpoint: None, last_record_ms: None, at_tip_ms: Some(called_at) };
-                if let Ok(false) = shared.leases.checkpoint(&shard, &shared.owner, lease.counter, &progress).await {
-                    return ShardExit::LeaseLost;
-                }
-                last_tip_report = now;
-            }
-            if !pause(idle, &stop).await {
-                return ShardExit::Stopped;
-            }
-            idle = (idle * 2).min(IDLE_MAX);
+            return Flow::Continue;
+        }
+        if got == 0 {
+            return self.at_tip(called_at).await;
+        }
+        Flow::Continue
+    }
+
+    async fn pause_or_stop(&self, d: Duration) -> Flow {
+        if pause(d, &self.stop).await {
+            Flow::Continue
+        } else {
+            Flow::Exit(ShardExit::Stopped)
         }
     }
+
+    /// Nothing more to read: report the tip now and then (reconcile's evidence), poll again
+    /// after the idle backoff.
+    async fn at_tip(&mut self, called_at: u64) -> Flow {
+        self.shared.set_age(&self.lease.shard_id, 0.0);
+        let now = now_ms();
+        if now.saturating_sub(self.last_tip_report) >= self.shared.config.state.lease_duration.as_millis() as u64 / 2 {
+            let progress = Progress { checkpoint: None, last_record_ms: None, at_tip_ms: Some(called_at) };
+            if let Ok(false) = self.shared.leases.checkpoint(&self.lease.shard_id, &self.shared.owner, self.lease.counter, &progress).await
+            {
+                return Flow::Exit(ShardExit::LeaseLost);
+            }
+            self.last_tip_report = now;
+        }
+        let flow = self.pause_or_stop(self.idle).await;
+        self.idle = (self.idle * 2).min(IDLE_MAX);
+        flow
+    }
+
+    async fn on_iterator_error(&mut self, e: StreamError) -> Flow {
+        match e {
+            StreamError::TrimmedData(why) => self.on_trimmed(&why).await,
+            StreamError::NotFound(why) => {
+                // The shard left the stream before this reader reached its end: whatever it
+                // held after the checkpoint is gone.
+                shard_lost(&self.shared, &self.lease.shard_id, &why).await;
+                Flow::Exit(finish(&self.shared, &self.lease, &self.lease.shard_id).await)
+            }
+            e => {
+                self.failures += 1;
+                warn!(shard = %self.shard(), error = %e, "cannot get a shard iterator; backing off");
+                self.pause_or_stop(crate::sink::backoff(self.failures)).await
+            }
+        }
+    }
+
+    async fn on_read_error(&mut self, e: StreamError) -> Flow {
+        // Reading restarts from the checkpoint: what was gathered is read again.
+        self.pending.clear();
+        self.pending_since = None;
+        let outcome = match &e {
+            StreamError::ExpiredIterator => "expired",
+            StreamError::Throttled(_) => "throttled",
+            StreamError::TrimmedData(_) => "trimmed",
+            _ => "error",
+        };
+        metrics::counter!(names::GET_RECORDS, "outcome" => outcome).increment(1);
+        match e {
+            // Resume from the checkpoint with a fresh iterator.
+            StreamError::ExpiredIterator => Flow::Continue,
+            StreamError::TrimmedData(why) => self.on_trimmed(&why).await,
+            e => {
+                self.failures += 1;
+                warn!(shard = %self.shard(), error = %e, "GetRecords failed; backing off");
+                self.pause_or_stop(crate::sink::backoff(self.failures)).await
+            }
+        }
+    }
+
+    async fn on_trimmed(&mut self, why: &str) -> Flow {
+        let lost = trimmed(&self.shared, &self.lease.shard_id, why, &mut self.position);
+        if lost {
+            persist_request(&self.shared).await;
+        }
+        let flow = if lost { Flow::Continue } else { self.pause_or_stop(self.idle).await };
+        self.idle = (self.idle * 2).min(IDLE_MAX);
+        flow
+    }
+
+    /// Evaluates, dead-letters, writes and checkpoints one batch. Letters go out before the
+    /// writes: a replica that dies in between leaves a record skipped by the ledger only
+    /// after its letter is queued (a duplicate letter is fine, a missing one is not).
+    async fn apply(&mut self, records: &[Value], at_tip: Option<u64>) -> BatchOutcome {
+        let started = Instant::now();
+        let evaluated = evaluate(&self.shared, records, now_ms());
+        if let Err(e) = self.send_letters(&evaluated.letters).await {
+            return BatchOutcome::Failed(e);
+        }
+        if !self.lease.valid() {
+            return BatchOutcome::LeaseLost;
+        }
+        let refused = match self.write(&evaluated.targets, records).await {
+            Ok(refused) => refused,
+            Err(outcome) => return outcome,
+        };
+        if let Err(e) = self.send_letters(&refused).await {
+            return BatchOutcome::Failed(e);
+        }
+        // The checkpoint moves only after every target write of the batch succeeded (or its
+        // record was dead-lettered).
+        let checkpoint = evaluated.last_seq.map(Checkpoint::Sequence);
+        let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: evaluated.newest_ms, at_tip_ms: at_tip };
+        match self.checkpoint(&progress).await {
+            Ok(true) => {}
+            Ok(false) => return BatchOutcome::LeaseLost,
+            Err(e) => return BatchOutcome::Failed(e),
+        }
+        self.dead_lettered.clear();
+        let now = now_ms();
+        for ms in &evaluated.created {
+            metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
+        }
+        let age = evaluated.newest_ms.map_or(0.0, |n| now.saturating_sub(n) as f64 / 1000.0);
+        self.shared.set_age(&self.lease.shard_id, age);
+        metrics::histogram!(names::BATCH_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
+        BatchOutcome::Applied(checkpoint)
+    }
+
+    async fn checkpoint(&self, progress: &Progress) -> Result<bool, SinkError> {
+        if !self.lease.valid() {
+            return Ok(false);
+        }
+        let mut attempt = 0;
+        loop {
+            match self.shared.leases.checkpoint(&self.lease.shard_id, &self.shared.owner, self.lease.counter, progress).await {
+                Ok(ok) => return Ok(ok),
+                Err(e) if e.is_retriable() && attempt < 5 => {
+                    attempt += 1;
+                    tokio::time::sleep(crate::sink::backoff(attempt)).await;
+                }
+                // The writes are in (and idempotent): a failed checkpoint only means a replay.
+                Err(e) => return Err(SinkError::Transient(format!("checkpoint: {e}"))),
+            }
+        }
+    }
+
+    /// Writes every target of the batch; returns the letters of records the table refused.
+    async fn write<'r>(&self, targets: &[(TargetKey, TargetDelta)], records: &'r [Value]) -> Result<Vec<Letter<'r>>, BatchOutcome> {
+        let shared = &self.shared;
+        let key_names = &shared.engine.key_names;
+        let store = shared.sink.as_ref();
+        let ctx = &ShardContext { plan: shared.floor_plan(), ..self.ctx.clone() };
+        let mut writes = Vec::with_capacity(targets.len());
+        for (key, delta) in targets {
+            let seen = shared.take_seen(key);
+            writes.push(async move { (key, delta, write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref()).await) });
+        }
+        let results: Vec<_> = stream::iter(writes).buffer_unordered(WRITE_CONCURRENCY).collect().await;
+        let mut first_error = None;
+        let mut fenced = false;
+        let mut refused = Vec::new();
+        let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
+        for (key, delta, r) in results {
+            match r {
+                Ok(stats) => {
+                    record_write(shared, &stats);
+                    fenced |= stats.fenced;
+                    if let Some(seen) = stats.seen {
+                        shared.put_seen(key, seen);
+                    }
+                    let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
+                    rules.dedup();
+                    for r in rules {
+                        shared.touch(r, key);
+                    }
+                }
+                Err(SinkError::Invalid(why)) => {
+                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "rejected").increment(1);
+                    warn!(shard = %self.shard(), error = %why, "aggregate write refused; retrying record by record");
+                    match isolate(store, key_names, key, delta, ctx, max_attempts).await {
+                        Ok(r) => refused
+                            .extend(r.into_iter().filter_map(|(seq, rules, why)| refused_letter(records, seq, rules, why, max_attempts))),
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "error").increment(1);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(outcome) = fenced.then(|| self.fenced()).flatten() {
+            return Err(outcome);
+        }
+        match first_error {
+            Some(e) => Err(BatchOutcome::Failed(e)),
+            None => Ok(refused),
+        }
+    }
+
+    /// A target item refused this shard by its floor. For a stalled former owner that is the
+    /// fence working. For a reader that holds the lease on this unfinished shard it breaks an
+    /// invariant (every shard the floor passed is finished), e.g. after the state table was
+    /// reset and the stream is replayed: the records were applied before, or else lost. It is
+    /// never silent: counted, logged, and a reconcile of everything requested, which repairs
+    /// either case; the shard then moves on instead of stalling for good.
+    fn fenced(&self) -> Option<BatchOutcome> {
+        if !self.lease.valid() {
+            return Some(BatchOutcome::LeaseLost);
+        }
+        metrics::counter!(names::LEDGER_FENCE_VIOLATIONS).increment(1);
+        self.shared.request_reconcile_everything();
+        error!(shard = %self.shard(), "a target item's ledger floor refuses this shard while its lease is held and it is unfinished; a reconcile of everything is requested");
+        None
+    }
+
+    /// Sends the letters this reader has not sent yet. A letter SQS cannot take in any form
+    /// is logged with its record and counted, never a reason to stall the shard; an
+    /// unavailable queue stalls it (nothing is lost).
+    async fn send_letters(&mut self, letters: &[Letter<'_>]) -> Result<(), SinkError> {
+        let now = i64::try_from(now_ms()).unwrap_or(0);
+        let first_failed_at = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(now)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+            .unwrap_or_default();
+        for l in letters {
+            if self.dead_lettered.contains(&l.sequence) {
+                continue;
+            }
+            let rule = l.rules.first().cloned().unwrap_or_default();
+            error!(shard = %self.shard(), sequence_number = %l.sequence, rule = %rule, reason = %l.code, queued = self.shared.dead_letters.enabled(), "poison record: {}", l.message);
+            let dl = DeadLetter {
+                version: 1,
+                reason: Reason { code: l.code.clone(), message: l.message.clone() },
+                rule,
+                rules: l.rules.clone(),
+                attempts: l.attempts,
+                first_failed_at: first_failed_at.clone(),
+                stream_arn: self.shared.stream_arn.clone(),
+                shard_id: self.lease.shard_id.clone(),
+                sequence_number: l.sequence.clone(),
+                variables: l.variables.clone(),
+                record: l.record.clone(),
+                images_cut: false,
+            };
+            if let Err(e) = self.shared.dead_letters.send(&dl).await {
+                metrics::counter!(names::DEAD_LETTER_FAILURES).increment(1);
+                error!(shard = %self.shard(), sequence_number = %l.sequence, error = %e, "cannot send a dead letter; the shard waits and retries");
+                return Err(SinkError::Transient(format!("dead-letter queue: {e}")));
+            }
+            self.dead_lettered.insert(l.sequence.clone());
+            if self.shared.dead_letters.enabled() {
+                metrics::counter!(names::DEAD_LETTERS, "reason" => l.code.clone()).increment(1);
+            }
+            metrics::counter!(names::RECORDS_SKIPPED, "reason" => l.code.clone()).increment(1);
+        }
+        Ok(())
+    }
+}
+
+/// What a batch changes and which of its records are poison.
+struct Evaluated<'r> {
+    targets: Vec<(TargetKey, TargetDelta)>,
+    letters: Vec<Letter<'r>>,
+    last_seq: Option<String>,
+    newest_ms: Option<u64>,
+    /// ApproximateCreationDateTime (ms) of every record, for the lag histogram.
+    created: Vec<u64>,
+}
+
+/// The record's ApproximateCreationDateTime in epoch ms.
+fn created_ms(record: &Value) -> Option<u64> {
+    record
+        .pointer("/dynamodb/ApproximateCreationDateTime")
+        .and_then(Value::as_number)
+        .and_then(|n| crate::decimal::Decimal::parse(n.as_str()).ok())
+        .and_then(|t| t.checked_mul(crate::decimal::Decimal::from_i64(1000)).ok())
+        .and_then(|t| t.trunc_i64())
+        .and_then(|t| u64::try_from(t).ok())
+}
+
+fn sequence_of(record: &Value) -> &str {
+    record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str).unwrap_or("")
+}
+
+/// Runs every record through the rules (pure but for metrics).
+fn evaluate<'r, S, L, A>(shared: &Shared<S, L, A>, records: &'r [Value], now: u64) -> Evaluated<'r> {
+    let max_age_ms = shared.config.source.max_record_age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let mut batch = Coalescer::new();
+    let mut out =
+        Evaluated { targets: Vec::new(), letters: Vec::new(), last_seq: None, newest_ms: None, created: Vec::with_capacity(records.len()) };
+    for record in records {
+        let seq = sequence_of(record);
+        if !seq.is_empty() {
+            out.last_seq = Some(seq.to_string());
+        }
+        let created = created_ms(record);
+        if let Some(ms) = created {
+            out.created.push(ms);
+            out.newest_ms = Some(out.newest_ms.map_or(ms, |n| n.max(ms)));
+        }
+        if let (Some(max), Some(ms)) = (max_age_ms, created) {
+            if now.saturating_sub(ms) > max {
+                let rules: Vec<String> =
+                    shared.engine.rules.iter().filter(|r| r.filter_matches(record)).map(|r| r.name.to_string()).collect();
+                if !rules.is_empty() {
+                    let message = format!("record is {} s old; source.max_record_age is {} s", now.saturating_sub(ms) / 1000, max / 1000);
+                    push_letter(&mut out.letters, Letter::new(record, "too_old", message, rules, 1));
+                }
+                continue;
+            }
+        }
+        let report = shared.engine.apply(record, &mut batch);
+        for i in &report.matched {
+            if let Some(rule) = shared.engine.rules.get(*i) {
+                metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
+            }
+        }
+        for p in &report.poisons {
+            let mut letter = Letter::new(record, p.code.as_str(), p.message.clone(), p.rule.iter().map(|r| r.to_string()).collect(), 1);
+            letter.variables = p.variables.clone();
+            push_letter(&mut out.letters, letter);
+        }
+    }
+    metrics::counter!(names::RECORDS_READ).increment(records.len() as u64);
+    out.targets = batch.into_targets();
+    out
+}
+
+/// The letter of a record the table refused after `attempts`.
+fn refused_letter(records: &[Value], seq: String, rules: Vec<String>, why: String, attempts: u32) -> Option<Letter<'_>> {
+    let record = records.iter().find(|r| sequence_of(r) == seq)?;
+    Some(Letter::new(record, "write_rejected", why, rules, attempts))
 }
 
 /// A TrimmedDataAccessException. Records were lost only when reading went on from a
@@ -246,7 +559,7 @@ fn trimmed<S, L, A>(shared: &Shared<S, L, A>, shard: &str, why: &str, position: 
     }
     metrics::counter!(names::TRIMMED_DATA).increment(1);
     shared.trimmed_events.fetch_add(1, Ordering::Relaxed);
-    shared.reconcile_everything.store(true, Ordering::Relaxed);
+    shared.request_reconcile_everything();
     error!(shard = %shard, reason = %why, "the checkpoint is beyond the stream's retention: records were lost; aggregates need a reconcile");
     *position = Position::TrimHorizon;
     true
@@ -272,6 +585,28 @@ async fn finish<S: StreamSource, L: LeaseStore, A: AggregateStore>(shared: &Shar
     ShardExit::LeaseLost
 }
 
+/// The shard left the stream before it was read to its end: counted, logged, and a reconcile
+/// of everything requested, never silent. The request is written before the caller finishes
+/// the lease, so a crash in between cannot lose both.
+pub(super) async fn shard_lost<S, L: LeaseStore, A>(shared: &Shared<S, L, A>, shard: &str, why: &str) {
+    metrics::counter!(names::SHARDS_LOST).increment(1);
+    error!(shard = %shard, reason = %why, "the shard left the stream before it was read to its end: records were lost; aggregates need a reconcile");
+    shared.request_reconcile_everything();
+    persist_request(shared).await;
+}
+
+/// Writes a pending "reconcile everything" request to the state table now; on failure it
+/// stays pending and the next maintenance round tries again.
+pub(super) async fn persist_request<S, L: LeaseStore, A>(shared: &Shared<S, L, A>) {
+    if !shared.reconcile_everything.swap(false, Ordering::Relaxed) {
+        return;
+    }
+    if let Err(e) = shared.leases.request_reconcile(now_ms()).await {
+        warn!(error = %e, "cannot record the reconcile request yet; retrying");
+        shared.reconcile_everything.store(true, Ordering::Relaxed);
+    }
+}
+
 /// A record that will not be applied, on its way to the dead-letter queue.
 struct Letter<'r> {
     record: &'r Value,
@@ -279,11 +614,16 @@ struct Letter<'r> {
     code: String,
     message: String,
     rules: Vec<String>,
-    variables: std::collections::BTreeMap<String, String>,
+    variables: BTreeMap<String, String>,
     attempts: u32,
 }
 
-impl Letter<'_> {
+impl<'r> Letter<'r> {
+    fn new(record: &'r Value, code: &str, message: String, rules: Vec<String>, attempts: u32) -> Letter<'r> {
+        let sequence = sequence_of(record).to_string();
+        Letter { record, sequence, code: code.to_string(), message, rules, variables: BTreeMap::new(), attempts }
+    }
+
     fn add_rule(&mut self, rule: &str) {
         if !self.rules.iter().any(|r| r == rule) {
             self.rules.push(rule.to_string());
@@ -299,20 +639,33 @@ fn push_letter<'r>(letters: &mut Vec<Letter<'r>>, new: Letter<'r>) {
     }
 }
 
+/// The contributions of a target, record by record: every rule's contribution of one record
+/// together, since the ledger orders records, not contributions (writing one rule's part
+/// alone would advance the entry and hide the other rules' parts of the same record).
+pub fn by_record(delta: &TargetDelta) -> Vec<TargetDelta> {
+    let mut out: Vec<TargetDelta> = Vec::new();
+    for c in &delta.contributions {
+        match out.last_mut() {
+            Some(d) if d.contributions.first().is_some_and(|f| f.sequence == c.sequence) => d.contributions.push(c.clone()),
+            _ => out.push(TargetDelta { contributions: vec![c.clone()], ..Default::default() }),
+        }
+    }
+    out
+}
+
 /// Re-writes a target record by record after a permanent write error, so one bad record
 /// does not hold back the others; returns the records the table still refuses after
-/// `max_attempts`, as (sequence number, rule, error).
+/// `max_attempts`, as (sequence number, rules, error).
 async fn isolate<A: AggregateStore>(
     store: &A,
     key_names: &[String],
-    key: &crate::rules::TargetKey,
-    delta: &crate::rules::TargetDelta,
+    key: &TargetKey,
+    delta: &TargetDelta,
     ctx: &ShardContext,
     max_attempts: u32,
-) -> Result<Vec<(String, Option<String>, String)>, SinkError> {
+) -> Result<Vec<(String, Vec<String>, String)>, SinkError> {
     let mut refused = Vec::new();
-    for c in &delta.contributions {
-        let single = crate::rules::TargetDelta { contributions: vec![c.clone()], ..Default::default() };
+    for single in by_record(delta) {
         let mut attempts = 0;
         loop {
             match write_target(store, key_names, key, &single, ctx).await {
@@ -320,7 +673,11 @@ async fn isolate<A: AggregateStore>(
                 Err(SinkError::Invalid(why)) => {
                     attempts += 1;
                     if attempts >= max_attempts {
-                        refused.push((c.sequence.clone().unwrap_or_default(), c.rule.as_deref().map(str::to_string), why));
+                        let seq = single.contributions.first().and_then(|c| c.sequence.clone()).unwrap_or_default();
+                        let mut rules: Vec<String> =
+                            single.contributions.iter().filter_map(|c| c.rule.as_deref().map(str::to_string)).collect();
+                        rules.dedup();
+                        refused.push((seq, rules, why));
                         break;
                     }
                     tokio::time::sleep(crate::sink::backoff(attempts)).await;
@@ -330,220 +687,6 @@ async fn isolate<A: AggregateStore>(
         }
     }
     Ok(refused)
-}
-
-/// Evaluates and writes one batch, sends its poison records to the dead-letter queue, then
-/// moves the checkpoint. Ok(None): the lease was lost (nothing checkpointed).
-/// Ok(Some(checkpoint)) on success. `dead_lettered` remembers what this reader already
-/// queued, so a batch retried after a failure does not queue it twice.
-async fn apply_batch<S: StreamSource, L: LeaseStore, A: AggregateStore>(
-    shared: &Shared<S, L, A>,
-    lease: &ShardLease,
-    ctx: &ShardContext,
-    records: &[Value],
-    dead_lettered: &mut std::collections::HashSet<String>,
-    at_tip: Option<u64>,
-) -> Result<Option<Option<Checkpoint>>, SinkError> {
-    let started = Instant::now();
-    let shard = &lease.shard_id;
-    let now = now_ms();
-    let max_age_ms = shared.config.source.max_record_age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    let mut batch = Coalescer::new();
-    let mut letters: Vec<Letter<'_>> = Vec::new();
-    let mut last_seq: Option<String> = None;
-    let mut newest_ms: Option<u64> = None;
-    let mut created: Vec<u64> = Vec::with_capacity(records.len());
-    for record in records {
-        let seq = record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str).unwrap_or("").to_string();
-        if !seq.is_empty() {
-            last_seq = Some(seq.clone());
-        }
-        let created_ms = record
-            .pointer("/dynamodb/ApproximateCreationDateTime")
-            .and_then(Value::as_number)
-            .and_then(|n| crate::decimal::Decimal::parse(n.as_str()).ok())
-            .and_then(|t| t.checked_mul(crate::decimal::Decimal::from_i64(1000)).ok())
-            .and_then(|t| t.trunc_i64())
-            .and_then(|t| u64::try_from(t).ok());
-        if let Some(ms) = created_ms {
-            created.push(ms);
-            newest_ms = Some(newest_ms.map_or(ms, |n| n.max(ms)));
-        }
-        if let (Some(max), Some(ms)) = (max_age_ms, created_ms) {
-            if now.saturating_sub(ms) > max {
-                let rules: Vec<String> =
-                    shared.engine.rules.iter().filter(|r| r.filter_matches(record)).map(|r| r.name.to_string()).collect();
-                if !rules.is_empty() {
-                    let message = format!("record is {} s old; source.max_record_age is {} s", now.saturating_sub(ms) / 1000, max / 1000);
-                    push_letter(
-                        &mut letters,
-                        Letter {
-                            record,
-                            sequence: seq.clone(),
-                            code: "too_old".into(),
-                            message,
-                            rules,
-                            variables: Default::default(),
-                            attempts: 1,
-                        },
-                    );
-                }
-                continue;
-            }
-        }
-        let report = shared.engine.apply(record, &mut batch);
-        for i in &report.matched {
-            if let Some(rule) = shared.engine.rules.get(*i) {
-                metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
-            }
-        }
-        for p in &report.poisons {
-            push_letter(
-                &mut letters,
-                Letter {
-                    record,
-                    sequence: seq.clone(),
-                    code: p.code.as_str().into(),
-                    message: p.message.clone(),
-                    rules: p.rule.iter().map(|r| r.to_string()).collect(),
-                    variables: p.variables.clone(),
-                    attempts: 1,
-                },
-            );
-        }
-    }
-    metrics::counter!(names::RECORDS_READ).increment(records.len() as u64);
-    let targets = batch.into_targets();
-    if !lease.valid() {
-        return Ok(None);
-    }
-    let key_names = &shared.engine.key_names;
-    let store = shared.sink.as_ref();
-    let floor = shared.open_floor_ms.load(Ordering::Relaxed);
-    let ctx = &ShardContext { open_floor: (floor > 0).then(|| crate::sink::ledger::floor_value(floor)), ..ctx.clone() };
-    let mut writes = Vec::with_capacity(targets.len());
-    for (key, delta) in &targets {
-        let prune = shared.take_prunes(key);
-        writes.push(async move { (key, delta, write_target_pruning(store, key_names, key, delta, ctx, prune).await) });
-    }
-    let results: Vec<_> = stream::iter(writes).buffer_unordered(WRITE_CONCURRENCY).collect().await;
-    let mut first_error = None;
-    let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
-    for (key, delta, r) in results {
-        match r {
-            Ok(stats) => {
-                record_write(shared, &stats);
-                shared.add_prunes(key, stats.prunable);
-                let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
-                rules.dedup();
-                for r in rules {
-                    shared.touch(r, key);
-                }
-            }
-            Err(SinkError::Invalid(why)) => {
-                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "rejected").increment(1);
-                warn!(shard = %shard, error = %why, "aggregate write refused; retrying record by record");
-                match isolate(store, key_names, key, delta, ctx, max_attempts).await {
-                    Ok(refused) => {
-                        for (seq, rule, why) in refused {
-                            if let Some(record) =
-                                records.iter().find(|r| r.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str) == Some(seq.as_str()))
-                            {
-                                let rules = rule.into_iter().collect();
-                                push_letter(
-                                    &mut letters,
-                                    Letter {
-                                        record,
-                                        sequence: seq,
-                                        code: "write_rejected".into(),
-                                        message: why,
-                                        rules,
-                                        variables: Default::default(),
-                                        attempts: max_attempts,
-                                    },
-                                );
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        first_error.get_or_insert(e);
-                    }
-                }
-            }
-            Err(e) => {
-                metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "error").increment(1);
-                first_error.get_or_insert(e);
-            }
-        }
-    }
-    if let Some(e) = first_error {
-        return Err(e);
-    }
-    // Poison records go to the queue before the checkpoint passes them: if SQS is down the
-    // shard waits here (the batch is retried from its checkpoint) and nothing is lost.
-    let first_failed_at = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(i64::try_from(now).unwrap_or(0))
-        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
-        .unwrap_or_default();
-    for l in &letters {
-        let rule = l.rules.first().cloned().unwrap_or_default();
-        if dead_lettered.contains(&l.sequence) {
-            continue;
-        }
-        error!(shard = %shard, sequence_number = %l.sequence, rule = %rule, reason = %l.code, queued = shared.dead_letters.enabled(), "poison record: {}", l.message);
-        let dl = DeadLetter {
-            version: 1,
-            reason: Reason { code: l.code.clone(), message: l.message.clone() },
-            rule: rule.clone(),
-            rules: l.rules.clone(),
-            attempts: l.attempts,
-            first_failed_at: first_failed_at.clone(),
-            stream_arn: shared.stream_arn.clone(),
-            shard_id: shard.clone(),
-            sequence_number: l.sequence.clone(),
-            variables: l.variables.clone(),
-            record: l.record.clone(),
-            images_cut: false,
-        };
-        if let Err(e) = shared.dead_letters.send(&dl).await {
-            metrics::counter!(names::DEAD_LETTER_FAILURES).increment(1);
-            error!(shard = %shard, sequence_number = %l.sequence, error = %e, "cannot send a dead letter; the shard waits and retries");
-            return Err(SinkError::Transient(format!("dead-letter queue: {e}")));
-        }
-        dead_lettered.insert(l.sequence.clone());
-        if shared.dead_letters.enabled() {
-            metrics::counter!(names::DEAD_LETTERS, "reason" => l.code.clone()).increment(1);
-        }
-        metrics::counter!(names::RECORDS_SKIPPED, "reason" => l.code.clone()).increment(1);
-    }
-    // The checkpoint moves only after every target write of the batch succeeded (or its
-    // record was dead-lettered).
-    let checkpoint = last_seq.map(Checkpoint::Sequence);
-    if !lease.valid() {
-        return Ok(None);
-    }
-    let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: newest_ms, at_tip_ms: at_tip };
-    let mut attempt = 0;
-    loop {
-        match shared.leases.checkpoint(shard, &shared.owner, lease.counter, &progress).await {
-            Ok(true) => break,
-            Ok(false) => return Ok(None),
-            Err(e) if e.is_retriable() && attempt < 5 => {
-                attempt += 1;
-                tokio::time::sleep(crate::sink::backoff(attempt)).await;
-            }
-            // The writes are in (and idempotent): a failed checkpoint only means a replay.
-            Err(e) => return Err(SinkError::Transient(format!("checkpoint: {e}"))),
-        }
-    }
-    dead_lettered.clear();
-    let now = now_ms();
-    for ms in &created {
-        metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
-    }
-    let age = newest_ms.map_or(0.0, |n| now.saturating_sub(n) as f64 / 1000.0);
-    shared.set_age(shard, age);
-    metrics::histogram!(names::BATCH_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
-    Ok(Some(checkpoint))
 }
 
 fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {

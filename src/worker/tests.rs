@@ -136,6 +136,18 @@ impl LeaseStore for ArcLeases {
     async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, crate::state::StateError> {
         self.0.release(shard_id, owner, counter).await
     }
+    async fn delete(&self, lease: &Lease) -> Result<bool, crate::state::StateError> {
+        self.0.delete(lease).await
+    }
+    async fn request_reconcile(&self, at_ms: u64) -> Result<(), crate::state::StateError> {
+        self.0.request_reconcile(at_ms).await
+    }
+    async fn reconcile_request(&self) -> Result<Option<u64>, crate::state::StateError> {
+        self.0.reconcile_request().await
+    }
+    async fn clear_reconcile_request(&self, started_ms: u64) -> Result<bool, crate::state::StateError> {
+        self.0.clear_reconcile_request(started_ms).await
+    }
 }
 
 /// Waits (bounded) until the aggregates equal `want` and every closed shard is finished.
@@ -435,8 +447,9 @@ async fn records_older_than_max_record_age_are_dead_lettered() {
 
 #[tokio::test]
 async fn ledger_entries_of_finished_shards_are_pruned_and_stale_writers_fenced() {
-    use crate::sink::ledger::{entry_name, floor_value, ENTRY_PREFIX, FLOOR_ATTRIBUTE};
+    use crate::sink::ledger::{floor_value, Ledger};
     use crate::sink::{write_target, ShardContext};
+    let ledger = Ledger::new(&config().ledger_namespace);
     let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
     let a = fakes.0.add_shard(None);
     let mut records = Vec::new();
@@ -458,10 +471,10 @@ async fn ledger_entries_of_finished_shards_are_pruned_and_stale_writers_fenced()
     records.push(r);
     settle(&fakes, &expected(&records), 1).await;
     let item = fakes.2.item(&["CUST#c1", "PROFILE"]).unwrap();
-    let entries: Vec<&String> = item.keys().filter(|k| k.starts_with(ENTRY_PREFIX)).collect();
-    assert_eq!(entries, vec![&entry_name(&b)], "only the open shard's entry is left");
-    let b_created = crate::stream::shard_created_ms(&b).unwrap();
-    assert_eq!(item.get(FLOOR_ATTRIBUTE), Some(&MemValue::Str(floor_value(b_created))));
+    let entries: Vec<&String> = item.keys().filter(|k| ledger.is_entry(k)).collect();
+    assert_eq!(entries, vec![&ledger.entry_name(&b)], "only the open shard's entry is left");
+    let b_created = crate::shard_id::created_ms(&b).unwrap();
+    assert_eq!(item.get(&ledger.floor_attribute()), Some(&MemValue::Str(floor_value(b_created))));
     replica.cancel.cancel();
     replica.handle.await.unwrap().unwrap();
     // A former owner of A that wakes up late cannot re-apply A's records: it is fenced.
@@ -476,7 +489,7 @@ async fn ledger_entries_of_finished_shards_are_pruned_and_stale_writers_fenced()
         &mut batch,
     );
     let (key, delta) = batch.into_targets().into_iter().find(|(k, _)| &*k.0[0] == "CUST#c1").unwrap();
-    let stale = write_target(fakes.2.as_ref(), &engine.key_names, &key, &delta, &ShardContext::new(&a)).await.unwrap();
+    let stale = write_target(fakes.2.as_ref(), &engine.key_names, &key, &delta, &ShardContext::new(&ledger, &a)).await.unwrap();
     assert!(stale.fenced && stale.applied_records == 0, "{stale:?}");
     assert_eq!(fakes.2.numbers(), expected(&records), "nothing was applied twice");
 }
@@ -587,7 +600,7 @@ async fn overlapping_readers_with_any_batch_cuts_apply_every_record_once() {
     use crate::rules::{TargetDelta, TargetKey};
     use crate::sink::{write_target, ShardContext};
     let engine = config().engine;
-    let ctx = ShardContext::new("shardId-00000001796001337266-8e340a17");
+    let ctx = ShardContext::new(&crate::sink::ledger::Ledger::new("t"), "shardId-00000001796001337266-8e340a17");
     // One reader's batches over records[from..to]: each batch's target writes.
     let batches = |rng: &mut fastrand::Rng, records: &[Value], from: usize, to: usize| -> Vec<(usize, Vec<(TargetKey, TargetDelta)>)> {
         let mut out = Vec::new();
@@ -685,4 +698,166 @@ async fn batches_gather_pages_up_to_batch_size() {
             Some(&Decimal::parse("3125").unwrap())
         );
     }
+}
+
+/// Two rules that feed one target item.
+fn two_rule_config() -> Config {
+    let text = r#"
+source: { table: src-table, start_position: trim_horizon, batch_size: 100 }
+state: { table: state-table, lease_duration: 600ms }
+aggregates: { table: agg-table }
+dead_letter: { queue_url: "http://127.0.0.1:1/q", max_attempts: 1 }
+rules:
+  - name: counts
+    filter: { dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }
+    source_key: { PK: "CUST#{customer}", SK: "ORDER#{date}#{order_id}" }
+    target: { PK: "CUST#{customer}", SK: "PROFILE" }
+    measures: { orderCount: count }
+    reconcile: { scan: true }
+  - name: by-status
+    filter: { dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }
+    source_key: { PK: "CUST#{customer}", SK: "ORDER#{date}#{order_id}" }
+    target: { PK: "CUST#{customer}", SK: "PROFILE" }
+    measures: { "orders_{status}": count }
+    reconcile: { scan: true }
+"#;
+    Config::from_yaml(text, Vec::<(String, String)>::new()).unwrap()
+}
+
+/// Scenario c: after a refused write, isolation is per record. A record refused for one rule's
+/// attribute is refused whole and dead-lettered; the other records land with both rules'
+/// contributions (per-contribution isolation dropped the second rule's part of each record).
+#[tokio::test]
+async fn a_refused_attribute_isolates_whole_records_and_hides_no_other_rule() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let dlq = Arc::new(MemoryDeadLetters::default());
+    fakes.2.put(&["CUST#c1", "PROFILE"], "orders_BAD", MemValue::Str("not a number".into()));
+    let shard = fakes.0.add_shard(None);
+    for (n, status) in [(1, "PAID"), (2, "BAD"), (3, "PAID"), (4, "PENDING")] {
+        fakes.0.append(&shard, order("c1", n, "INSERT", "1", status));
+    }
+    let r = start_config(&fakes, "r1", Some(dlq.clone()), two_rule_config());
+    for _ in 0..200 {
+        if dlq.letters().len() == 1 && fakes.2.numbers().len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    let key = |a: &str| (vec!["CUST#c1".to_string(), "PROFILE".to_string()], a.to_string());
+    let want: BTreeMap<_, _> = [
+        (key("orderCount"), Decimal::from_i64(3)),
+        (key("orders_PAID"), Decimal::from_i64(2)),
+        (key("orders_PENDING"), Decimal::from_i64(1)),
+    ]
+    .into();
+    assert_eq!(fakes.2.numbers(), want);
+    let letters = dlq.letters();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!((letters[0].reason.code.as_str(), letters[0].sequence_number.as_str()), ("write_rejected", "000000000000000000002"));
+    assert_eq!(letters[0].rules, vec!["counts", "by-status"], "the letter names every rule of the refused record");
+}
+
+/// Scenario a: under `start_position: latest`, a child of a known shard is read from its
+/// start: a rollover never skips the child's first records.
+#[tokio::test]
+async fn latest_never_skips_the_first_records_of_a_rollover() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let root = fakes.0.add_shard(None);
+    fakes.0.append(&root, order("c1", 1, "INSERT", "100", "PAID")); // before the start: skipped by `latest`
+    let r = start_config(&fakes, "r1", None, config_with(&[("SOURCE__START_POSITION", "latest")]));
+    for _ in 0..100 {
+        if fakes.1.snapshot().iter().any(|l| l.owner.is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut records = vec![order("c1", 2, "INSERT", "1", "PAID")];
+    fakes.0.append(&root, records[0].clone());
+    let child = fakes.0.rollover(&root);
+    for n in 3..8 {
+        let rec = order("c1", n, "INSERT", "1", "PAID");
+        fakes.0.append(&child, rec.clone());
+        records.push(rec);
+    }
+    settle(&fakes, &expected(&records), 1).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+}
+
+/// Scenario b: a leased shard that left DescribeStream before it was read to its end is lost
+/// data: counted, its lease finished (so it pins neither the ledger floor nor reconcile), and a
+/// reconcile of everything requested in the state table (where it survives restarts).
+#[tokio::test]
+async fn a_shard_gone_before_its_end_is_counted_finished_and_reconciled() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let old = fakes.0.add_shard(None);
+    let young = fakes.0.add_shard(None);
+    let r = start(&fakes, "r1");
+    settle(&fakes, &BTreeMap::new(), 0).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    r.cancel.cancel(); // released, unfinished
+    r.handle.await.unwrap().unwrap();
+    fakes.0.append(&old, order("c1", 1, "INSERT", "5", "PAID")); // never read
+    fakes.0.forget(&old);
+    let rec = order("c2", 2, "INSERT", "1", "PAID");
+    fakes.0.append(&young, rec.clone());
+    let r = start(&fakes, "r2");
+    settle(&fakes, &expected(&[rec]), 1).await;
+    for _ in 0..100 {
+        if r.shared.floor_plan().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let lease = fakes.1.snapshot().into_iter().find(|l| l.shard_id == old).unwrap();
+    assert!(lease.finished(), "{lease:?}");
+    for _ in 0..50 {
+        if fakes.1.reconcile_request().await.unwrap().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(fakes.1.reconcile_request().await.unwrap().is_some(), "a reconcile of everything is requested");
+    let plan = r.shared.floor_plan().unwrap();
+    assert_eq!(
+        plan.floor,
+        crate::sink::ledger::floor_value(crate::shard_id::created_ms(&young).unwrap()),
+        "the lost shard no longer pins the floor"
+    );
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+}
+
+/// Scenario h: finished leases are deleted once DescribeStream forgets the shard and its
+/// children hold checkpoints, so the lease scan does not grow with the stream's age.
+#[tokio::test]
+async fn finished_leases_are_deleted_once_the_stream_forgets_them() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let (records, lineage) = workload(&fakes.0);
+    let r = start(&fakes, "r1");
+    settle(&fakes, &expected(&records), 2).await;
+    let (root, _) = &lineage[0];
+    let (second, _) = &lineage[1];
+    fakes.0.forget(root);
+    fakes.0.forget(second);
+    for _ in 0..100 {
+        if fakes.1.snapshot().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left: Vec<String> = fakes.1.snapshot().into_iter().map(|l| l.shard_id).collect();
+    assert_eq!(left, vec![lineage[2].0.clone(), lineage[3].0.clone()], "only the open children's leases are left");
+    assert_eq!(fakes.1.reconcile_request().await.unwrap(), None, "deleting finished leases is no loss");
+    // Records keep flowing, exactly once.
+    let more = order("c1", 77, "INSERT", "3", "PAID");
+    fakes.0.append(&lineage[2].0, more.clone());
+    let mut all = records.clone();
+    all.push(more);
+    settle(&fakes, &expected(&all), 0).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
 }
