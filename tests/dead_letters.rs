@@ -12,6 +12,61 @@ use common::*;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// A counter's value for one label (`form="full"`), summed over its series.
+fn metric_labelled(text: &str, name: &str, label: &str) -> f64 {
+    text.lines().filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{') && l.contains(label)).map(|l| metric(l, name)).sum()
+}
+
+/// Valid orders, then `poison` (customer, SK, total, note), then more valid orders, all on
+/// the table's one shard; waits (bounded) until the aggregates are exact (with small batches,
+/// only once the shard is past the poison) and `letters` dead letters were handled.
+async fn poison_between_valid_orders(
+    c: &aws_sdk_dynamodb::Client,
+    table: &str,
+    svc: &Service,
+    poison: &[(&str, &str, AttributeValue, Option<&str>)],
+    letters: f64,
+) {
+    for i in 0..15u32 {
+        put_order(c, table, &format!("c{}", i % 4), &format!("ORDER#2026-11-29#a{i}"), "PAID", AttributeValue::N(format!("{i}.25"))).await;
+    }
+    for (customer, sk, total, note) in poison {
+        let mut item = std::collections::HashMap::from([
+            ("PK".to_string(), AttributeValue::S(format!("CUST#{customer}"))),
+            ("SK".to_string(), AttributeValue::S(sk.to_string())),
+            ("status".to_string(), AttributeValue::S("PAID".into())),
+            ("total".to_string(), total.clone()),
+        ]);
+        if let Some(note) = note {
+            item.insert("note".to_string(), AttributeValue::S(note.to_string()));
+        }
+        c.put_item().table_name(table).set_item(Some(item)).send().await.expect("put poison order");
+    }
+    for i in 0..25u32 {
+        let status = if i % 2 == 0 { "PAID" } else { "PENDING" };
+        put_order(c, table, &format!("c{}", i % 4), &format!("ORDER#2026-11-30#b{i}"), status, AttributeValue::N(format!("{}", i + 1)))
+            .await;
+    }
+    let started = Instant::now();
+    loop {
+        let items = scan(c, table).await;
+        let orders: Vec<_> = items.iter().filter(|i| i["SK"].as_s().is_ok_and(|s| s.starts_with("ORDER#"))).cloned().collect();
+        let (got, want) = (aggregates(&items), truth_without_poison(&orders));
+        let m = svc.metrics();
+        if got == want && metric(&m, "ddb_aggregator_dead_letter_deliveries_total") >= letters {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "the shard did not move past the poison: {} values differ; dead-letter send failures {}\n{}",
+            want.iter().filter(|(k, v)| got.get(*k) != Some(*v)).count(),
+            metric(&m, "ddb_aggregator_dead_letter_send_failures_total"),
+            svc.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 async fn put_order(c: &aws_sdk_dynamodb::Client, table: &str, customer: &str, sk: &str, status: &str, total: AttributeValue) {
     c.put_item()
         .table_name(table)
@@ -248,4 +303,95 @@ async fn retriable_faults_are_retried_not_dead_lettered() {
     assert!(injected >= 40, "the proxy injected faults ({injected})");
     assert_eq!(metric(&m, "ddb_aggregator_dead_letters_total"), 0.0, "retriable faults are never dead-lettered");
     assert!(drain_queue(&sqs, &queue).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_letter_holding_characters_sqs_refuses_is_queued_escaped_and_the_shard_moves_on() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("badchars");
+    create_source_table(&c, &table).await;
+    let sqs = sqs_client_at(&sqs_endpoint());
+    let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
+    // SQS refuses U+FFFF in a body (moto does not: the proxy plays SQS's part).
+    let proxy = proxy::start_refusing_sqs_bodies(sqs_port(), vec![proxy::U_FFFF.to_vec()], 10_000).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
+    let svc = Service::start(
+        &config,
+        dir.path(),
+        "svc",
+        &[
+            ("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", &queue),
+            ("AWS_ENDPOINT_URL_SQS", &proxy.endpoint()),
+            // Small batches: a shard held at the poison's batch leaves the later orders unapplied
+            // (a batch is re-read from its checkpoint, so one batch holding them all would hide it).
+            ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE", "10"),
+        ],
+    );
+    let poison = [("c1", "ORDER#2026-11-30#bad", AttributeValue::S("12\u{FFFF}".into()), None)];
+    poison_between_valid_orders(&c, &table, &svc, &poison, 1.0).await;
+    let letters = drain_queue(&sqs, &queue).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let (body, attrs) = &letters[0];
+    assert_eq!(body["record"]["dynamodb"]["Keys"]["SK"]["S"], "ORDER#2026-11-30#bad");
+    assert_eq!(body["record"]["dynamodb"]["NewImage"]["total"]["S"], "12\u{FFFF}", "the record as it was, U+FFFF included: {body}");
+    assert!(body.get("images_cut").is_none() && body.get("record_cut").is_none(), "the full record: {body}");
+    assert_eq!(body["reason"]["code"], "non_numeric_sum");
+    assert_eq!(attrs.get("reason").map(String::as_str), Some("non_numeric_sum"));
+    assert_eq!(attrs.get("rule").map(String::as_str), body["rule"].as_str());
+    let m = svc.metrics();
+    assert_eq!(metric_labelled(&m, "ddb_aggregator_dead_letter_deliveries_total", r#"form="full""#), 1.0, "{m}");
+    assert_eq!(metric(&m, "ddb_aggregator_dead_letter_send_failures_total"), 0.0, "{}", svc.log_tail());
+    assert_eq!(proxy.injected.load(std::sync::atomic::Ordering::SeqCst), 0, "SQS never saw the raw character");
+    assert!(proxy.forwarded.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn letters_sqs_keeps_refusing_are_cut_or_dropped_and_never_stall_the_shard() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("refused");
+    create_source_table(&c, &table).await;
+    let sqs = sqs_client_at(&sqs_endpoint());
+    let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
+    // Stands for content SQS refuses whatever the encoding: in an image, then in a key.
+    let proxy = proxy::start_refusing_sqs_bodies(sqs_port(), vec![b"sqs-refuses-this".to_vec()], 10_000).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
+    let svc = Service::start(
+        &config,
+        dir.path(),
+        "svc",
+        &[
+            ("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", &queue),
+            ("AWS_ENDPOINT_URL_SQS", &proxy.endpoint()),
+            // Small batches: a shard held at the poison's batch leaves the later orders unapplied
+            // (a batch is re-read from its checkpoint, so one batch holding them all would hide it).
+            ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE", "10"),
+        ],
+    );
+    let poison = [
+        ("c1", "ORDER#2026-11-30#in-image", AttributeValue::S("7 EUR".into()), Some("sqs-refuses-this")),
+        ("c2", "ORDER#2026-11-30#sqs-refuses-this", AttributeValue::S("8 EUR".into()), None),
+    ];
+    poison_between_valid_orders(&c, &table, &svc, &poison, 2.0).await;
+    let letters = drain_queue(&sqs, &queue).await;
+    let sks: Vec<&str> = letters.iter().filter_map(|(b, _)| b["record"]["dynamodb"]["Keys"]["SK"]["S"].as_str()).collect();
+    assert_eq!(sks, vec!["ORDER#2026-11-30#in-image"], "the letter refused in every form is not in the queue");
+    for (body, attrs) in &letters {
+        assert_eq!(body["images_cut"], true, "{body}");
+        assert!(body["record"]["dynamodb"].get("NewImage").is_none(), "{body}");
+        assert_eq!(body["reason"]["code"], "non_numeric_sum");
+        assert_eq!(attrs.get("reason").map(String::as_str), Some("non_numeric_sum"));
+    }
+    let m = svc.metrics();
+    assert_eq!(metric_labelled(&m, "ddb_aggregator_dead_letter_deliveries_total", r#"form="dropped""#), 1.0, "{m}");
+    assert_eq!(metric(&m, "ddb_aggregator_dead_letter_send_failures_total"), 0.0, "a refusal is not a queue failure");
+    let log = std::fs::read_to_string(&svc.log).unwrap_or_default();
+    assert!(
+        log.lines().any(|l| l.contains("SQS refused every form") && l.contains("ORDER#2026-11-30#sqs-refuses-this")),
+        "the dropped record is in the log in full\n{}",
+        svc.log_tail()
+    );
 }

@@ -20,6 +20,8 @@ struct State {
     calls: u64,
     /// Largest item size written, bytes.
     largest_item: usize,
+    /// Per item: writes applied and the capacity they consumed.
+    usage: HashMap<Vec<String>, (u64, f64)>,
 }
 
 #[derive(Debug, Default)]
@@ -68,6 +70,29 @@ impl MemoryAggregates {
 
     pub fn calls(&self) -> u64 {
         self.lock().calls
+    }
+
+    /// The most written item: its key, writes and mean WCU per write.
+    pub fn hottest(&self) -> Option<(Vec<String>, u64, f64)> {
+        let s = self.lock();
+        s.usage.iter().max_by(|a, b| a.1 .0.cmp(&b.1 .0).then_with(|| b.0.cmp(a.0))).map(|(k, (n, c))| (k.clone(), *n, c / *n as f64))
+    }
+
+    /// Overwrites numeric attributes (the simulation's stand-in for a reconcile correction).
+    pub fn set_numbers(&self, values: &BTreeMap<(Vec<String>, String), Decimal>) {
+        let mut s = self.lock();
+        for item in s.items.values_mut() {
+            item.retain(|a, v| !matches!(v, MemValue::Num(_)) || a.starts_with('_'));
+        }
+        for ((k, a), v) in values {
+            s.items.entry(k.clone()).or_default().insert(a.clone(), MemValue::Num(*v));
+        }
+    }
+
+    /// Ledger entries (attributes starting `_agg:`) of the item holding the most.
+    pub fn most_entries(&self) -> usize {
+        let s = self.lock();
+        s.items.values().map(|i| i.keys().filter(|k| k.starts_with(crate::sink::ledger::ENTRY_PREFIX)).count()).max().unwrap_or(0)
     }
 
     /// The largest item size any write produced, in bytes.
@@ -160,6 +185,9 @@ impl AggregateStore for MemoryAggregates {
         s.largest_item = s.largest_item.max(after);
         // 1 WCU per started KB of the larger of the item before and after.
         let capacity = before.max(after).div_ceil(1024).max(1) as f64;
+        let u = s.usage.entry(w.key.iter().map(|(_, v)| v.clone()).collect()).or_default();
+        u.0 += 1;
+        u.1 += capacity;
         Ok(WriteOutcome::Applied { capacity, seen })
     }
 }

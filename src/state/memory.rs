@@ -9,6 +9,16 @@ use super::{Lease, LeaseStore, Progress, StateError};
 pub struct MemoryLeases {
     leases: Mutex<BTreeMap<String, Lease>>,
     reconcile_request: Mutex<Option<u64>>,
+    unowned: Mutex<Unowned>,
+}
+
+/// When each lease became free to take, to measure how long shards went unowned.
+#[derive(Debug, Default)]
+struct Unowned {
+    /// Shard -> when it was created, released, or read to its end.
+    since: BTreeMap<String, u64>,
+    longest_ms: u64,
+    largest_table: usize,
 }
 
 impl MemoryLeases {
@@ -18,6 +28,21 @@ impl MemoryLeases {
 
     pub fn snapshot(&self) -> Vec<Lease> {
         self.lock().values().cloned().collect()
+    }
+
+    /// The longest time a ready lease waited to be taken (ms): from its creation, release,
+    /// expiry or its parent's end, whichever came last, to the take.
+    pub fn longest_unowned_ms(&self) -> u64 {
+        self.unowned.lock().unwrap_or_else(|e| e.into_inner()).longest_ms
+    }
+
+    /// The most leases the table held at once.
+    pub fn largest_table(&self) -> usize {
+        self.unowned.lock().unwrap_or_else(|e| e.into_inner()).largest_table
+    }
+
+    fn mark_free(&self, shard: &str, at: u64) {
+        self.unowned.lock().unwrap_or_else(|e| e.into_inner()).since.insert(shard.to_string(), at);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Lease>> {
@@ -51,6 +76,11 @@ impl LeaseStore for MemoryLeases {
             return Ok(false);
         }
         m.insert(lease.shard_id.clone(), lease.clone());
+        let size = m.len();
+        drop(m);
+        let mut u = self.unowned.lock().unwrap_or_else(|e| e.into_inner());
+        u.since.insert(lease.shard_id.clone(), super::now_ms());
+        u.largest_table = u.largest_table.max(size);
         Ok(true)
     }
 
@@ -58,6 +88,17 @@ impl LeaseStore for MemoryLeases {
         let mut m = self.lock();
         match m.get_mut(&lease.shard_id) {
             Some(l) if l.counter == lease.counter => {
+                let now = super::now_ms();
+                let parent_end = l
+                    .parent
+                    .as_ref()
+                    .and_then(|p| self.unowned.lock().unwrap_or_else(|e| e.into_inner()).since.get(&format!("end:{p}")).copied());
+                let mut u = self.unowned.lock().unwrap_or_else(|e| e.into_inner());
+                let free = u.since.get(&l.shard_id).copied().unwrap_or(now);
+                let expired = if l.owner.is_some() { l.expires_at_ms } else { 0 };
+                let from = free.max(expired).max(parent_end.unwrap_or(0));
+                u.longest_ms = u.longest_ms.max(now.saturating_sub(from));
+                drop(u);
                 l.owner = Some(owner.to_string());
                 l.counter += 1;
                 l.expires_at_ms = expires_at_ms;
@@ -72,6 +113,9 @@ impl LeaseStore for MemoryLeases {
     }
 
     async fn checkpoint(&self, shard_id: &str, owner: &str, counter: u64, progress: &Progress) -> Result<bool, StateError> {
+        if progress.checkpoint == Some(super::Checkpoint::ShardEnd) {
+            self.mark_free(&format!("end:{shard_id}"), super::now_ms());
+        }
         Ok(self.update(shard_id, owner, counter, |l| {
             if let Some(c) = &progress.checkpoint {
                 l.checkpoint = Some(c.clone());
@@ -86,6 +130,7 @@ impl LeaseStore for MemoryLeases {
     }
 
     async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, StateError> {
+        self.mark_free(shard_id, super::now_ms());
         Ok(self.update(shard_id, owner, counter, |l| {
             l.owner = None;
             l.expires_at_ms = 0;
@@ -97,6 +142,9 @@ impl LeaseStore for MemoryLeases {
         match m.get(&lease.shard_id) {
             Some(l) if l.counter == lease.counter && l.finished() => {
                 m.remove(&lease.shard_id);
+                let mut u = self.unowned.lock().unwrap_or_else(|e| e.into_inner());
+                u.since.remove(&lease.shard_id);
+                u.since.remove(&format!("end:{}", lease.shard_id));
                 Ok(true)
             }
             _ => Ok(false),

@@ -135,8 +135,24 @@ pub trait LeaseStore: Send + Sync + 'static {
     fn clear_reconcile_request(&self, started_ms: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
 }
 
+thread_local! {
+    /// A simulated clock for this thread: (epoch ms at `start`, `start`). Only the
+    /// deterministic simulation sets it, on a current-thread runtime with paused tokio time,
+    /// so its epoch time moves with tokio's virtual clock.
+    static SIMULATED: std::cell::Cell<Option<(u64, tokio::time::Instant)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes [`now_ms`] on this thread follow tokio's (paused) clock from `epoch_ms` on; None
+/// returns to the system clock.
+pub fn simulate_clock(epoch_ms: Option<u64>) {
+    SIMULATED.with(|c| c.set(epoch_ms.map(|e| (e, tokio::time::Instant::now()))));
+}
+
 /// Epoch milliseconds now.
 pub fn now_ms() -> u64 {
+    if let Some((epoch, start)) = SIMULATED.with(std::cell::Cell::get) {
+        return epoch.saturating_add(u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX));
+    }
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

@@ -15,8 +15,12 @@ struct SimShard {
     /// (sequence number, record)
     records: Vec<(u64, Value)>,
     closed: bool,
+    /// When it was closed (epoch ms), for DescribeStream's 24 h memory.
+    closed_at: Option<u64>,
     /// Records with index below this are trimmed.
     trimmed: usize,
+    /// Append time (epoch ms) of each record, for retention.
+    appended: Vec<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -32,6 +36,8 @@ struct State {
     throttles: u32,
     /// DynamoDB Local's answer to GetRecords on an empty shard: TrimmedDataAccess.
     trimmed_when_empty: bool,
+    /// Reading order is not logged (long simulations).
+    quiet: bool,
 }
 
 #[derive(Debug, Default)]
@@ -58,9 +64,23 @@ impl SimStream {
         id
     }
 
+    /// A new open shard created at `created_ms` (its id embeds it, as real ids do).
+    pub fn add_shard_at(&self, parent: Option<&str>, created_ms: u64) -> String {
+        let mut s = lock(&self.state);
+        s.next_shard += 1;
+        let id = format!("shardId-{created_ms:020}-{:08x}", s.next_shard);
+        s.shards.insert(id.clone(), SimShard { parent: parent.map(str::to_string), ..Default::default() });
+        id
+    }
+
     /// Appends a record (a stream record JSON; its SequenceNumber is set here). Returns the
     /// sequence number.
-    pub fn append(&self, shard: &str, mut record: Value) -> u64 {
+    pub fn append(&self, shard: &str, record: Value) -> u64 {
+        self.append_at(shard, record, 0)
+    }
+
+    /// [`SimStream::append`] at a time (epoch ms), for retention.
+    pub fn append_at(&self, shard: &str, mut record: Value, at_ms: u64) -> u64 {
         let mut s = lock(&self.state);
         s.next_seq += 1;
         let seq = s.next_seq;
@@ -68,14 +88,58 @@ impl SimStream {
         if let Some(sh) = s.shards.get_mut(shard) {
             assert!(!sh.closed, "append to a closed shard");
             sh.records.push((seq, record));
+            sh.appended.push(at_ms);
         }
         seq
     }
 
     pub fn close(&self, shard: &str) {
+        self.close_at(shard, 0);
+    }
+
+    fn close_at(&self, shard: &str, at_ms: u64) {
         if let Some(sh) = lock(&self.state).shards.get_mut(shard) {
             sh.closed = true;
+            sh.closed_at = Some(at_ms);
         }
+    }
+
+    /// Closes `shard` at `at_ms` and opens `children` children created then.
+    pub fn reshard_at(&self, shard: &str, children: usize, at_ms: u64) -> Vec<String> {
+        self.close_at(shard, at_ms);
+        (0..children).map(|_| self.add_shard_at(Some(shard), at_ms)).collect()
+    }
+
+    /// The stream's retention: records appended before `cutoff_ms` become unreadable, and
+    /// shards closed before it leave the listing. Returns the shards forgotten, with whether
+    /// each still held records (the simulation's way to see what a reader never reached).
+    pub fn retain_after(&self, cutoff_ms: u64) -> Vec<String> {
+        let mut s = lock(&self.state);
+        for sh in s.shards.values_mut() {
+            let n = sh.appended.partition_point(|t| *t < cutoff_ms);
+            sh.trimmed = sh.trimmed.max(n);
+        }
+        let gone: Vec<String> =
+            s.shards.iter().filter(|(_, sh)| sh.closed_at.is_some_and(|c| c < cutoff_ms)).map(|(id, _)| id.clone()).collect();
+        for id in &gone {
+            s.shards.remove(id);
+        }
+        gone
+    }
+
+    /// Stops logging the reading order (memory for long runs).
+    pub fn quiet(&self) {
+        lock(&self.state).quiet = true;
+    }
+
+    /// Shards listed now.
+    pub fn shard_count(&self) -> usize {
+        lock(&self.state).shards.len()
+    }
+
+    /// Sequence number of the last record of `shard`, if it has one.
+    pub fn last_sequence(&self, shard: &str) -> Option<u64> {
+        lock(&self.state).shards.get(shard).and_then(|sh| sh.records.last().map(|(s, _)| *s))
     }
 
     /// Closes `shard` and opens two children.
@@ -176,8 +240,10 @@ impl StreamSource for SimStream {
         let records: Vec<(u64, Value)> = sh.records[index..end].to_vec();
         let done = sh.closed && end == sh.records.len();
         let next_iterator = (!done).then(|| encode(&shard, end, current));
-        for (seq, _) in &records {
-            s.reads.push((shard.clone(), *seq));
+        if !s.quiet {
+            for (seq, _) in &records {
+                s.reads.push((shard.clone(), *seq));
+            }
         }
         Ok(Page { records: records.into_iter().map(|(_, r)| r).collect(), next_iterator })
     }

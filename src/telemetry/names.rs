@@ -59,6 +59,10 @@ pub fn describe() {
     describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");
     describe_counter!(LEASES_DELETED, "Finished leases deleted once their shard left the stream and its children held checkpoints.");
     describe_gauge!(RECONCILE_REQUESTED, "1 while a persisted request to reconcile everything (after lost or trimmed data) is pending.");
+    describe_counter!(
+        DEAD_LETTER_DELIVERIES,
+        "Dead letters by the form SQS took (full, images_cut, keys_only) or dropped when it refused every form (alert on dropped)."
+    );
     describe_counter!(DEAD_LETTERS, "Records sent to the dead-letter queue, by reason.");
     describe_counter!(DEAD_LETTER_FAILURES, "Failed attempts to send a dead letter (the shard waits and retries; alert on it).");
     describe_counter!(RECONCILE_RUNS, "Reconcile runs by outcome (ok, drift_remaining, error).");
@@ -92,6 +96,9 @@ pub fn init_series(rules: &[String]) {
     }
     for outcome in ["ok", "drift_remaining", "error"] {
         counter!(RECONCILE_RUNS, "outcome" => outcome).increment(0);
+    }
+    for form in crate::sink::dead_letter::Delivery::ALL {
+        counter!(DEAD_LETTER_DELIVERIES, "form" => form.as_str()).increment(0);
     }
     let reasons = crate::rules::PoisonCode::ALL.iter().map(|c| c.as_str()).chain(["too_old", "write_rejected"]);
     for reason in reasons {

@@ -53,6 +53,8 @@ pub struct Shared<S, L, A> {
     /// Set when data was lost (trimmed, a shard gone): a reconcile of everything is to be
     /// requested in the state table (where it survives restarts); cleared once persisted.
     pub reconcile_everything: std::sync::atomic::AtomicBool,
+    /// How often idle shards are polled.
+    pub polling: Polling,
     /// What the last write saw of each target's ledger, for pruning on the next (bounded).
     pub seen: std::sync::Mutex<HashMap<crate::rules::TargetKey, crate::sink::ledger::Seen>>,
 }
@@ -79,6 +81,7 @@ impl<S, L, A> Shared<S, L, A> {
             touched: Default::default(),
             reconcile_everything: Default::default(),
             seen: Default::default(),
+            polling: Polling::default(),
         }
     }
 
@@ -127,6 +130,20 @@ impl<S, L, A> Shared<S, L, A> {
     pub fn set_age(&self, shard: &str, seconds: f64) {
         metrics::gauge!(names::ITERATOR_AGE_SECONDS, "shard" => shard.to_string()).set(seconds);
         self.ages.lock().unwrap_or_else(|e| e.into_inner()).insert(shard.to_string(), seconds);
+    }
+}
+
+/// Poll intervals of an idle shard: from `idle_min`, doubling up to `idle_max`. The
+/// simulation lengthens them to cover months of stream life in minutes.
+#[derive(Debug, Clone, Copy)]
+pub struct Polling {
+    pub idle_min: Duration,
+    pub idle_max: Duration,
+}
+
+impl Default for Polling {
+    fn default() -> Polling {
+        Polling { idle_min: shard::IDLE_MIN, idle_max: shard::IDLE_MAX }
     }
 }
 

@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use futures::stream::{self, StreamExt};
 use serde_json::Value;
@@ -50,10 +52,10 @@ impl ShardLease {
 const WRITE_CONCURRENCY: usize = 16;
 /// GetRecords returns at most 1,000 records; larger batches gather several pages.
 const GET_RECORDS_MAX: u32 = 1000;
-const IDLE_MIN: Duration = Duration::from_millis(100);
+pub const IDLE_MIN: Duration = Duration::from_millis(100);
 /// An idle shard is polled 4 times a second, as Lambda's event source mapping does: slower
 /// polling saves little and adds its period to the lag of the next record.
-const IDLE_MAX: Duration = Duration::from_millis(250);
+pub const IDLE_MAX: Duration = Duration::from_millis(250);
 
 /// Sleeps unless cancelled; returns false when cancelled.
 async fn pause(d: Duration, stop: &CancellationToken) -> bool {
@@ -114,6 +116,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
 ) -> ShardExit {
     let Some(position) = lease.start.clone() else { return ShardExit::Finished };
     let ctx = ShardContext::new(&shared.ledger, &lease.shard_id);
+    let idle_min = shared.polling.idle_min;
     info!(shard = %lease.shard_id, position = ?position, "reading shard");
     let reader = ShardReader {
         shared,
@@ -122,7 +125,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         ctx,
         position,
         iterator: None,
-        idle: IDLE_MIN,
+        idle: idle_min,
         failures: 0,
         last_tip_report: 0,
         dead_lettered: HashSet::new(),
@@ -192,7 +195,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                         self.position = Position::After(seq);
                     }
                     self.failures = 0;
-                    self.idle = IDLE_MIN;
+                    self.idle = self.shared.polling.idle_min;
                 }
                 BatchOutcome::LeaseLost => return Flow::Exit(ShardExit::LeaseLost),
                 BatchOutcome::Failed(e) => {
@@ -210,7 +213,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if let Some(since) = self.pending_since {
             // Gathering: poll again soon, but not past the window.
             if short {
-                return self.pause_or_stop(window.saturating_sub(since.elapsed()).min(IDLE_MIN)).await;
+                return self.pause_or_stop(window.saturating_sub(since.elapsed()).min(self.shared.polling.idle_min)).await;
             }
             return Flow::Continue;
         }
@@ -242,7 +245,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             self.last_tip_report = now;
         }
         let flow = self.pause_or_stop(self.idle).await;
-        self.idle = (self.idle * 2).min(IDLE_MAX);
+        self.idle = (self.idle * 2).min(self.shared.polling.idle_max);
         flow
     }
 
@@ -292,7 +295,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             persist_request(&self.shared).await;
         }
         let flow = if lost { Flow::Continue } else { self.pause_or_stop(self.idle).await };
-        self.idle = (self.idle * 2).min(IDLE_MAX);
+        self.idle = (self.idle * 2).min(self.shared.polling.idle_max);
         flow
     }
 
@@ -453,10 +456,18 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                 record: l.record.clone(),
                 images_cut: false,
             };
-            if let Err(e) = self.shared.dead_letters.send(&dl).await {
-                metrics::counter!(names::DEAD_LETTER_FAILURES).increment(1);
-                error!(shard = %self.shard(), sequence_number = %l.sequence, error = %e, "cannot send a dead letter; the shard waits and retries");
-                return Err(SinkError::Transient(format!("dead-letter queue: {e}")));
+            match self.shared.dead_letters.send(&dl).await {
+                Ok(delivery) => {
+                    metrics::counter!(names::DEAD_LETTER_DELIVERIES, "form" => delivery.as_str()).increment(1);
+                    if delivery == crate::sink::dead_letter::Delivery::Dropped {
+                        error!(shard = %self.shard(), sequence_number = %l.sequence, record = %l.record, "SQS refused every form of the dead letter; the record is only in this log");
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!(names::DEAD_LETTER_FAILURES).increment(1);
+                    error!(shard = %self.shard(), sequence_number = %l.sequence, error = %e, "cannot send a dead letter; the shard waits and retries");
+                    return Err(SinkError::Transient(format!("dead-letter queue: {e}")));
+                }
             }
             self.dead_lettered.insert(l.sequence.clone());
             if self.shared.dead_letters.enabled() {

@@ -1,9 +1,10 @@
 //! A fault-injecting HTTP/1.1 proxy on loopback, in front of DynamoDB Local (and its streams)
-//! or the SQS server. Two policies: [`start`] answers requests whose `X-Amz-Target` matches
+//! or the SQS server. Three policies: [`start`] answers requests whose `X-Amz-Target` matches
 //! with a throttling or 5xx error at a given rate; [`start_chaos`] hits every call at one
 //! rate with a fault chosen among those the call can meet in production (errors, dropped
-//! connections before or after forwarding, delays). Bounded: at most `max_faults` faults,
-//! and it stops when dropped.
+//! connections before or after forwarding, delays); [`start_refusing_sqs_bodies`] refuses
+//! SQS messages holding given bytes, as SQS refuses characters outside its set (moto takes
+//! anything). Bounded: at most `max_faults` faults, and it stops when dropped.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -38,11 +39,19 @@ enum Policy {
     Listed(Vec<Fault>),
     /// Every request: a fault with this probability.
     Chaos(f64),
+    /// SQS SendMessage requests whose body holds one of these byte strings.
+    RefuseSqsBodies(Vec<Vec<u8>>),
 }
+
+/// U+FFFF as UTF-8: a character SQS refuses in a message body.
+pub const U_FFFF: &[u8] = &[0xEF, 0xBF, 0xBF];
 
 /// What the proxy does to one request.
 enum Action {
     Error(u16, String),
+    /// An SQS error in SQS's JSON protocol (query-compatible code header included): status,
+    /// code, message.
+    SqsError(u16, &'static str, &'static str),
     /// Close the connection without forwarding.
     DropBefore,
     /// Forward, then close the connection instead of answering: the call took effect but
@@ -102,6 +111,17 @@ pub async fn start(upstream_port: u16, faults: Vec<Fault>, max_faults: u64) -> F
 /// Every call through the proxy meets a fault with probability `rate`.
 pub async fn start_chaos(upstream_port: u16, rate: f64, max_faults: u64) -> FaultProxy {
     launch(upstream_port, Policy::Chaos(rate), max_faults).await
+}
+
+/// In front of the SQS server: a SendMessage whose request body holds any of `needles` (raw
+/// bytes, e.g. [`U_FFFF`]) is answered as SQS answers a body with characters outside its set,
+/// HTTP 400 `InvalidMessageContents`; everything else is forwarded.
+pub async fn start_refusing_sqs_bodies(upstream_port: u16, needles: Vec<Vec<u8>>, max_faults: u64) -> FaultProxy {
+    launch(upstream_port, Policy::RefuseSqsBodies(needles), max_faults).await
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 async fn launch(upstream_port: u16, policy: Policy, max_faults: u64) -> FaultProxy {
@@ -231,6 +251,13 @@ async fn serve(mut client: TcpStream, upstream_port: u16, policy: &Policy, count
                 .find(|f| target.contains(f.target) && fastrand::f64() < f.rate)
                 .map(|f| (f.error_type.to_string(), Action::Error(f.status, f.error_type.to_string()))),
             Policy::Chaos(rate) => (fastrand::f64() < *rate).then(|| chaos_action(&target)),
+            Policy::RefuseSqsBodies(needles) => {
+                (target == "AmazonSQS.SendMessage" && needles.iter().any(|n| contains(&request, n))).then(|| {
+                    let message = "Invalid binary character was found in the message body, the set of allowed characters is \
+                     #x9 | #xA | #xD | #x20 to #xD7FF | #xE000 to #xFFFD | #x10000 to #x10FFFF";
+                    ("sqs InvalidMessageContents".to_string(), Action::SqsError(400, "InvalidMessageContents", message))
+                })
+            }
         };
         let action = action.filter(|(kind, _)| counters.take(kind)).map(|(_, a)| a);
         match &action {
@@ -241,6 +268,16 @@ async fn serve(mut client: TcpStream, upstream_port: u16, policy: &Policy, count
                 let reason = if status == 400 { "Bad Request" } else { "Internal Server Error" };
                 let resp = format!(
                     "HTTP/1.1 {status} {reason}\r\nContent-Type: application/x-amz-json-1.0\r\nx-amzn-RequestId: proxy-{}\r\nx-amzn-ErrorType: {error_type}\r\nContent-Length: {}\r\n\r\n{body}",
+                    fastrand::u64(..),
+                    body.len()
+                );
+                client.write_all(resp.as_bytes()).await?;
+                continue;
+            }
+            Some(Action::SqsError(status, code, message)) => {
+                let body = serde_json::json!({ "__type": format!("com.amazonaws.sqs#{code}"), "message": message }).to_string();
+                let resp = format!(
+                    "HTTP/1.1 {status} Bad Request\r\nContent-Type: application/x-amz-json-1.0\r\nx-amzn-RequestId: proxy-{}\r\nX-Amzn-ErrorType: com.amazonaws.sqs#{code}\r\nx-amzn-query-error: {code};Sender\r\nContent-Length: {}\r\n\r\n{body}",
                     fastrand::u64(..),
                     body.len()
                 );
