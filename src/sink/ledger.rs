@@ -176,16 +176,19 @@ pub struct FloorPlan {
 }
 
 /// The floor plan for the shards not yet finished (ids): the floor as high as
-/// [`MAX_STRAGGLERS`] stragglers allow. None when a shard id carries no creation time (then
-/// nothing is pruned) or nothing is open.
-pub fn floor_plan<'a>(unfinished: impl IntoIterator<Item = &'a str>) -> Option<FloorPlan> {
+/// [`MAX_STRAGGLERS`] stragglers allow, but never above `known_until_ms`, the time up to which
+/// the caller knows every shard (its last DescribeStream, less a margin): a shard it has not
+/// seen yet (a paginated lease scan is no snapshot, a listing can predate a split) was created
+/// after that, so the floor cannot pass it. None when a shard id carries no creation time
+/// (then nothing is pruned) or nothing is open.
+pub fn floor_plan<'a>(unfinished: impl IntoIterator<Item = &'a str>, known_until_ms: u64) -> Option<FloorPlan> {
     let mut open: Vec<(u64, &str)> = Vec::new();
     for id in unfinished {
         open.push((crate::shard_id::created_ms(id)?, id));
     }
     open.sort_unstable();
     let at = open.len().checked_sub(1)?.min(MAX_STRAGGLERS);
-    let floor_ms = open[at].0;
+    let floor_ms = open[at].0.min(known_until_ms);
     let stragglers = open.iter().take_while(|(c, _)| *c < floor_ms).map(|(_, id)| crate::shard_id::suffix(id).to_string()).collect();
     Some(FloorPlan { floor: floor_value(floor_ms), stragglers })
 }
@@ -466,7 +469,7 @@ mod tests {
         // 200 open shards created at 1000..1200, one slow shard created at 10 still open.
         let mut open: Vec<String> = (0..200).map(|i| id(1000 + i, i as u32)).collect();
         open.push(id(10, 999));
-        let plan = floor_plan(open.iter().map(String::as_str)).unwrap();
+        let plan = floor_plan(open.iter().map(String::as_str), u64::MAX).unwrap();
         assert_eq!(plan.floor, floor_value(1000 + MAX_STRAGGLERS as u64 - 1), "the floor passes the slow shard");
         assert_eq!(plan.stragglers.len(), MAX_STRAGGLERS);
         assert!(plan.stragglers.contains(&crate::shard_id::suffix(&id(10, 999)).to_string()));
@@ -477,8 +480,13 @@ mod tests {
             assert!(admits(Some(&plan.floor), Some(&open_set), &mine, &open_token(o)), "{o}");
         }
         assert!(!admits(Some(&plan.floor), Some(&open_set), &floor_value(500), &open_token(&id(500, 5))));
-        assert_eq!(floor_plan(["odd-id"]), None, "no creation time: prune nothing");
-        assert_eq!(floor_plan(std::iter::empty::<&str>()), None);
+        assert_eq!(floor_plan(["odd-id"], u64::MAX), None, "no creation time: prune nothing");
+        assert_eq!(floor_plan(std::iter::empty::<&str>(), u64::MAX), None);
+        // A shard this replica has not seen yet was created after its last listing: the floor
+        // stays at or below that time (the model checker's counterexample without this cap).
+        let capped = floor_plan(open.iter().map(String::as_str), 1003).unwrap();
+        assert_eq!(capped.floor, floor_value(1003));
+        assert_eq!(capped.stragglers.len(), 4, "only the open shards created before the capped floor");
     }
 
     #[test]

@@ -147,6 +147,10 @@ impl Default for Polling {
     }
 }
 
+/// How much older than this replica's last DescribeStream a shard must be to count as known:
+/// DescribeStream is eventually consistent, and shard ids carry the server's clock.
+const LISTING_MARGIN_MS: u64 = 5 * 60 * 1000;
+
 struct Running {
     counter: u64,
     valid_until_ms: Arc<AtomicU64>,
@@ -386,7 +390,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         };
         metrics::gauge!(names::ITERATOR_AGE_MAX_SECONDS).set(max_age);
         let finished_count = leases.values().filter(|l| l.finished()).count();
-        let plan = crate::sink::ledger::floor_plan(leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()));
+        let known_until = self.last_discovery_ms.saturating_sub(LISTING_MARGIN_MS);
+        let plan = crate::sink::ledger::floor_plan(leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()), known_until);
         *shared.floor_plan.lock().unwrap_or_else(|e| e.into_inner()) = plan.map(Arc::new);
         metrics::gauge!(names::LEASES_HELD).set(self.running.len() as f64);
         metrics::gauge!(names::SHARDS, "state" => "reading").set(ready.len() as f64);
