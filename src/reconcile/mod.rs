@@ -549,9 +549,15 @@ impl Reconciler {
         }
     }
 
-    /// Ledger entry names of every shard of the stream (for "no new entry" conditions).
+    /// Ledger entry names (this deployment's namespace) of every shard that can still write
+    /// (for "no new entry" conditions): finished shards cannot.
     async fn known_entries(&self) -> Vec<String> {
-        self.leases.list().await.map(|l| l.iter().map(|l| crate::sink::ledger::entry_name(&l.shard_id)).collect()).unwrap_or_default()
+        let ledger = crate::sink::ledger::Ledger::new(&self.config.ledger_namespace);
+        self.leases
+            .list()
+            .await
+            .map(|l| l.iter().filter(|l| !l.finished()).map(|l| ledger.entry_name(&l.shard_id)).collect())
+            .unwrap_or_default()
     }
 
     /// Waits until every unfinished shard was at its tip, or applied a record created, after

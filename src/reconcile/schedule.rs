@@ -103,7 +103,8 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         match result {
             Ok(()) => {
                 info!(all, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done");
-                if requested.is_some() {
+                // Targets not quiet were not repaired: the request stays for the next run.
+                if requested.is_some() && retry.is_empty() {
                     if let Err(e) = shared.leases.clear_reconcile_request(started_ms).await {
                         warn!(error = %e, "cannot clear the reconcile request; the next round runs it again");
                     }

@@ -65,7 +65,8 @@ impl AggregateStore for DynamoDbAggregates {
             Err(e) => {
                 if let Some(UpdateItemError::ConditionalCheckFailedException(c)) = e.as_service_error() {
                     let text = |k: &str| c.item().and_then(|i| i.get(k)).and_then(|v| v.as_s().ok()).cloned();
-                    return Ok(WriteOutcome::Stale { entry: text(&w.entry_name), floor: text(floor_attr), open: text(open_attr) });
+                    let entry = text(&w.entry_name).max(text(&w.legacy_entry));
+                    return Ok(WriteOutcome::Stale { entry, floor: text(floor_attr), open: text(open_attr) });
                 }
                 let f = classify(&e);
                 Err(match f.kind {

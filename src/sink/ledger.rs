@@ -341,9 +341,9 @@ impl Expressions {
 /// or below the write's first record; the item admits this shard (floor or straggler set);
 /// and, for a pruning write, the floor and straggler set are still what was seen.
 pub fn expressions(w: &super::LedgerWrite) -> Expressions {
-    let mut names = vec![("#l".to_string(), w.entry_name.clone())];
+    let mut names = vec![("#l".to_string(), w.entry_name.clone()), ("#g".to_string(), w.legacy_entry.clone())];
     let mut values = vec![(":l".to_string(), ExprValue::S(w.entry_value.clone())), (":first".to_string(), ExprValue::S(w.first.clone()))];
-    let mut condition = String::from("(attribute_not_exists(#l) OR #l < :first)");
+    let mut condition = String::from("(attribute_not_exists(#l) OR #l < :first) AND (attribute_not_exists(#g) OR #g < :first)");
     let mut sets = vec!["#l = :l".to_string()];
     let mut adds = Vec::with_capacity(w.adds.len());
     for (i, (name, v)) in w.adds.iter().enumerate() {
@@ -515,6 +515,7 @@ mod tests {
             key: vec![("PK".into(), "SALES#2026-11-30".into()), ("SK".into(), "TOTAL".into())],
             adds: (0..20).map(|i| (format!("m{i}"), Decimal::from_i64(1))).collect(),
             entry_name: own.clone(),
+            legacy_entry: entry_name(&id(5000, 1)),
             entry_value: entry_value(&pad_sequence("1").unwrap(), None),
             first: pad_sequence("1").unwrap(),
             fence: Some(super::super::Fence {

@@ -141,7 +141,7 @@ impl AggregateStore for MemoryAggregates {
             _ => None,
         };
         let (floor_attr, open_attr) = w.fence.as_ref().map(|f| (f.floor_attribute.as_str(), f.open_attribute.as_str())).unwrap_or(("", ""));
-        let entry = text(item.get(&w.entry_name));
+        let entry = text(item.get(&w.entry_name)).max(text(item.get(&w.legacy_entry)));
         let floor = text(item.get(floor_attr));
         let open = text(item.get(open_attr));
         let entry_ok = entry.as_ref().is_none_or(|e| *e < w.first);

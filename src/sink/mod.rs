@@ -34,6 +34,10 @@ pub struct LedgerWrite {
     pub entry_value: String,
     /// Padded first sequence number of the write: the entry must be below it.
     pub first: String,
+    /// The entry this shard had before namespaces (`_agg:<shard>`): a write must also be past
+    /// it, so a batch applied by the previous version and replayed after the upgrade is not
+    /// applied twice.
+    pub legacy_entry: String,
     /// None for shard ids without a creation time (no floor, no pruning).
     pub fence: Option<Fence>,
     /// Entries of finished shards to remove, with the floor and straggler set to set.
@@ -92,6 +96,7 @@ pub struct WriteStats {
 #[derive(Debug, Clone)]
 pub struct ShardContext {
     pub entry_name: String,
+    pub legacy_entry: String,
     pub fence: Option<Fence>,
     /// The current floor plan (from the lease table); None: prune nothing.
     pub plan: Option<std::sync::Arc<FloorPlan>>,
@@ -101,6 +106,7 @@ impl ShardContext {
     pub fn new(ledger: &Ledger, shard_id: &str) -> ShardContext {
         ShardContext {
             entry_name: ledger.entry_name(shard_id),
+            legacy_entry: ledger::entry_name(shard_id),
             fence: crate::shard_id::created_ms(shard_id).map(|c| Fence {
                 floor_attribute: ledger.floor_attribute(),
                 open_attribute: ledger.open_attribute(),
@@ -165,6 +171,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
             key: key_names.iter().cloned().zip(key.0.iter().map(|v| v.to_string())).collect(),
             adds: p.adds.clone(),
             entry_name: shard.entry_name.clone(),
+            legacy_entry: shard.legacy_entry.clone(),
             entry_value: entry_value(&p.last, p.newest_created),
             first: p.first.clone(),
             fence: shard.fence.clone(),
@@ -172,7 +179,21 @@ pub async fn write_target_pruning<S: AggregateStore>(
         };
         let longest = ledger::expressions(&write).longest();
         if longest > ledger::MAX_EXPRESSION_BYTES {
-            // Our own expression: a bug to surface, never a reason to dead-letter records.
+            // Too many attributes for one UpdateItem (templates like `orders_{status}` can form
+            // any number): prune another time, then write the records in two runs, each a
+            // valid ledger write of its own (records in sequence order).
+            if prune.take().is_some() {
+                continue;
+            }
+            if let Some((low, high)) = split_records(&delta.contributions, applied.as_deref()) {
+                let mut stats = Box::pin(write_target_pruning(store, key_names, key, &low, shard, None)).await?;
+                let rest = Box::pin(write_target_pruning(store, key_names, key, &high, shard, None)).await?;
+                stats.add(&rest);
+                stats.skipped_records = total_records.saturating_sub(stats.applied_records);
+                return Ok(stats);
+            }
+            // One record alone is too large: our own limit, a bug to surface, never a reason to
+            // dead-letter records.
             return Err(SinkError::Fatal(format!("ledger write expression of {longest} bytes exceeds DynamoDB's 4 KB")));
         }
         stats.calls += 1;
@@ -217,8 +238,94 @@ pub async fn write_target_pruning<S: AggregateStore>(
     Err(SinkError::Fatal("ledger write did not settle after 64 rounds".into()))
 }
 
+impl WriteStats {
+    /// Adds a later write's figures (the later one's view of the item wins).
+    fn add(&mut self, later: &WriteStats) {
+        self.calls += later.calls;
+        self.capacity += later.capacity;
+        self.applied_records += later.applied_records;
+        self.pruned += later.pruned;
+        self.fenced |= later.fenced;
+        self.stale += later.stale;
+        if later.seen.is_some() {
+            self.seen = later.seen.clone();
+        }
+    }
+}
+
+/// The not yet applied records (after `applied`) in two halves at a record boundary, lower
+/// sequence numbers first; None for fewer than two records.
+fn split_records(contributions: &[crate::rules::Contribution], applied: Option<&str>) -> Option<(TargetDelta, TargetDelta)> {
+    let mut rest: Vec<&crate::rules::Contribution> = contributions
+        .iter()
+        .filter(|c| c.sequence.as_deref().and_then(ledger::pad_sequence).is_some_and(|s| applied.is_none_or(|a| s.as_str() > a)))
+        .collect();
+    rest.sort_by_key(|c| c.sequence.as_deref().and_then(ledger::pad_sequence));
+    let mut seqs: Vec<Option<&str>> = rest.iter().map(|c| c.sequence.as_deref()).collect();
+    seqs.dedup();
+    let middle = *seqs.get(seqs.len() / 2).filter(|_| seqs.len() >= 2)?;
+    let at = rest.iter().position(|c| c.sequence.as_deref() == middle)?;
+    let delta =
+        |cs: &[&crate::rules::Contribution]| TargetDelta { contributions: cs.iter().map(|c| (*c).clone()).collect(), ..Default::default() };
+    Some((delta(&rest[..at]), delta(&rest[at..])))
+}
+
 /// Exponential backoff with full jitter: 50 ms doubling, capped at 5 s.
 pub fn backoff(attempt: u32) -> Duration {
     let cap = 50u64.saturating_mul(1u64 << attempt.min(7)).min(5_000);
     Duration::from_millis(fastrand::u64(cap / 2..=cap))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::Contribution;
+    use crate::sink::memory::{MemValue, MemoryAggregates};
+
+    fn contribution(seq: u64, attr: &str) -> Contribution {
+        Contribution {
+            sequence: Some(format!("{seq:021}")),
+            rule: None,
+            created: None,
+            values: vec![(attr.to_string(), Decimal::from_i64(1))],
+        }
+    }
+
+    fn key() -> TargetKey {
+        TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice())
+    }
+
+    #[tokio::test]
+    async fn a_batch_too_large_for_one_expression_is_written_in_runs_of_records() {
+        // 400 records, each forming its own attribute name (`orders_{status}` with 400 statuses).
+        let store = MemoryAggregates::new();
+        let delta = TargetDelta {
+            contributions: (1..=400).map(|i| contribution(i, &format!("orders_status{i:03}"))).collect(),
+            ..Default::default()
+        };
+        let ctx = ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa");
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let stats = write_target(&store, &names, &key(), &delta, &ctx).await.unwrap();
+        assert_eq!(stats.applied_records, 400);
+        assert!(stats.calls >= 2, "{stats:?}");
+        assert_eq!(store.numbers().len(), 400, "every record applied once");
+        // A replay changes nothing.
+        let again = write_target(&store, &names, &key(), &delta, &ctx).await.unwrap();
+        assert_eq!(again.applied_records, 0);
+        assert_eq!(store.numbers().values().map(|v| v.to_string()).collect::<std::collections::BTreeSet<_>>(), ["1".to_string()].into());
+    }
+
+    #[tokio::test]
+    async fn an_entry_written_before_namespaces_still_refuses_replays() {
+        let store = MemoryAggregates::new();
+        let shard = "shardId-00000001700000000001-aaaaaaaa";
+        // The previous version applied records 1..5 and kept `_agg:<shard>`.
+        store.put(&["CUST#c1", "PROFILE"], "n", MemValue::Num(Decimal::from_i64(5)));
+        store.put(&["CUST#c1", "PROFILE"], &ledger::entry_name(shard), MemValue::Str(ledger::pad_sequence("5").unwrap()));
+        let delta = TargetDelta { contributions: (1..=7).map(|i| contribution(i, "n")).collect(), ..Default::default() };
+        let ctx = ShardContext::new(&Ledger::new("t"), shard);
+        let stats = write_target(&store, &["PK".to_string(), "SK".to_string()], &key(), &delta, &ctx).await.unwrap();
+        assert_eq!((stats.applied_records, stats.skipped_records), (2, 5));
+        assert_eq!(store.item(&["CUST#c1", "PROFILE"]).unwrap()["n"], MemValue::Num(Decimal::from_i64(7)));
+    }
 }

@@ -209,6 +209,10 @@ impl LeaseStore for DynamoDbLeases {
         if let Some(p) = &lease.parent {
             req = req.item("parent", s(p));
         }
+        // A re-listed shard whose child holds a checkpoint is created finished (plan::new_lease).
+        if let Some(cp) = &lease.checkpoint {
+            req = req.item("checkpoint", s(cp.as_str()));
+        }
         match req.send().await {
             Ok(_) => Ok(true),
             Err(e) => map_err(e, &self.table),
@@ -289,15 +293,15 @@ impl LeaseStore for DynamoDbLeases {
     }
 
     async fn request_reconcile(&self, at_ms: u64) -> Result<(), StateError> {
-        // The oldest pending request wins: a later one is covered by the same reconcile.
+        // The oldest request says since when; the latest decides which run may clear it.
         let resp = self
             .client
             .update_item()
             .table_name(&self.table)
             .key("shard_id", s(&self.request_key()))
-            .update_expression("SET #r = :at")
-            .condition_expression("attribute_not_exists(#r) OR #r > :at")
+            .update_expression("SET #r = if_not_exists(#r, :at), #l = :at")
             .expression_attribute_names("#r", "requested_at")
+            .expression_attribute_names("#l", "latest_request_at")
             .expression_attribute_values(":at", n(at_ms))
             .send()
             .await;
@@ -322,8 +326,8 @@ impl LeaseStore for DynamoDbLeases {
             .delete_item()
             .table_name(&self.table)
             .key("shard_id", s(&self.request_key()))
-            .condition_expression("#r <= :started")
-            .expression_attribute_names("#r", "requested_at")
+            .condition_expression("#l <= :started")
+            .expression_attribute_names("#l", "latest_request_at")
             .expression_attribute_values(":started", n(started_ms))
             .send()
             .await;

@@ -8,7 +8,8 @@ use super::{Lease, LeaseStore, Progress, StateError};
 #[derive(Debug, Default)]
 pub struct MemoryLeases {
     leases: Mutex<BTreeMap<String, Lease>>,
-    reconcile_request: Mutex<Option<u64>>,
+    /// (oldest, latest) pending request.
+    reconcile_request: Mutex<Option<(u64, u64)>>,
     unowned: Mutex<Unowned>,
 }
 
@@ -19,6 +20,8 @@ struct Unowned {
     since: BTreeMap<String, u64>,
     longest_ms: u64,
     largest_table: usize,
+    /// Waits before this time are not measured.
+    from_ms: u64,
 }
 
 impl MemoryLeases {
@@ -34,6 +37,11 @@ impl MemoryLeases {
     /// expiry or its parent's end, whichever came last, to the take.
     pub fn longest_unowned_ms(&self) -> u64 {
         self.unowned.lock().unwrap_or_else(|e| e.into_inner()).longest_ms
+    }
+
+    /// Measures waits only from `ms` on (the simulation's outages are not the protocol's).
+    pub fn measure_unowned_from(&self, ms: u64) {
+        self.unowned.lock().unwrap_or_else(|e| e.into_inner()).from_ms = ms;
     }
 
     /// The most leases the table held at once.
@@ -96,7 +104,7 @@ impl LeaseStore for MemoryLeases {
                 let mut u = self.unowned.lock().unwrap_or_else(|e| e.into_inner());
                 let free = u.since.get(&l.shard_id).copied().unwrap_or(now);
                 let expired = if l.owner.is_some() { l.expires_at_ms } else { 0 };
-                let from = free.max(expired).max(parent_end.unwrap_or(0));
+                let from = free.max(expired).max(parent_end.unwrap_or(0)).max(u.from_ms);
                 u.longest_ms = u.longest_ms.max(now.saturating_sub(from));
                 drop(u);
                 l.owner = Some(owner.to_string());
@@ -153,18 +161,18 @@ impl LeaseStore for MemoryLeases {
 
     async fn request_reconcile(&self, at_ms: u64) -> Result<(), StateError> {
         let mut r = self.reconcile_request.lock().unwrap_or_else(|e| e.into_inner());
-        *r = Some(r.map_or(at_ms, |t| t.min(at_ms)));
+        *r = Some(r.map_or((at_ms, at_ms), |(first, last)| (first.min(at_ms), last.max(at_ms))));
         Ok(())
     }
 
     async fn reconcile_request(&self) -> Result<Option<u64>, StateError> {
-        Ok(*self.reconcile_request.lock().unwrap_or_else(|e| e.into_inner()))
+        Ok(self.reconcile_request.lock().unwrap_or_else(|e| e.into_inner()).map(|(first, _)| first))
     }
 
     async fn clear_reconcile_request(&self, started_ms: u64) -> Result<bool, StateError> {
         let mut r = self.reconcile_request.lock().unwrap_or_else(|e| e.into_inner());
         match *r {
-            Some(t) if t <= started_ms => {
+            Some((_, last)) if last <= started_ms => {
                 *r = None;
                 Ok(true)
             }

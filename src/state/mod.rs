@@ -130,8 +130,8 @@ pub trait LeaseStore: Send + Sync + 'static {
     fn request_reconcile(&self, at_ms: u64) -> impl Future<Output = Result<(), StateError>> + Send;
     /// When the oldest pending request to reconcile everything was made, if one is pending.
     fn reconcile_request(&self) -> impl Future<Output = Result<Option<u64>, StateError>> + Send;
-    /// Clears the request if it was made at or before `started_ms` (a full reconcile that
-    /// started then covered it); a later request stays.
+    /// Clears the request if every request was made at or before `started_ms` (a full
+    /// reconcile that started then covered them); a request made during the run stays.
     fn clear_reconcile_request(&self, started_ms: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
 }
 

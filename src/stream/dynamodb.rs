@@ -79,9 +79,7 @@ impl StreamSource for DynamoDbStream {
             Position::After(seq) => req.shard_iterator_type(ShardIteratorType::AfterSequenceNumber).sequence_number(seq),
         };
         let resp = req.send().await.map_err(map_err)?;
-        resp.shard_iterator()
-            .map(str::to_string)
-            .ok_or_else(|| StreamError::NotFound(format!("no iterator for shard {shard_id} (closed and read?)")))
+        resp.shard_iterator().map(str::to_string).ok_or_else(|| StreamError::NoIterator(shard_id.to_string()))
     }
 
     async fn records(&self, iterator: &str, limit: u32) -> Result<Page, StreamError> {

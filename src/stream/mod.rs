@@ -48,6 +48,9 @@ pub enum StreamError {
     Throttled(String),
     #[error("not found: {0}")]
     NotFound(String),
+    /// GetShardIterator answered without an iterator: the shard is closed and read.
+    #[error("no iterator for shard {0} (closed and read)")]
+    NoIterator(String),
     #[error("transient stream error: {0}")]
     Transient(String),
     #[error("stream error: {0}")]

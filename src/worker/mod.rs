@@ -279,6 +279,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     async fn maintain(&mut self) -> Result<(), WorkerError> {
         let now = now_ms();
         self.renew(now).await;
+        // First, so a failing listing below cannot hold a request back.
+        self.persist_reconcile_request().await;
         if now.saturating_sub(self.last_discovery_ms) >= self.lease_ms().max(1000) || self.shards.is_empty() {
             self.shards = self.shared.source.shards().await.map_err(|e| WorkerError::Aws(format!("DescribeStream: {e}")))?;
             self.last_discovery_ms = now;
@@ -297,7 +299,6 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         self.shared.health.aws_reachable.store(true, Ordering::Relaxed);
         self.finish_lost(&listed, &mut leases, now).await;
         self.delete_finished(&listed, &leases).await;
-        self.persist_reconcile_request().await;
         let finished = |id: &str| leases.get(id).is_some_and(Lease::finished);
         let ready: Vec<String> = lineage::ready(&self.shards, &finished).into_iter().map(|s| s.shard_id.clone()).collect();
         let running: BTreeSet<String> = self.running.keys().cloned().collect();
@@ -390,7 +391,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         };
         metrics::gauge!(names::ITERATOR_AGE_MAX_SECONDS).set(max_age);
         let finished_count = leases.values().filter(|l| l.finished()).count();
-        let known_until = self.last_discovery_ms.saturating_sub(LISTING_MARGIN_MS);
+        // Every shard this replica has not seen is newer than its last listing: by the local
+        // clock less a margin, and by the server's clock, the newest listed shard's creation.
+        let newest_listed = self.shards.iter().filter_map(|s| crate::shard_id::created_ms(&s.shard_id)).max().unwrap_or(0);
+        let known_until = self.last_discovery_ms.saturating_sub(LISTING_MARGIN_MS).min(newest_listed);
         let plan = crate::sink::ledger::floor_plan(leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()), known_until);
         *shared.floor_plan.lock().unwrap_or_else(|e| e.into_inner()) = plan.map(Arc::new);
         metrics::gauge!(names::LEASES_HELD).set(self.running.len() as f64);

@@ -28,16 +28,18 @@ pub fn parent_known(lease: &Lease, leases: &BTreeMap<String, Lease>, listed: &BT
     lease.parent.as_deref().is_some_and(|p| leases.contains_key(p) || listed.contains(p))
 }
 
-/// How long a shard may be missing from DescribeStream before its unfinished lease counts as
-/// lost: DynamoDB lists a shard for 24 h after it closes, so only an old shard can drop out,
-/// and a new shard one replica has not listed yet (eventual consistency) is never mistaken
-/// for a lost one.
-pub const LOST_AFTER_MS: u64 = 60 * 60 * 1000;
+/// A shard drops out of DescribeStream 24 h after it closes, so only one created longer ago
+/// than that can be lost; a newer one missing from a listing is eventual consistency.
+pub const RETENTION_MS: u64 = 24 * 60 * 60 * 1000;
+/// How long a shard must be missing from every listing before its lease counts as lost (one
+/// odd DescribeStream answer is not a loss).
+pub const LOST_AFTER_MS: u64 = 10 * 60 * 1000;
 
 /// Unfinished leases whose shard DescribeStream no longer lists: records not yet applied are
-/// gone (an outage longer than the retention, a parent chain stalled past 24 h). A shard
-/// without a creation time in its id is lost once it was missing for [`LOST_AFTER_MS`]
-/// (`missing_since`: when each unlisted shard was first seen missing).
+/// gone (an outage longer than the retention, a parent chain stalled past 24 h). A lease is
+/// lost once its shard was missing from every listing for [`LOST_AFTER_MS`] (`missing_since`:
+/// when each unlisted shard was first seen missing) and, when its id carries a creation time,
+/// was created more than [`RETENTION_MS`] ago.
 pub fn lost_leases<'a>(
     listed: &BTreeSet<&str>,
     leases: &'a BTreeMap<String, Lease>,
@@ -47,10 +49,8 @@ pub fn lost_leases<'a>(
     leases
         .values()
         .filter(|l| !l.finished() && !listed.contains(l.shard_id.as_str()))
-        .filter(|l| match crate::shard_id::created_ms(&l.shard_id) {
-            Some(created) => now_ms.saturating_sub(created) > LOST_AFTER_MS,
-            None => missing_since.get(&l.shard_id).is_some_and(|t| now_ms.saturating_sub(*t) > LOST_AFTER_MS),
-        })
+        .filter(|l| crate::shard_id::created_ms(&l.shard_id).is_none_or(|created| now_ms.saturating_sub(created) > RETENTION_MS))
+        .filter(|l| missing_since.get(&l.shard_id).is_some_and(|t| now_ms.saturating_sub(*t) > LOST_AFTER_MS))
         .collect()
 }
 
@@ -161,12 +161,17 @@ mod tests {
             lease("odd-id", None, None),
         ]);
         let listed = BTreeSet::new();
-        let lost: Vec<&str> = lost_leases(&listed, &leases, &BTreeMap::new(), now).iter().map(|l| l.shard_id.as_str()).collect();
+        let long_ago = now - LOST_AFTER_MS - 1;
+        let missing: BTreeMap<String, u64> = [&old, &fresh, &done].iter().map(|id| (id.to_string(), long_ago)).collect();
+        let lost: Vec<&str> = lost_leases(&listed, &leases, &missing, now).iter().map(|l| l.shard_id.as_str()).collect();
         assert_eq!(lost, vec![old.as_str()], "a new shard not listed yet and a finished one are not lost");
-        let missing = BTreeMap::from([("odd-id".to_string(), now - LOST_AFTER_MS - 1)]);
-        assert_eq!(lost_leases(&listed, &leases, &missing, now).len(), 2, "an id without a time is lost after an hour missing");
+        let just_now: BTreeMap<String, u64> = [(old.clone(), now - 1000)].into();
+        assert!(lost_leases(&listed, &leases, &just_now, now).is_empty(), "one listing without it is not a loss");
+        let mut with_odd = missing.clone();
+        with_odd.insert("odd-id".to_string(), long_ago);
+        assert_eq!(lost_leases(&listed, &leases, &with_odd, now).len(), 2, "an id without a time is lost once missing for long");
         let listed = BTreeSet::from([old.as_str()]);
-        assert!(lost_leases(&listed, &leases, &BTreeMap::new(), now).is_empty(), "listed shards are never lost");
+        assert!(lost_leases(&listed, &leases, &missing, now).is_empty(), "listed shards are never lost");
     }
 
     #[test]

@@ -252,6 +252,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     async fn on_iterator_error(&mut self, e: StreamError) -> Flow {
         match e {
             StreamError::TrimmedData(why) => self.on_trimmed(&why).await,
+            StreamError::NoIterator(why) => {
+                info!(shard = %self.shard(), reason = %why, "no iterator: the shard is closed and read");
+                Flow::Exit(finish(&self.shared, &self.lease, &self.lease.shard_id).await)
+            }
             StreamError::NotFound(why) => {
                 // The shard left the stream before this reader reached its end: whatever it
                 // held after the checkpoint is gone.
@@ -311,12 +315,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if !self.lease.valid() {
             return BatchOutcome::LeaseLost;
         }
-        let refused = match self.write(&evaluated.targets, records).await {
-            Ok(refused) => refused,
-            Err(outcome) => return outcome,
-        };
-        if let Err(e) = self.send_letters(&refused).await {
-            return BatchOutcome::Failed(e);
+        if let Err(outcome) = self.write(&evaluated.targets, records).await {
+            return outcome;
         }
         // The checkpoint moves only after every target write of the batch succeeded (or its
         // record was dead-lettered).
@@ -356,12 +356,16 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         }
     }
 
-    /// Writes every target of the batch; returns the letters of records the table refused.
-    async fn write<'r>(&self, targets: &[(TargetKey, TargetDelta)], records: &'r [Value]) -> Result<Vec<Letter<'r>>, BatchOutcome> {
-        let shared = &self.shared;
+    /// Writes every target of the batch. A target the table refuses is written again record
+    /// by record, and the letter of a record it still refuses is sent before any later record
+    /// of that target is written (a later record advances the ledger past it, so a replay
+    /// after a crash would never retry it).
+    async fn write(&mut self, targets: &[(TargetKey, TargetDelta)], records: &[Value]) -> Result<(), BatchOutcome> {
+        let shared = self.shared.clone();
         let key_names = &shared.engine.key_names;
         let store = shared.sink.as_ref();
-        let ctx = &ShardContext { plan: shared.floor_plan(), ..self.ctx.clone() };
+        let ctx = ShardContext { plan: shared.floor_plan(), ..self.ctx.clone() };
+        let ctx = &ctx;
         let mut writes = Vec::with_capacity(targets.len());
         for (key, delta) in targets {
             let seen = shared.take_seen(key);
@@ -371,31 +375,16 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let mut first_error = None;
         let mut fenced = false;
         let mut refused = Vec::new();
-        let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
         for (key, delta, r) in results {
             match r {
                 Ok(stats) => {
-                    record_write(shared, &stats);
                     fenced |= stats.fenced;
-                    if let Some(seen) = stats.seen {
-                        shared.put_seen(key, seen);
-                    }
-                    let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
-                    rules.dedup();
-                    for r in rules {
-                        shared.touch(r, key);
-                    }
+                    self.written(key, delta, stats);
                 }
                 Err(SinkError::Invalid(why)) => {
                     metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "rejected").increment(1);
                     warn!(shard = %self.shard(), error = %why, "aggregate write refused; retrying record by record");
-                    match isolate(store, key_names, key, delta, ctx, max_attempts).await {
-                        Ok(r) => refused
-                            .extend(r.into_iter().filter_map(|(seq, rules, why)| refused_letter(records, seq, rules, why, max_attempts))),
-                        Err(e) => {
-                            first_error.get_or_insert(e);
-                        }
-                    }
+                    refused.push((key, delta));
                 }
                 Err(e) => {
                     metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "error").increment(1);
@@ -403,28 +392,93 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                 }
             }
         }
-        if let Some(outcome) = fenced.then(|| self.fenced()).flatten() {
-            return Err(outcome);
+        for (key, delta) in refused {
+            match self.isolate(key, delta, records, ctx).await {
+                Ok(f) => fenced |= f,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if fenced {
+            if let Some(outcome) = self.fenced().await {
+                return Err(outcome);
+            }
         }
         match first_error {
             Some(e) => Err(BatchOutcome::Failed(e)),
-            None => Ok(refused),
+            None => Ok(()),
         }
+    }
+
+    /// Bookkeeping of one successful target write.
+    fn written(&self, key: &TargetKey, delta: &TargetDelta, stats: crate::sink::WriteStats) {
+        record_write(&self.shared, &stats);
+        if let Some(seen) = stats.seen {
+            self.shared.put_seen(key, seen);
+        }
+        let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
+        rules.dedup();
+        for r in rules {
+            self.shared.touch(r, key);
+        }
+    }
+
+    /// Re-writes a target record by record after a permanent write error, so one bad record
+    /// does not hold back the others; a record the table still refuses after `max_attempts`
+    /// is dead-lettered at once. Returns whether a write was fenced.
+    async fn isolate(&mut self, key: &TargetKey, delta: &TargetDelta, records: &[Value], ctx: &ShardContext) -> Result<bool, SinkError> {
+        let shared = self.shared.clone();
+        let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
+        let mut fenced = false;
+        for single in by_record(delta) {
+            let mut attempts = 0;
+            loop {
+                match write_target(shared.sink.as_ref(), &shared.engine.key_names, key, &single, ctx).await {
+                    Ok(stats) => {
+                        fenced |= stats.fenced;
+                        self.written(key, &single, stats);
+                        break;
+                    }
+                    Err(SinkError::Invalid(why)) => {
+                        attempts += 1;
+                        if attempts >= max_attempts {
+                            let seq = single.contributions.first().and_then(|c| c.sequence.clone()).unwrap_or_default();
+                            let mut rules: Vec<String> =
+                                single.contributions.iter().filter_map(|c| c.rule.as_deref().map(str::to_string)).collect();
+                            rules.dedup();
+                            if let Some(letter) = refused_letter(records, seq, rules, why, max_attempts) {
+                                self.send_letters(&[letter]).await?;
+                            }
+                            break;
+                        }
+                        tokio::time::sleep(crate::sink::backoff(attempts)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(fenced)
     }
 
     /// A target item refused this shard by its floor. For a stalled former owner that is the
     /// fence working. For a reader that holds the lease on this unfinished shard it breaks an
     /// invariant (every shard the floor passed is finished), e.g. after the state table was
     /// reset and the stream is replayed: the records were applied before, or else lost. It is
-    /// never silent: counted, logged, and a reconcile of everything requested, which repairs
-    /// either case; the shard then moves on instead of stalling for good.
-    fn fenced(&self) -> Option<BatchOutcome> {
+    /// never silent: counted, logged, and a reconcile of everything requested (written before
+    /// the checkpoint moves; the batch is retried while it cannot be), which repairs either
+    /// case; the shard then moves on instead of stalling for good.
+    async fn fenced(&self) -> Option<BatchOutcome> {
         if !self.lease.valid() {
             return Some(BatchOutcome::LeaseLost);
         }
         metrics::counter!(names::LEDGER_FENCE_VIOLATIONS).increment(1);
-        self.shared.request_reconcile_everything();
         error!(shard = %self.shard(), "a target item's ledger floor refuses this shard while its lease is held and it is unfinished; a reconcile of everything is requested");
+        self.shared.request_reconcile_everything();
+        persist_request(&self.shared).await;
+        if self.shared.reconcile_everything.load(Ordering::Relaxed) {
+            return Some(BatchOutcome::Failed(SinkError::Transient("cannot record the reconcile request".into())));
+        }
         None
     }
 
@@ -662,42 +716,6 @@ pub fn by_record(delta: &TargetDelta) -> Vec<TargetDelta> {
         }
     }
     out
-}
-
-/// Re-writes a target record by record after a permanent write error, so one bad record
-/// does not hold back the others; returns the records the table still refuses after
-/// `max_attempts`, as (sequence number, rules, error).
-async fn isolate<A: AggregateStore>(
-    store: &A,
-    key_names: &[String],
-    key: &TargetKey,
-    delta: &TargetDelta,
-    ctx: &ShardContext,
-    max_attempts: u32,
-) -> Result<Vec<(String, Vec<String>, String)>, SinkError> {
-    let mut refused = Vec::new();
-    for single in by_record(delta) {
-        let mut attempts = 0;
-        loop {
-            match write_target(store, key_names, key, &single, ctx).await {
-                Ok(_) => break,
-                Err(SinkError::Invalid(why)) => {
-                    attempts += 1;
-                    if attempts >= max_attempts {
-                        let seq = single.contributions.first().and_then(|c| c.sequence.clone()).unwrap_or_default();
-                        let mut rules: Vec<String> =
-                            single.contributions.iter().filter_map(|c| c.rule.as_deref().map(str::to_string)).collect();
-                        rules.dedup();
-                        refused.push((seq, rules, why));
-                        break;
-                    }
-                    tokio::time::sleep(crate::sink::backoff(attempts)).await;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    Ok(refused)
 }
 
 fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {
