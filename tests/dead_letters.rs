@@ -395,3 +395,77 @@ async fn letters_sqs_keeps_refusing_are_cut_or_dropped_and_never_stall_the_shard
         svc.log_tail()
     );
 }
+
+/// Scenario c of issue 11 on DynamoDB Local: two rules feed one target, and the table refuses
+/// one attribute (a string stored where a rule counts). Isolation after the refused write is
+/// per record: every other record lands with both rules' contributions, and only the refused
+/// record is dead-lettered, naming both rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_rules_on_one_target_a_refused_attribute_dead_letters_only_its_records() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("tworules");
+    create_source_table(&c, &table).await;
+    let sqs = sqs_client_at(&sqs_endpoint());
+    let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
+    let orders = r#"{ dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }"#;
+    let text = format!(
+        r#"
+source: {{ table: {table}, batch_size: 100 }}
+state: {{ table: {table}-state, create_table: true, lease_duration: 2s }}
+dead_letter: {{ queue_url: "{queue}", max_attempts: 2 }}
+rules:
+  - name: counts
+    filter: {orders}
+    source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
+    target: {{ PK: "CUST#{{customer}}", SK: "PROFILE" }}
+    measures: {{ orderCount: count }}
+    reconcile: {{ query: {{ PK: "CUST#{{customer}}", SK_begins_with: "ORDER#" }} }}
+  - name: by-status
+    filter: {orders}
+    source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
+    target: {{ PK: "CUST#{{customer}}", SK: "PROFILE" }}
+    measures: {{ "orders_{{status}}": count }}
+    reconcile: {{ query: {{ PK: "CUST#{{customer}}", SK_begins_with: "ORDER#" }} }}
+"#
+    );
+    let config = dir.path().join("two-rules.yaml");
+    std::fs::write(&config, text).unwrap();
+    // A user's attribute that a rule's template can form, holding a string.
+    c.put_item()
+        .table_name(&table)
+        .item("PK", AttributeValue::S("CUST#c1".into()))
+        .item("SK", AttributeValue::S("PROFILE".into()))
+        .item("orders_BAD", AttributeValue::S("n/a".into()))
+        .send()
+        .await
+        .unwrap();
+    for (i, (customer, status)) in [("c1", "PAID"), ("c1", "BAD"), ("c1", "PAID"), ("c2", "BAD"), ("c1", "PENDING")].iter().enumerate() {
+        put_order(&c, &table, customer, &format!("ORDER#2026-11-30#o{i}"), status, AttributeValue::N("1".into())).await;
+    }
+    let svc = Service::start(&config, dir.path(), "svc", &[]);
+    let started = Instant::now();
+    let (c1, c2) = loop {
+        let c1 = get(&c, &table, "CUST#c1", "PROFILE").await;
+        let c2 = get(&c, &table, "CUST#c2", "PROFILE").await;
+        let letters = metric(&svc.metrics(), "ddb_aggregator_dead_letters_total");
+        if letters >= 1.0 && c1.contains_key("orders_PENDING") && c2.contains_key("orders_BAD") {
+            break (c1, c2);
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "not applied\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let n = |item: &std::collections::HashMap<String, AttributeValue>, a: &str| item.get(a).and_then(|v| v.as_n().ok()).cloned();
+    assert_eq!(n(&c1, "orderCount").as_deref(), Some("3"), "{c1:?}");
+    assert_eq!(n(&c1, "orders_PAID").as_deref(), Some("2"), "the second rule's part of each record landed: {c1:?}");
+    assert_eq!(n(&c1, "orders_PENDING").as_deref(), Some("1"));
+    assert_eq!(c1["orders_BAD"].as_s().unwrap(), "n/a", "the user's attribute is untouched");
+    assert_eq!((n(&c2, "orderCount").as_deref(), n(&c2, "orders_BAD").as_deref()), (Some("1"), Some("1")));
+    let letters = drain_queue(&sqs, &queue).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let (body, _) = &letters[0];
+    assert_eq!(body["reason"]["code"], "write_rejected");
+    assert_eq!(body["rules"], serde_json::json!(["counts", "by-status"]));
+    assert_eq!(body["record"]["dynamodb"]["Keys"]["SK"]["S"], "ORDER#2026-11-30#o1");
+}

@@ -68,6 +68,11 @@ fn errors_name_the_path() {
         ("  lease_duration: 10s", "  lease_duration: 10", "state.lease_duration: duration \"10\" needs a unit"),
         ("  interval: 1h", "  interval: 1 hour", "reconcile.interval"),
         ("  listen: 0.0.0.0:9464", "  listen: nowhere", "metrics.listen"),
+        (
+            "  table: commerce-main\ndead_letter",
+            "  table: commerce-main\n  ledger_namespace: \"a:b\"\ndead_letter",
+            "aggregates.ledger_namespace: \"a:b\": use 1 to 16",
+        ),
         ("  start_position: trim_horizon", "  start_position: earliest", "source.start_position"),
         ("      revenue: { sum: total }", "      revenue: { sum: \"\" }", "rules[0].measures.revenue.sum"),
         ("      revenue: { sum: total }", "      revenue: { summ: total }", "rules[0].measures.revenue.summ: unknown key"),

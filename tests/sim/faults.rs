@@ -1,0 +1,193 @@
+//! What the simulated world does to each call: the replica's fate (dead: the call never
+//! returns, before or after it took effect; paused: it waits, then goes through) and seeded
+//! faults (errors before the call, time-outs after it took effect, expired iterators).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ddb_aggregator::sink::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
+use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
+use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
+
+/// One replica process, as the world sees it.
+#[derive(Debug, Default)]
+pub struct Fate {
+    /// Crashed: every call hangs for ever (its task is as good as gone).
+    pub dead: AtomicBool,
+    /// Paused (GC, SIGSTOP) until this epoch ms: calls wait, then go through.
+    pub paused_until: AtomicU64,
+}
+
+/// Seeded faults shared by every call of the simulation.
+#[derive(Debug)]
+pub struct Faults {
+    rng: Mutex<fastrand::Rng>,
+    /// The chance per call, as f64 bits.
+    rate: AtomicU64,
+    pub injected: AtomicU64,
+    pub calls: AtomicU64,
+}
+
+/// A fault for one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    None,
+    /// Refused before it took effect (throttling, 5xx).
+    Before,
+    /// Took effect, but the caller sees a time-out.
+    After,
+}
+
+impl Faults {
+    pub fn new(seed: u64, rate: f64) -> Faults {
+        Faults {
+            rng: Mutex::new(fastrand::Rng::with_seed(seed)),
+            rate: AtomicU64::new(rate.to_bits()),
+            injected: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    pub fn set_rate(&self, rate: f64) {
+        self.rate.store(rate.to_bits(), Ordering::Relaxed);
+    }
+
+    fn draw(&self) -> Fault {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let mut r = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+        if r.f64() >= f64::from_bits(self.rate.load(Ordering::Relaxed)) {
+            return Fault::None;
+        }
+        self.injected.fetch_add(1, Ordering::Relaxed);
+        if r.bool() {
+            Fault::Before
+        } else {
+            Fault::After
+        }
+    }
+}
+
+/// The replica's fate at a call boundary: hangs for ever when dead, waits out a pause.
+async fn gate(fate: &Fate) {
+    loop {
+        if fate.dead.load(Ordering::Relaxed) {
+            std::future::pending::<()>().await;
+        }
+        let until = fate.paused_until.load(Ordering::Relaxed);
+        let now = now_ms();
+        if until <= now {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(until - now)).await;
+    }
+}
+
+/// Runs one call under the replica's fate and a drawn fault; `refused` and `timed_out` make
+/// the caller's error for the two kinds of fault.
+async fn call<T, E, F: std::future::Future<Output = Result<T, E>>>(
+    fate: &Fate,
+    faults: &Faults,
+    inner: F,
+    refused: impl FnOnce() -> E,
+    timed_out: impl FnOnce() -> E,
+) -> Result<T, E> {
+    gate(fate).await;
+    let fault = faults.draw();
+    if fault == Fault::Before {
+        return Err(refused());
+    }
+    let out = inner.await;
+    // A crash right after the call took effect: the caller never learns of it.
+    gate(fate).await;
+    if fault == Fault::After {
+        return Err(timed_out());
+    }
+    out
+}
+
+pub struct Source<S> {
+    pub inner: Arc<S>,
+    pub fate: Arc<Fate>,
+    pub faults: Arc<Faults>,
+}
+
+impl<S: StreamSource> StreamSource for Source<S> {
+    async fn shards(&self) -> Result<Vec<ShardInfo>, StreamError> {
+        let t = || StreamError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.shards(), t, t).await
+    }
+    async fn iterator(&self, shard_id: &str, position: &Position) -> Result<String, StreamError> {
+        let t = || StreamError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.iterator(shard_id, position), t, t).await
+    }
+    async fn records(&self, iterator: &str, limit: u32) -> Result<Page, StreamError> {
+        call(
+            &self.fate,
+            &self.faults,
+            self.inner.records(iterator, limit),
+            || StreamError::Throttled("simulated".into()),
+            || StreamError::ExpiredIterator,
+        )
+        .await
+    }
+}
+
+pub struct Leases<L> {
+    pub inner: Arc<L>,
+    pub fate: Arc<Fate>,
+    pub faults: Arc<Faults>,
+}
+
+fn state_fault() -> StateError {
+    StateError::Transient("simulated".into())
+}
+
+impl<L: LeaseStore> LeaseStore for Leases<L> {
+    async fn prepare(&self, create: bool) -> Result<(), StateError> {
+        self.inner.prepare(create).await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, StateError> {
+        call(&self.fate, &self.faults, self.inner.list(), state_fault, state_fault).await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.create(lease), state_fault, state_fault).await
+    }
+    async fn take(&self, lease: &Lease, owner: &str, expires_at_ms: u64) -> Result<Option<Lease>, StateError> {
+        call(&self.fate, &self.faults, self.inner.take(lease, owner, expires_at_ms), state_fault, state_fault).await
+    }
+    async fn renew(&self, shard_id: &str, owner: &str, counter: u64, expires_at_ms: u64) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.renew(shard_id, owner, counter, expires_at_ms), state_fault, state_fault).await
+    }
+    async fn checkpoint(&self, shard_id: &str, owner: &str, counter: u64, progress: &Progress) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.checkpoint(shard_id, owner, counter, progress), state_fault, state_fault).await
+    }
+    async fn release(&self, shard_id: &str, owner: &str, counter: u64) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.release(shard_id, owner, counter), state_fault, state_fault).await
+    }
+    async fn delete(&self, lease: &Lease) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.delete(lease), state_fault, state_fault).await
+    }
+    async fn request_reconcile(&self, at_ms: u64) -> Result<(), StateError> {
+        call(&self.fate, &self.faults, self.inner.request_reconcile(at_ms), state_fault, state_fault).await
+    }
+    async fn reconcile_request(&self) -> Result<Option<u64>, StateError> {
+        call(&self.fate, &self.faults, self.inner.reconcile_request(), state_fault, state_fault).await
+    }
+    async fn clear_reconcile_request(&self, started_ms: u64) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.clear_reconcile_request(started_ms), state_fault, state_fault).await
+    }
+}
+
+pub struct Sink<A> {
+    pub inner: Arc<A>,
+    pub fate: Arc<Fate>,
+    pub faults: Arc<Faults>,
+}
+
+impl<A: AggregateStore> AggregateStore for Sink<A> {
+    async fn apply(&self, write: &LedgerWrite) -> Result<WriteOutcome, SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.apply(write), t, t).await
+    }
+}

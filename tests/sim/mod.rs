@@ -1,0 +1,746 @@
+//! The simulation's world: the source table (items), its stream (partitions that roll over,
+//! split and are trimmed), the replicas and their fates, the schedule of faults, and the
+//! oracle.
+
+mod faults;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ddb_aggregator::config::Config;
+use ddb_aggregator::decimal::Decimal;
+use ddb_aggregator::sink::dead_letter::{DeadLetters, MemoryDeadLetters};
+use ddb_aggregator::sink::memory::MemoryAggregates;
+use ddb_aggregator::state::memory::MemoryLeases;
+use ddb_aggregator::state::{now_ms, simulate_clock, Checkpoint, LeaseStore};
+use ddb_aggregator::stream::sim::SimStream;
+use ddb_aggregator::telemetry::Health;
+use ddb_aggregator::worker::{Polling, Shared, Worker};
+use faults::{Fate, Faults, Leases, Sink, Source};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+const HOUR: u64 = 3_600_000;
+const DAY: u64 = 24 * HOUR;
+/// 2027-01-01T00:00:00Z: the simulated epoch.
+const EPOCH_MS: u64 = 1_798_761_600_000;
+const CUSTOMERS: u32 = 64;
+/// The lease duration of the simulated deployments (maintenance every third of it).
+const LEASE: &str = "300s";
+
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub seed: u64,
+    pub partitions: usize,
+    pub days: u64,
+    pub replicas: usize,
+    /// Item changes per simulated hour, over the whole table.
+    pub writes_per_hour: f64,
+    /// Chance of a fault per call.
+    pub fault_rate: f64,
+    /// The longest wait between polls of an idle shard (simulated seconds).
+    pub idle_poll_secs: u64,
+}
+
+impl Default for Params {
+    fn default() -> Params {
+        Params { seed: 1, partitions: 8, days: 14, replicas: 3, writes_per_hour: 400.0, fault_rate: 0.01, idle_poll_secs: 300 }
+    }
+}
+
+/// What a run did and found.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub partitions: usize,
+    pub days: u64,
+    pub shards: u64,
+    pub splits: u64,
+    pub records: u64,
+    pub poison: u64,
+    pub faults: u64,
+    pub calls: u64,
+    pub crashes: u64,
+    pub pauses: u64,
+    pub restarts: u64,
+    pub outages: u64,
+    pub checks: u64,
+    pub values_compared: u64,
+    pub values_wrong: u64,
+    pub largest_item: usize,
+    pub most_entries: usize,
+    pub hottest_writes: u64,
+    pub hottest_wcu: f64,
+    pub lease_table_max: usize,
+    pub leases_deleted: u64,
+    pub longest_unowned_s: u64,
+    pub children_started: u64,
+    pub shards_lost: u64,
+    pub reconcile_requests: u64,
+    pub repairs: u64,
+    pub deployment_b_values: u64,
+    pub letters: u64,
+    pub wall_s: f64,
+    pub problems: Vec<String>,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "simulation seed {}: {} partitions, {} simulated days in {:.1} s", self.seed, self.partitions, self.days, self.wall_s)?;
+        writeln!(
+            f,
+            "  shards {} (splits {}), records {} ({} poison), dead letters {}",
+            self.shards, self.splits, self.records, self.poison, self.letters
+        )?;
+        writeln!(
+            f,
+            "  faults {} of {} calls, crashes {}, pauses {}, rolling restarts {}, outages {}",
+            self.faults, self.calls, self.crashes, self.pauses, self.restarts, self.outages
+        )?;
+        writeln!(f, "  quiescent checks {}: {} values compared, {} wrong", self.checks, self.values_compared, self.values_wrong)?;
+        writeln!(f, "  largest target item {} bytes, most ledger entries on one item {}", self.largest_item, self.most_entries)?;
+        writeln!(f, "  hottest target: {} writes at {:.2} WCU per write", self.hottest_writes, self.hottest_wcu)?;
+        writeln!(
+            f,
+            "  lease table at most {} leases, {} finished leases deleted; longest unowned shard {} s",
+            self.lease_table_max, self.leases_deleted, self.longest_unowned_s
+        )?;
+        writeln!(
+            f,
+            "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, h leases deleted {}",
+            self.children_started, self.shards_lost, self.reconcile_requests, self.repairs, self.deployment_b_values, self.most_entries, self.leases_deleted
+        )?;
+        if self.problems.is_empty() {
+            write!(f, "  sound: every aggregate exact at every quiescent point")
+        } else {
+            write!(f, "  PROBLEMS ({}):\n    {}", self.problems.len(), self.problems.join("\n    "))
+        }
+    }
+}
+
+impl Report {
+    pub fn assert_sound(&self) {
+        assert!(self.problems.is_empty(), "seed {} replays this run: SIM_SEED={}\n{self}", self.seed, self.seed);
+        assert!(self.checks > 0 && self.values_compared > 0, "the oracle compared nothing:\n{self}");
+    }
+}
+
+/// Runs one seeded simulation to its end.
+pub fn run(p: &Params) -> Report {
+    let started = std::time::Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("runtime");
+    fastrand::seed(p.seed);
+    let mut report = rt.block_on(async {
+        simulate_clock(Some(EPOCH_MS));
+        let mut world = World::new(p.clone());
+        world.run().await;
+        simulate_clock(None);
+        world.report
+    });
+    report.wall_s = started.elapsed().as_secs_f64();
+    report
+}
+
+fn config(state: &str, rules: &str) -> Config {
+    let text = format!(
+        r#"
+source: {{ table: sim-source, start_position: latest, batch_size: 200 }}
+state: {{ table: {state}, lease_duration: {LEASE} }}
+aggregates: {{ table: sim-aggregates }}
+dead_letter: {{ queue_url: "http://127.0.0.1:1/sim-dlq", max_attempts: 1 }}
+reconcile: {{ interval: 0s }}
+rules:
+{rules}"#
+    );
+    Config::from_yaml(&text, Vec::<(String, String)>::new()).expect("simulation config")
+}
+
+const ORDERS: &str = r#"{ dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }"#;
+
+fn config_a() -> Config {
+    config(
+        "sim-state-a",
+        &format!(
+            r#"  - name: customer-orders
+    filter: {ORDERS}
+    source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
+    target: {{ PK: "CUST#{{customer}}", SK: "PROFILE" }}
+    measures: {{ orderCount: count, revenue: {{ sum: total }}, "orders_{{status}}": count }}
+    reconcile: {{ scan: true }}
+  - name: daily-sales
+    filter: {ORDERS}
+    source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
+    target: {{ PK: "SALES#{{date|day}}", SK: "TOTAL" }}
+    measures: {{ orders: count, revenue: {{ sum: total }} }}
+    reconcile: {{ scan: true }}
+"#
+        ),
+    )
+}
+
+/// A second deployment (its own state table, so its own ledger namespace) that writes the same
+/// daily items as the first.
+fn config_b() -> Config {
+    config(
+        "sim-state-b",
+        &format!(
+            r#"  - name: daily-orders-b
+    filter: {ORDERS}
+    source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
+    target: {{ PK: "SALES#{{date|day}}", SK: "TOTAL" }}
+    measures: {{ ordersB: count }}
+    reconcile: {{ scan: true }}
+"#
+        ),
+    )
+}
+
+/// An order in the source table.
+#[derive(Debug, Clone)]
+struct Order {
+    status: &'static str,
+    /// Cents; None: a poison order (its total is a string).
+    cents: Option<i64>,
+}
+
+/// A shard that takes new records for a range of the key space.
+#[derive(Debug, Clone)]
+struct Leaf {
+    lo: u32,
+    hi: u32,
+    shard: String,
+    rollover_at: u64,
+}
+
+struct Replica {
+    fate: Arc<Fate>,
+    cancel: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+/// Scheduled events of the world.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Restart(usize),
+}
+
+struct World {
+    p: Params,
+    rng: fastrand::Rng,
+    stream: Arc<SimStream>,
+    aggregates: Arc<MemoryAggregates>,
+    leases_a: Arc<MemoryLeases>,
+    leases_b: Arc<MemoryLeases>,
+    dlq: Arc<MemoryDeadLetters>,
+    faults: Arc<Faults>,
+    /// Slot i: replica i of deployment A; the last slot: deployment B's one replica.
+    replicas: Vec<Option<Replica>>,
+    generation: u64,
+    items: BTreeMap<(u32, String, u64), Order>,
+    next_order: u64,
+    leaves: Vec<Leaf>,
+    events: Vec<(u64, Event)>,
+    /// Poison records' sequence numbers, with their append time.
+    poison: Vec<(u64, u64)>,
+    /// Records appended within this window may be lost to the outage.
+    loss_window: Option<(u64, u64)>,
+    report: Report,
+}
+
+impl World {
+    fn new(p: Params) -> World {
+        let stream = Arc::new(SimStream::new());
+        stream.quiet();
+        let now = now_ms();
+        let span = u32::MAX / p.partitions as u32;
+        let mut rng = fastrand::Rng::with_seed(p.seed);
+        let leaves = (0..p.partitions)
+            .map(|i| {
+                let lo = span * i as u32;
+                let hi = if i + 1 == p.partitions { u32::MAX } else { lo + span };
+                Leaf { lo, hi, shard: stream.add_shard_at(None, now), rollover_at: now + rng.u64(HOUR..4 * HOUR) }
+            })
+            .collect();
+        let report = Report { seed: p.seed, partitions: p.partitions, days: p.days, shards: p.partitions as u64, ..Report::default() };
+        World {
+            faults: Arc::new(Faults::new(p.seed ^ 0x5eed, p.fault_rate)),
+            replicas: (0..=p.replicas).map(|_| None).collect(),
+            p,
+            rng,
+            stream,
+            aggregates: Arc::new(MemoryAggregates::new()),
+            leases_a: Arc::new(MemoryLeases::new()),
+            leases_b: Arc::new(MemoryLeases::new()),
+            dlq: Arc::new(MemoryDeadLetters::default()),
+            generation: 0,
+            items: BTreeMap::new(),
+            next_order: 0,
+            leaves,
+            events: Vec::new(),
+            poison: Vec::new(),
+            loss_window: None,
+            report,
+        }
+    }
+
+    fn start(&mut self, slot: usize) {
+        self.generation += 1;
+        let b = slot == self.p.replicas;
+        let fate = Arc::new(Fate::default());
+        let config = if b { config_b() } else { config_a() };
+        let leases = if b { self.leases_b.clone() } else { self.leases_a.clone() };
+        let mut shared = Shared::new(
+            config,
+            Source { inner: self.stream.clone(), fate: fate.clone(), faults: self.faults.clone() },
+            Leases { inner: leases, fate: fate.clone(), faults: self.faults.clone() },
+            Arc::new(Sink { inner: self.aggregates.clone(), fate: fate.clone(), faults: self.faults.clone() }),
+            format!("replica-{slot}-{}", self.generation),
+            Arc::new(Health::default()),
+        )
+        .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), "arn:sim".into());
+        // Idle shards are polled every few minutes: months of stream life in minutes of CPU.
+        shared.polling = Polling { idle_min: Duration::from_secs(15), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
+        let worker = Worker::new(shared);
+        let cancel = CancellationToken::new();
+        let c = cancel.clone();
+        let handle = tokio::spawn(async move {
+            let _ = worker.run(c).await;
+        });
+        self.replicas[slot] = Some(Replica { fate, cancel, handle });
+    }
+
+    async fn run(&mut self) {
+        for slot in 0..=self.p.replicas {
+            self.start(slot);
+        }
+        // Let every replica take its leases before the first write (`latest` starts there).
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        let start = now_ms();
+        let end = start + self.p.days * DAY;
+        let step = Duration::from_secs(60);
+        let mut next_check = start + DAY;
+        let mut draining_since: Option<u64> = None;
+        let mut next_retention = start;
+        // One outage longer than the retention, a third of the way in.
+        let outage_at = (self.p.days >= 4).then(|| start + self.p.days * DAY / 3 + self.rng.u64(0..HOUR * 6));
+        while now_ms() < end {
+            let now = now_ms();
+            self.due_events(now);
+            // `latest` starts a root shard at its tip: a replica that dies before its first
+            // checkpoint there skips what came in between (as Lambda and the KCL do). The
+            // disturbances start once every root shard has records applied.
+            if now > start + 2 * HOUR {
+                self.maybe_disturb(now);
+            }
+            if outage_at.is_some_and(|t| now >= t && self.report.outages == 0) {
+                self.outage(now);
+                draining_since = None;
+                next_check = now + 28 * HOUR;
+            }
+            self.rollovers(now);
+            if now >= next_retention {
+                self.retention(now);
+                next_retention = now + 10 * 60_000;
+            }
+            match draining_since {
+                None if now >= next_check => draining_since = Some(now),
+                None => self.writes(step),
+                Some(since) => {
+                    if self.caught_up() {
+                        self.check().await;
+                        draining_since = None;
+                        next_check = now + DAY;
+                    } else if now - since > 12 * HOUR {
+                        self.report.problems.push(format!("day {}: not caught up 12 h after writes stopped", (now - start) / DAY));
+                        draining_since = None;
+                        next_check = now + DAY;
+                    }
+                }
+            }
+            tokio::time::sleep(step).await;
+        }
+        // The end: no more faults, every replica alive, drain, and the last check.
+        self.faults_off();
+        for (slot, r) in self.replicas.iter().enumerate() {
+            if r.as_ref().is_none_or(|r| r.fate.dead.load(Ordering::Relaxed)) {
+                self.events.push((0, Event::Restart(slot)));
+            }
+        }
+        self.due_events(now_ms());
+        for _ in 0..(12 * 60) {
+            if self.caught_up() {
+                break;
+            }
+            self.rollovers(now_ms());
+            tokio::time::sleep(step).await;
+        }
+        if self.caught_up() {
+            self.check().await;
+        } else {
+            self.report.problems.push("not caught up 12 h after the end".into());
+        }
+        self.finish().await;
+    }
+
+    /// The end of the run: no more faults or pauses, so the last drain is bounded.
+    fn faults_off(&self) {
+        self.faults.set_rate(0.0);
+        for r in self.replicas.iter().flatten() {
+            r.fate.paused_until.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn due_events(&mut self, now: u64) {
+        let (due, later): (Vec<_>, Vec<_>) = self.events.drain(..).partition(|(t, _)| *t <= now);
+        self.events = later;
+        for (_, Event::Restart(slot)) in due {
+            self.start(slot);
+        }
+    }
+
+    /// Crashes, pauses and rolling restarts, at random.
+    fn maybe_disturb(&mut self, now: u64) {
+        let slots = self.p.replicas + 1;
+        // A crash about every 8 simulated hours; the process comes back within 20 minutes.
+        if self.rng.f64() < 1.0 / (8.0 * 60.0) {
+            let slot = self.rng.usize(..slots);
+            if let Some(r) = self.replicas[slot].take() {
+                r.fate.dead.store(true, Ordering::Relaxed);
+                self.report.crashes += 1;
+                self.events.push((now + self.rng.u64(0..20 * 60_000), Event::Restart(slot)));
+            }
+        }
+        // A pause (GC, SIGSTOP) about every 12 hours, long enough for the lease to move.
+        if self.rng.f64() < 1.0 / (12.0 * 60.0) {
+            if let Some(r) = self.replicas[self.rng.usize(..slots)].as_ref() {
+                r.fate.paused_until.store(now + self.rng.u64(300_000..1_500_000), Ordering::Relaxed);
+                self.report.pauses += 1;
+            }
+        }
+        // A rolling restart about every 3 days: each replica drains and comes back.
+        if self.rng.f64() < 1.0 / (3.0 * 24.0 * 60.0) {
+            self.report.restarts += 1;
+            for slot in 0..slots {
+                if let Some(r) = self.replicas[slot].take() {
+                    r.cancel.cancel();
+                    self.events.push((now + 60_000 * (slot as u64 + 1), Event::Restart(slot)));
+                }
+            }
+        }
+    }
+
+    /// Every replica of both deployments down for 26 hours: records are trimmed and closed
+    /// shards leave the listing before anyone reads them.
+    fn outage(&mut self, now: u64) {
+        self.report.outages += 1;
+        let back = now + 26 * HOUR;
+        for slot in 0..=self.p.replicas {
+            if let Some(r) = self.replicas[slot].take() {
+                r.fate.dead.store(true, Ordering::Relaxed);
+            }
+        }
+        self.events.retain(|(_, e)| !matches!(e, Event::Restart(_)));
+        for slot in 0..=self.p.replicas {
+            self.events.push((back + slot as u64 * 60_000, Event::Restart(slot)));
+        }
+        self.loss_window = Some((now.saturating_sub(25 * HOUR), back + HOUR));
+        // Shards unowned during the outage are the outage, not the lease protocol.
+        self.leases_a.measure_unowned_from(back);
+        self.leases_b.measure_unowned_from(back);
+    }
+
+    fn rollovers(&mut self, now: u64) {
+        let max_leaves = self.p.partitions + self.p.partitions / 2 + 1;
+        let mut i = 0;
+        while i < self.leaves.len() {
+            if self.leaves[i].rollover_at > now {
+                i += 1;
+                continue;
+            }
+            let leaf = self.leaves[i].clone();
+            let split = self.leaves.len() < max_leaves && leaf.hi - leaf.lo > 2 && self.rng.f64() < 0.05;
+            let children = self.stream.reshard_at(&leaf.shard, if split { 2 } else { 1 }, now);
+            self.report.shards += children.len() as u64;
+            let next = |rng: &mut fastrand::Rng| now + rng.u64(7 * HOUR / 2..9 * HOUR / 2);
+            if split {
+                self.report.splits += 1;
+                let mid = leaf.lo + (leaf.hi - leaf.lo) / 2;
+                self.leaves[i] = Leaf { lo: leaf.lo, hi: mid, shard: children[0].clone(), rollover_at: next(&mut self.rng) };
+                self.leaves.insert(i + 1, Leaf { lo: mid, hi: leaf.hi, shard: children[1].clone(), rollover_at: next(&mut self.rng) });
+                i += 2;
+            } else {
+                self.leaves[i] = Leaf { shard: children[0].clone(), rollover_at: next(&mut self.rng), ..leaf };
+                i += 1;
+            }
+        }
+    }
+
+    /// 24-hour retention: trimmed records, and closed shards gone from the listing. A gone
+    /// shard whose lease had not reached its end is data lost (outages only).
+    fn retention(&mut self, now: u64) {
+        let leases: BTreeMap<String, Option<Checkpoint>> =
+            self.leases_a.snapshot().into_iter().map(|l| (l.shard_id, l.checkpoint)).collect();
+        let last: BTreeMap<String, Option<u64>> = leases.keys().map(|id| (id.clone(), self.stream.last_sequence(id))).collect();
+        for gone in self.stream.retain_after(now.saturating_sub(DAY)) {
+            let read = match leases.get(&gone) {
+                Some(Some(Checkpoint::ShardEnd)) => true,
+                Some(Some(Checkpoint::Sequence(s))) => {
+                    last.get(&gone).copied().flatten().is_none_or(|l| s.parse::<u64>().is_ok_and(|s| s >= l))
+                }
+                _ => last.get(&gone).copied().flatten().is_none(),
+            };
+            if !read {
+                self.report.shards_lost += 1;
+            }
+        }
+    }
+
+    fn leaf_for(&self, customer: u32) -> &str {
+        let h = customer.wrapping_mul(2_654_435_761);
+        let leaf = self.leaves.iter().find(|l| l.lo <= h && h < l.hi).unwrap_or(&self.leaves[self.leaves.len() - 1]);
+        &leaf.shard
+    }
+
+    fn writes(&mut self, step: Duration) {
+        let expected = self.p.writes_per_hour * step.as_secs_f64() / 3600.0;
+        let mut n = expected.floor() as u64;
+        if self.rng.f64() < expected.fract() {
+            n += 1;
+        }
+        for _ in 0..n {
+            self.write_one();
+        }
+    }
+
+    /// One item change, as the source table would stream it.
+    fn write_one(&mut self) {
+        let now = now_ms();
+        let day = chrono_day(now);
+        let roll = self.rng.f64();
+        if roll < 0.01 {
+            let customer = CUSTOMERS; // a customer of its own: its orders never change
+            self.next_order += 1;
+            let order = Order { status: "PENDING", cents: None };
+            let key = (customer, day, self.next_order);
+            let seq = self.emit("INSERT", &key, None, Some(&order));
+            self.poison.push((seq, now));
+            self.items.insert(key, order);
+            self.report.poison += 1;
+            return;
+        }
+        let existing: Vec<(u32, String, u64)> = if roll < 0.5 || self.items.is_empty() {
+            Vec::new()
+        } else {
+            let k = self.items.keys().filter(|k| k.0 < CUSTOMERS).nth(self.rng.usize(..self.items.len().min(200)));
+            k.cloned().into_iter().collect()
+        };
+        match existing.into_iter().next() {
+            None => {
+                let customer = self.rng.u32(..CUSTOMERS);
+                self.next_order += 1;
+                let order = Order { status: "PENDING", cents: Some(self.rng.i64(1..100_000)) };
+                let key = (customer, day, self.next_order);
+                self.emit("INSERT", &key, None, Some(&order));
+                self.items.insert(key, order);
+            }
+            Some(key) => {
+                let old = self.items[&key].clone();
+                if self.rng.f64() < 0.3 {
+                    self.emit("REMOVE", &key, Some(&old), None);
+                    self.items.remove(&key);
+                } else {
+                    let new = if self.rng.bool() {
+                        Order { status: if old.status == "PENDING" { "PAID" } else { "SHIPPED" }, ..old.clone() }
+                    } else {
+                        Order { cents: Some(self.rng.i64(1..100_000)), ..old.clone() }
+                    };
+                    self.emit("MODIFY", &key, Some(&old), Some(&new));
+                    self.items.insert(key, new);
+                }
+            }
+        }
+    }
+
+    fn emit(&mut self, event: &str, key: &(u32, String, u64), old: Option<&Order>, new: Option<&Order>) -> u64 {
+        let keys = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#{}#o{}", key.1, key.2)}});
+        let image = |o: &Order| {
+            let mut img = keys.clone();
+            img["status"] = json!({"S": o.status});
+            img["total"] = match o.cents {
+                Some(c) => json!({"N": cents_text(c)}),
+                None => json!({"S": "n/a"}),
+            };
+            img
+        };
+        let mut ddb = json!({"Keys": keys, "ApproximateCreationDateTime": now_ms() / 1000});
+        if let Some(o) = old {
+            ddb["OldImage"] = image(o);
+        }
+        if let Some(o) = new {
+            ddb["NewImage"] = image(o);
+        }
+        let record: Value = json!({"eventName": event, "dynamodb": ddb});
+        self.report.records += 1;
+        let shard = self.leaf_for(key.0).to_string();
+        self.stream.append_at(&shard, record, now_ms())
+    }
+
+    /// Every listed shard read to its last record, by both deployments.
+    fn caught_up(&self) -> bool {
+        [&self.leases_a, &self.leases_b].iter().all(|leases| {
+            let by_id: BTreeMap<String, Option<Checkpoint>> = leases.snapshot().into_iter().map(|l| (l.shard_id, l.checkpoint)).collect();
+            self.leaves.iter().all(|leaf| match self.stream.last_sequence(&leaf.shard) {
+                None => true,
+                Some(last) => match by_id.get(&leaf.shard) {
+                    Some(Some(Checkpoint::ShardEnd)) => true,
+                    Some(Some(Checkpoint::Sequence(s))) => s.parse::<u64>().is_ok_and(|s| s >= last),
+                    _ => false,
+                },
+            })
+        }) && self.closed_shards_done()
+    }
+
+    /// Closed shards still listed are finished (their records applied) by both deployments.
+    fn closed_shards_done(&self) -> bool {
+        let open: std::collections::BTreeSet<&str> = self.leaves.iter().map(|l| l.shard.as_str()).collect();
+        [&self.leases_a, &self.leases_b].iter().all(|leases| {
+            leases.snapshot().iter().filter(|l| !open.contains(l.shard_id.as_str())).all(|l| {
+                l.finished()
+                    || self.stream.last_sequence(&l.shard_id).is_none_or(
+                        |last| matches!(&l.checkpoint, Some(Checkpoint::Sequence(s)) if s.parse::<u64>().is_ok_and(|s| s >= last)),
+                    )
+            })
+        })
+    }
+
+    /// The oracle: every aggregate from the source items, compared with the table. After an
+    /// outage lost data, a reconcile must have been requested; the simulation then stands in for
+    /// it (the real reconcile needs DynamoDB) and sets the truth.
+    async fn check(&mut self) {
+        self.report.checks += 1;
+        let truth = self.truth();
+        let stored = self.aggregates.numbers();
+        let requested = self.leases_a.reconcile_request().await.ok().flatten().is_some();
+        let requested_b = self.leases_b.reconcile_request().await.ok().flatten().is_some();
+        if requested || requested_b {
+            self.report.reconcile_requests += u64::from(requested) + u64::from(requested_b);
+        }
+        let keys: std::collections::BTreeSet<&(Vec<String>, String)> = truth.keys().chain(stored.keys()).collect();
+        let mut wrong = Vec::new();
+        for k in keys {
+            self.report.values_compared += 1;
+            if k.1 == "ordersB" {
+                self.report.deployment_b_values += 1;
+            }
+            if truth.get(k) != stored.get(k) {
+                wrong.push(format!("{:?}.{}: stored {:?}, truth {:?}", k.0, k.1, stored.get(k), truth.get(k)));
+            }
+        }
+        let lossy = self.report.shards_lost > 0 || self.report.outages > 0;
+        if !wrong.is_empty() && lossy && requested && requested_b {
+            // Data was lost and both deployments asked for a reconcile: repair and go on.
+            self.aggregates.set_numbers(&truth);
+            let _ = self.leases_a.clear_reconcile_request(u64::MAX).await;
+            let _ = self.leases_b.clear_reconcile_request(u64::MAX).await;
+            self.report.repairs += 1;
+            return;
+        }
+        if requested || requested_b {
+            let _ = self.leases_a.clear_reconcile_request(u64::MAX).await;
+            let _ = self.leases_b.clear_reconcile_request(u64::MAX).await;
+        }
+        if !wrong.is_empty() {
+            self.report.values_wrong += wrong.len() as u64;
+            let day = (now_ms() - EPOCH_MS) / DAY;
+            self.report.problems.push(format!(
+                "day {day}: {} values wrong (reconcile requested: {requested}/{requested_b}): {}",
+                wrong.len(),
+                wrong.iter().take(5).cloned().collect::<Vec<_>>().join("; ")
+            ));
+        }
+    }
+
+    /// The aggregates as the rules define them, computed from the items alone.
+    fn truth(&self) -> BTreeMap<(Vec<String>, String), Decimal> {
+        let mut t: BTreeMap<(Vec<String>, String), Decimal> = BTreeMap::new();
+        let mut add = |pk: String, sk: &str, attr: String, v: Decimal| {
+            let e = t.entry((vec![pk, sk.to_string()], attr)).or_insert(Decimal::ZERO);
+            *e = e.checked_add(v).expect("in range");
+        };
+        let one = Decimal::from_i64(1);
+        for ((customer, day, _), o) in &self.items {
+            add(format!("SALES#{day}"), "TOTAL", "ordersB".into(), one);
+            let Some(cents) = o.cents else { continue };
+            let total = Decimal::parse(&cents_text(cents)).expect("a decimal");
+            let pk = format!("CUST#c{customer}");
+            add(pk.clone(), "PROFILE", "orderCount".into(), one);
+            add(pk.clone(), "PROFILE", "revenue".into(), total);
+            add(pk, "PROFILE", format!("orders_{}", o.status), one);
+            add(format!("SALES#{day}"), "TOTAL", "orders".into(), one);
+            add(format!("SALES#{day}"), "TOTAL", "revenue".into(), total);
+        }
+        t.retain(|_, v| !v.is_zero());
+        t
+    }
+
+    async fn finish(&mut self) {
+        for r in self.replicas.iter().flatten() {
+            r.cancel.cancel();
+        }
+        for r in self.replicas.iter_mut().filter_map(Option::take) {
+            if !r.fate.dead.load(Ordering::Relaxed) {
+                let _ = tokio::time::timeout(Duration::from_secs(60), r.handle).await;
+            }
+        }
+        let letters: std::collections::BTreeSet<String> = self.dlq.letters().into_iter().map(|l| l.sequence_number).collect();
+        self.report.letters = letters.len() as u64;
+        for (seq, at) in &self.poison {
+            let lossy = self.loss_window.is_some_and(|(from, to)| (from..to).contains(at));
+            if !lossy && !letters.contains(&format!("{seq:021}")) {
+                self.report.problems.push(format!("poison record {seq} has no dead letter"));
+            }
+        }
+        self.report.faults = self.faults.injected.load(Ordering::Relaxed);
+        self.report.calls = self.faults.calls.load(Ordering::Relaxed);
+        self.report.largest_item = self.aggregates.largest_item();
+        self.report.most_entries = self.aggregates.most_entries();
+        if let Some((_, writes, wcu)) = self.aggregates.hottest() {
+            self.report.hottest_writes = writes;
+            self.report.hottest_wcu = wcu;
+        }
+        self.report.lease_table_max = self.leases_a.largest_table();
+        self.report.leases_deleted = self.report.shards.saturating_sub(self.leases_a.snapshot().len() as u64);
+        self.report.longest_unowned_s = self.leases_a.longest_unowned_ms().max(self.leases_b.longest_unowned_ms()) / 1000;
+        self.report.children_started = self.report.shards - self.p.partitions as u64;
+    }
+}
+
+/// Cents as a decimal text (`12345` -> `123.45`).
+fn cents_text(c: i64) -> String {
+    format!("{}.{:02}", c / 100, c % 100)
+}
+
+/// `YYYY-MM-DD` of an epoch ms.
+fn chrono_day(ms: u64) -> String {
+    let days = ms / DAY;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+#[test]
+fn civil_dates() {
+    assert_eq!(chrono_day(EPOCH_MS), "2027-01-01");
+    assert_eq!(chrono_day(EPOCH_MS + 59 * DAY), "2027-03-01");
+    assert_eq!(chrono_day(0), "1970-01-01");
+}
