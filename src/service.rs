@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use aws_sdk_dynamodb::types::StreamViewType;
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+
+use tracing::{error, info, warn};
 
 use crate::aws::{classify, FailureKind};
 use crate::config::Config;
@@ -58,6 +60,67 @@ pub async fn resolve_stream(client: &aws_sdk_dynamodb::Client, table: &str) -> R
     t.latest_stream_arn().map(str::to_string).ok_or_else(|| ServiceError::Setup(format!("source table {table} reports no stream ARN")))
 }
 
+/// What the source table's stream is now, compared with the one being read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamChange {
+    Same,
+    /// The stream was disabled: its shards stay readable for 24 h, so keep reading them.
+    Disabled,
+    /// Disabled and enabled again (or replaced): a new stream with a new ARN to follow.
+    New(String),
+}
+
+/// Decides whether to follow a new stream (pure).
+pub fn stream_change(current: &str, enabled: bool, latest: Option<&str>) -> StreamChange {
+    match latest {
+        Some(l) if enabled && l != current => StreamChange::New(l.to_string()),
+        _ if !enabled => StreamChange::Disabled,
+        _ => StreamChange::Same,
+    }
+}
+
+/// The table's stream as DescribeTable reports it: (enabled, latest ARN).
+async fn describe_stream(client: &aws_sdk_dynamodb::Client, table: &str) -> Option<(bool, Option<String>)> {
+    let desc = client.describe_table().table_name(table).send().await.ok()?;
+    let t = desc.table()?;
+    let enabled = t.stream_specification().is_some_and(|s| s.stream_enabled());
+    Some((enabled, t.latest_stream_arn().map(str::to_string)))
+}
+
+/// Watches the source table's stream; on a new one, requests a reconcile of everything (in the
+/// state table, before anything else, so a crash cannot lose the gap), cancels `follow` and
+/// says which stream to follow.
+async fn watch_stream(
+    client: aws_sdk_dynamodb::Client,
+    config: Config,
+    current: String,
+    every: Duration,
+    follow: CancellationToken,
+) -> Option<String> {
+    let table = &config.source.table;
+    loop {
+        tokio::select! {
+            _ = follow.cancelled() => return None,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let Some((enabled, latest)) = describe_stream(&client, table).await else { continue };
+        match stream_change(&current, enabled, latest.as_deref()) {
+            StreamChange::New(arn) => {
+                warn!(old = %current, new = %arn, "the source table has a new stream (disabled and enabled again): following it; records written in between were never streamed, so a reconcile of everything is requested");
+                let leases = DynamoDbLeases::new(client.clone(), config.state.table.clone(), arn.clone());
+                if let Err(e) = leases.request_reconcile(crate::state::now_ms()).await {
+                    warn!(error = %e, "cannot record the reconcile request for the stream gap yet; trying again");
+                    continue;
+                }
+                follow.cancel();
+                return Some(arn);
+            }
+            StreamChange::Disabled => warn!(stream = %current, "the source table's stream is disabled: reading what is left of it"),
+            StreamChange::Same => {}
+        }
+    }
+}
+
 pub async fn run(config: Config) -> Result<(), ServiceError> {
     let cancel = CancellationToken::new();
     let health = Arc::new(Health::default());
@@ -71,8 +134,7 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
 
     let sdk = crate::aws::sdk_config().await;
     let ddb = aws_sdk_dynamodb::Client::new(&sdk);
-    let streams = aws_sdk_dynamodbstreams::Client::new(&sdk);
-    let stream_arn = resolve_stream(&ddb, &config.source.table).await?;
+    let mut stream_arn = resolve_stream(&ddb, &config.source.table).await?;
     if config.aggregates_table != config.source.table {
         ddb.describe_table().table_name(&config.aggregates_table).send().await.map_err(|e| {
             let f = classify(&e);
@@ -82,46 +144,69 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
             }
         })?;
     }
-    let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.clone());
-    leases.prepare(config.state.create_table).await.map_err(|e| match e {
-        crate::state::StateError::TableMissing(_) => ServiceError::Setup(e.to_string()),
-        e => ServiceError::Runtime(e.to_string()),
-    })?;
-    let sink = Arc::new(DynamoDbAggregates::new(ddb.clone(), config.aggregates_table.clone()));
-    let owner = replica_id();
-    info!(owner = %owner, stream = %stream_arn, metrics = %local, rules = config.engine.rules.len(), "starting");
-    let dead_letters = match &config.dead_letter {
-        Some(d) => DeadLetters::Sqs(SqsDeadLetters::new(aws_sdk_sqs::Client::new(&sdk), d.queue_url.clone(), d.include_images)),
-        None => {
-            tracing::warn!("no dead_letter queue configured: poison records are logged and counted, not queued");
-            DeadLetters::Disabled
-        }
-    };
-    let shared = Shared::new(config, DynamoDbStream::new(streams, stream_arn.clone()), leases, sink, owner, health)
-        .with_dead_letters(dead_letters, stream_arn);
-    let reconcile_interval = shared.config.reconcile_interval;
-    let schedule_config = shared.config.clone();
-    let worker = Worker::new(shared);
-    // Also with the schedule off: a persisted request to reconcile everything (data lost)
-    // is still carried out.
-    let reconciler = crate::reconcile::Reconciler::new(ddb.clone(), schedule_config).await.map_err(ServiceError::Runtime)?;
-    tokio::spawn(crate::reconcile::schedule::run_schedule(
-        worker.shared().clone(),
-        reconciler,
-        ddb.clone(),
-        reconcile_interval,
-        cancel.clone(),
-    ));
-
     let signals = cancel.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
         info!("stop requested; finishing in-flight batches");
         signals.cancel();
     });
-    let result = worker.run(cancel.clone()).await;
-    cancel.cancel();
-    result.map_err(|e| {
+    info!(metrics = %local, rules = config.engine.rules.len(), "starting");
+    let every = (config.state.lease_duration * 3).clamp(Duration::from_secs(10), Duration::from_secs(60));
+    loop {
+        let follow = cancel.child_token();
+        let watcher = tokio::spawn(watch_stream(ddb.clone(), config.clone(), stream_arn.clone(), every, follow.clone()));
+        let result = run_stream(&config, &sdk, &ddb, &stream_arn, health.clone(), follow.clone()).await;
+        follow.cancel();
+        let next = watcher.await.ok().flatten();
+        match next {
+            Some(arn) if !cancel.is_cancelled() && result.is_ok() => stream_arn = arn,
+            _ => {
+                cancel.cancel();
+                return result;
+            }
+        }
+    }
+}
+
+/// Reads one stream until `stop`: the worker and the reconcile schedule.
+async fn run_stream(
+    config: &Config,
+    sdk: &aws_config::SdkConfig,
+    ddb: &aws_sdk_dynamodb::Client,
+    stream_arn: &str,
+    health: Arc<Health>,
+    stop: CancellationToken,
+) -> Result<(), ServiceError> {
+    let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.to_string());
+    leases.prepare(config.state.create_table).await.map_err(|e| match e {
+        crate::state::StateError::TableMissing(_) => ServiceError::Setup(e.to_string()),
+        e => ServiceError::Runtime(e.to_string()),
+    })?;
+    let sink = Arc::new(DynamoDbAggregates::new(ddb.clone(), config.aggregates_table.clone()));
+    let owner = replica_id();
+    info!(owner = %owner, stream = %stream_arn, "reading stream");
+    let dead_letters = match &config.dead_letter {
+        Some(d) => DeadLetters::Sqs(SqsDeadLetters::new(aws_sdk_sqs::Client::new(sdk), d.queue_url.clone(), d.include_images)),
+        None => {
+            tracing::warn!("no dead_letter queue configured: poison records are logged and counted, not queued");
+            DeadLetters::Disabled
+        }
+    };
+    let streams = aws_sdk_dynamodbstreams::Client::new(sdk);
+    let shared = Shared::new(config.clone(), DynamoDbStream::new(streams, stream_arn.to_string()), leases, sink, owner, health)
+        .with_dead_letters(dead_letters, stream_arn.to_string());
+    let worker = Worker::new(shared);
+    // Also with the schedule off: a persisted request to reconcile everything (data lost)
+    // is still carried out.
+    let reconciler = crate::reconcile::Reconciler::new(ddb.clone(), config.clone()).await.map_err(ServiceError::Runtime)?;
+    tokio::spawn(crate::reconcile::schedule::run_schedule(
+        worker.shared().clone(),
+        reconciler,
+        ddb.clone(),
+        config.reconcile_interval,
+        stop.clone(),
+    ));
+    worker.run(stop).await.map_err(|e| {
         error!(error = %e, "worker failed");
         ServiceError::Runtime(e.to_string())
     })
@@ -146,5 +231,19 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_stream_is_followed_a_disabled_one_read_to_its_end() {
+        assert_eq!(stream_change("arn:1", true, Some("arn:1")), StreamChange::Same);
+        assert_eq!(stream_change("arn:1", true, Some("arn:2")), StreamChange::New("arn:2".into()));
+        assert_eq!(stream_change("arn:1", false, Some("arn:1")), StreamChange::Disabled);
+        assert_eq!(stream_change("arn:1", false, None), StreamChange::Disabled);
+        assert_eq!(stream_change("arn:1", true, None), StreamChange::Same, "no ARN reported: keep what we read");
     }
 }

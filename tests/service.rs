@@ -189,3 +189,36 @@ async fn replicas_take_over_killed_and_stopped_owners() {
     wait_exact(&c, &table, Duration::from_secs(120)).await;
     println!("{writes} writes with 3 replicas, one killed, one stopped: aggregates exact");
 }
+
+/// Scenario i of issue 11: a stream that is disabled and enabled again gets a new ARN. The
+/// service follows it, and the changes made while no stream was on (never streamed) are
+/// repaired by the reconcile of everything it requests, with the schedule off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled() {
+    use aws_sdk_dynamodb::types::{StreamSpecification, StreamViewType};
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("restream");
+    create_source_table(&c, &table).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    let svc = Service::start(&config, dir.path(), "svc", &[("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s")]);
+    workload(&c, &table, 300, 20, 4, 11).await;
+    wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
+    let arn = |c: aws_sdk_dynamodb::Client, t: String| async move {
+        c.describe_table().table_name(t).send().await.unwrap().table().and_then(|t| t.latest_stream_arn().map(str::to_string))
+    };
+    let old = arn(c.clone(), table.clone()).await;
+    let spec = |on: bool| {
+        let b = StreamSpecification::builder().stream_enabled(on);
+        (if on { b.stream_view_type(StreamViewType::NewAndOldImages) } else { b }).build().unwrap()
+    };
+    c.update_table().table_name(&table).stream_specification(spec(false)).send().await.unwrap();
+    workload(&c, &table, 100, 20, 2, 12).await; // never streamed
+    c.update_table().table_name(&table).stream_specification(spec(true)).send().await.unwrap();
+    let new = arn(c.clone(), table.clone()).await;
+    assert_ne!(old, new, "re-enabling gives a new stream ARN");
+    workload(&c, &table, 200, 20, 4, 13).await;
+    wait_exact_or(&c, &table, Duration::from_secs(150), || svc.log_tail()).await;
+    assert!(metric(&svc.metrics(), "ddb_aggregator_reconcile_runs_total") >= 1.0, "the gap was reconciled");
+}
