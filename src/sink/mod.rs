@@ -155,7 +155,10 @@ pub async fn write_target_pruning<S: AggregateStore>(
     seen: Option<&Seen>,
 ) -> Result<WriteStats, SinkError> {
     let mut stats = WriteStats::default();
-    let mut prune = shard.prune(seen);
+    let mut seen = seen.cloned();
+    let mut prune = shard.prune(seen.as_ref());
+    // Rounds in which another write moved the floor first (a hot item written from every shard).
+    let mut raced = 0;
     let mut applied: Option<String> = None;
     let mut transient = 0;
     let total_records = delta.contributions.len() as u64;
@@ -217,8 +220,17 @@ pub async fn write_target_pruning<S: AggregateStore>(
                     return Ok(stats);
                 }
                 if prune.as_ref().is_some_and(|p| p.seen_floor != floor || p.seen_open != open) {
-                    // Another write moved the floor since we saw the item: prune next time.
-                    prune = None;
+                    // Another write moved the floor since we saw the item: prune again from
+                    // what the item holds now (its admitted set only shrank), a few times.
+                    raced += 1;
+                    prune = match seen.as_mut().filter(|_| raced <= 3) {
+                        Some(s) => {
+                            s.floor = floor;
+                            s.open = open;
+                            shard.prune(Some(s))
+                        }
+                        None => None,
+                    };
                     continue;
                 }
                 match entry {

@@ -344,8 +344,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     /// (which meets the same loss when it next asks for an iterator).
     async fn finish_lost(&mut self, listed: &BTreeSet<&str>, leases: &mut BTreeMap<String, Lease>, now: u64) {
         self.missing_since.retain(|id, _| leases.contains_key(id) && !listed.contains(id.as_str()));
-        for l in leases.values().filter(|l| !listed.contains(l.shard_id.as_str())) {
-            self.missing_since.entry(l.shard_id.clone()).or_insert(now);
+        for l in leases.values().filter(|l| !l.finished() && !listed.contains(l.shard_id.as_str())) {
+            if !self.missing_since.contains_key(&l.shard_id) {
+                self.missing_since.insert(l.shard_id.clone(), now);
+            }
         }
         let lost: Vec<Lease> = plan::lost_leases(listed, leases, &self.missing_since, now)
             .into_iter()

@@ -860,3 +860,21 @@ async fn finished_leases_are_deleted_once_the_stream_forgets_them() {
     r.cancel.cancel();
     r.handle.await.unwrap().unwrap();
 }
+
+#[test]
+fn batches_are_due_when_full_at_the_end_or_at_the_tip_after_the_window() {
+    use super::shard::batch_due;
+    // (pending, batch_size, shard_end, at_tip, window_passed) -> due
+    let cases = [
+        ((0, 100, true, true, true), false),     // nothing gathered: nothing to apply
+        ((100, 100, false, false, false), true), // full
+        ((150, 100, false, false, false), true),
+        ((5, 100, true, false, false), true),  // the shard's end: apply what is left
+        ((5, 100, false, true, true), true),   // the tip, window passed
+        ((5, 100, false, true, false), false), // the tip, still within the window: wait
+        ((5, 100, false, false, true), false), // a full page: keep gathering without waiting
+    ];
+    for ((pending, size, end, tip, passed), due) in cases {
+        assert_eq!(batch_due(pending, size, end, tip, passed), due, "{pending} {size} {end} {tip} {passed}");
+    }
+}

@@ -26,7 +26,8 @@ const HOUR: u64 = 3_600_000;
 const DAY: u64 = 24 * HOUR;
 /// 2027-01-01T00:00:00Z: the simulated epoch.
 const EPOCH_MS: u64 = 1_798_761_600_000;
-const CUSTOMERS: u32 = 64;
+/// Customers per partition: enough that every partition sees traffic.
+const CUSTOMERS_PER_PARTITION: u32 = 8;
 /// The lease duration of the simulated deployments (maintenance every third of it).
 const LEASE: &str = "300s";
 
@@ -319,6 +320,8 @@ impl World {
         tokio::time::sleep(Duration::from_secs(120)).await;
         let start = now_ms();
         let end = start + self.p.days * DAY;
+        let roots: Vec<String> = self.leaves.iter().map(|l| l.shard.clone()).collect();
+        let mut roots_done = false;
         let step = Duration::from_secs(60);
         let mut next_check = start + DAY;
         let mut draining_since: Option<u64> = None;
@@ -330,8 +333,10 @@ impl World {
             self.due_events(now);
             // `latest` starts a root shard at its tip: a replica that dies before its first
             // checkpoint there skips what came in between (as Lambda and the KCL do). The
-            // disturbances start once every root shard has records applied.
-            if now > start + 2 * HOUR {
+            // disturbances start once every root shard is read to its end (children always
+            // start at TRIM_HORIZON).
+            roots_done = roots_done || self.roots_finished(&roots);
+            if roots_done {
                 self.maybe_disturb(now);
             }
             if outage_at.is_some_and(|t| now >= t && self.report.outages == 0) {
@@ -497,6 +502,10 @@ impl World {
         }
     }
 
+    fn customers(&self) -> u32 {
+        CUSTOMERS_PER_PARTITION * self.p.partitions as u32
+    }
+
     fn leaf_for(&self, customer: u32) -> &str {
         let h = customer.wrapping_mul(2_654_435_761);
         let leaf = self.leaves.iter().find(|l| l.lo <= h && h < l.hi).unwrap_or(&self.leaves[self.leaves.len() - 1]);
@@ -520,7 +529,7 @@ impl World {
         let day = chrono_day(now);
         let roll = self.rng.f64();
         if roll < 0.01 {
-            let customer = CUSTOMERS; // a customer of its own: its orders never change
+            let customer = self.customers(); // a customer of its own: its orders never change
             self.next_order += 1;
             let order = Order { status: "PENDING", cents: None };
             let key = (customer, day, self.next_order);
@@ -533,12 +542,16 @@ impl World {
         let existing: Vec<(u32, String, u64)> = if roll < 0.5 || self.items.is_empty() {
             Vec::new()
         } else {
-            let k = self.items.keys().filter(|k| k.0 < CUSTOMERS).nth(self.rng.usize(..self.items.len().min(200)));
-            k.cloned().into_iter().collect()
+            // An order of a random customer (poison orders, of customer `customers()`, never change).
+            let customer = self.rng.u32(..self.customers());
+            let orders: Vec<&(u32, String, u64)> =
+                self.items.range((customer, String::new(), 0)..(customer + 1, String::new(), 0)).map(|(k, _)| k).take(64).collect();
+            let pick = self.rng.usize(..orders.len().max(1));
+            orders.get(pick).map(|k| (*k).clone()).into_iter().collect()
         };
         match existing.into_iter().next() {
             None => {
-                let customer = self.rng.u32(..CUSTOMERS);
+                let customer = self.rng.u32(..self.customers());
                 self.next_order += 1;
                 let order = Order { status: "PENDING", cents: Some(self.rng.i64(1..100_000)) };
                 let key = (customer, day, self.next_order);
@@ -585,6 +598,15 @@ impl World {
         self.report.records += 1;
         let shard = self.leaf_for(key.0).to_string();
         self.stream.append_at(&shard, record, now_ms())
+    }
+
+    /// Every root shard finished by both deployments.
+    fn roots_finished(&self, roots: &[String]) -> bool {
+        [&self.leases_a, &self.leases_b].iter().all(|leases| {
+            let finished: std::collections::BTreeSet<String> =
+                leases.snapshot().into_iter().filter(|l| l.finished()).map(|l| l.shard_id).collect();
+            roots.iter().all(|r| finished.contains(r))
+        })
     }
 
     /// Every listed shard read to its last record, by both deployments.
