@@ -175,7 +175,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         };
         let page = match page {
             Ok(p) => p,
-            Err(e) => return self.on_read_error(e).await,
+            Err(e) => return self.on_read_error(e, it).await,
         };
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
         let got = page.records.len();
@@ -270,10 +270,28 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         }
     }
 
-    async fn on_read_error(&mut self, e: StreamError) -> Flow {
+    async fn on_read_error(&mut self, e: StreamError, it: String) -> Flow {
+        if e.is_retriable() && e != StreamError::ExpiredIterator {
+            // Throttling or a passing error: the iterator is still good (and for a shard
+            // started at LATEST with no checkpoint yet, the only record of where it started),
+            // so retry it, keeping what was gathered.
+            metrics::counter!(names::GET_RECORDS, "outcome" => if matches!(e, StreamError::Throttled(_)) { "throttled" } else { "error" })
+                .increment(1);
+            self.iterator = Some(it);
+            self.failures += 1;
+            warn!(shard = %self.shard(), error = %e, "GetRecords failed; backing off");
+            return self.pause_or_stop(crate::sink::backoff(self.failures)).await;
+        }
         // Reading restarts from the checkpoint: what was gathered is read again.
         self.pending.clear();
         self.pending_since = None;
+        if e == StreamError::ExpiredIterator && self.position == Position::Latest {
+            // Started at LATEST and not checkpointed yet: a new LATEST iterator would skip
+            // whatever arrived since, so that stretch may be missing. Never silent.
+            warn!(shard = %self.shard(), "iterator expired before the first checkpoint of a shard read from LATEST: records may have been skipped; a reconcile of everything is requested");
+            self.shared.request_reconcile_everything();
+            persist_request(&self.shared).await;
+        }
         let outcome = match &e {
             StreamError::ExpiredIterator => "expired",
             StreamError::Throttled(_) => "throttled",

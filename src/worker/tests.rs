@@ -878,3 +878,28 @@ fn batches_are_due_when_full_at_the_end_or_at_the_tip_after_the_window() {
         assert_eq!(batch_due(pending, size, end, tip, passed), due, "{pending} {size} {end} {tip} {passed}");
     }
 }
+
+/// A reader started at LATEST has no checkpoint until its first batch: throttling before then
+/// must not make it ask for LATEST again (the simulation found records skipped that way). It
+/// retries the iterator it has.
+#[tokio::test]
+async fn a_throttled_reader_at_latest_keeps_its_place() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    let r = start_config(&fakes, "r1", None, config_with(&[("SOURCE__START_POSITION", "latest")]));
+    for _ in 0..100 {
+        if fakes.1.snapshot().iter().any(|l| l.owner.is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fakes.0.throttle_next(3);
+    let records: Vec<Value> = (1..=3).map(|n| order("c1", n, "INSERT", "2", "PAID")).collect();
+    for rec in &records {
+        fakes.0.append(&shard, rec.clone());
+    }
+    settle(&fakes, &expected(&records), 0).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+}
