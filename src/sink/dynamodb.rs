@@ -53,13 +53,13 @@ impl AggregateStore for DynamoDbAggregates {
                 let item = out.attributes();
                 let text = |k: &str| item.and_then(|i| i.get(k)).and_then(|v| v.as_s().ok()).cloned();
                 let prefix = entry_prefix_of(&w.entry_name);
+                let mut entries: Vec<String> =
+                    item.map(|a| a.keys().filter(|k| k.starts_with(prefix)).cloned().collect()).unwrap_or_default();
+                // In name order, as the memory store gives them (the SDK's map has none).
+                entries.sort_unstable();
                 Ok(WriteOutcome::Applied {
                     capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0),
-                    seen: Seen {
-                        entries: item.map(|a| a.keys().filter(|k| k.starts_with(prefix)).cloned().collect()).unwrap_or_default(),
-                        floor: text(floor_attr),
-                        open: text(open_attr),
-                    },
+                    seen: Seen { entries, floor: text(floor_attr), open: text(open_attr) },
                 })
             }
             Err(e) => {
