@@ -759,14 +759,9 @@ async fn a_refused_attribute_isolates_whole_records_and_hides_no_other_rule() {
     assert_eq!(letters[0].rules, vec!["counts", "by-status"], "the letter names every rule of the refused record");
 }
 
-/// Scenario a: under `start_position: latest`, a child of a known shard is read from its
-/// start: a rollover never skips the child's first records.
-#[tokio::test]
-async fn latest_never_skips_the_first_records_of_a_rollover() {
-    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
-    let root = fakes.0.add_shard(None);
-    fakes.0.append(&root, order("c1", 1, "INSERT", "100", "PAID")); // before the start: skipped by `latest`
-    let r = start_config(&fakes, "r1", None, config_with(&[("SOURCE__START_POSITION", "latest")]));
+/// A replica with `start_position: latest`, once it holds a lease and reads at the tip.
+async fn start_at_latest(fakes: &Fakes) -> Replica {
+    let r = start_config(fakes, "r1", None, config_with(&[("SOURCE__START_POSITION", "latest")]));
     for _ in 0..100 {
         if fakes.1.snapshot().iter().any(|l| l.owner.is_some()) {
             break;
@@ -774,6 +769,17 @@ async fn latest_never_skips_the_first_records_of_a_rollover() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
+    r
+}
+
+/// Scenario a: under `start_position: latest`, a child of a known shard is read from its
+/// start: a rollover never skips the child's first records.
+#[tokio::test]
+async fn latest_never_skips_the_first_records_of_a_rollover() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let root = fakes.0.add_shard(None);
+    fakes.0.append(&root, order("c1", 1, "INSERT", "100", "PAID")); // before the start: skipped by `latest`
+    let r = start_at_latest(&fakes).await;
     let mut records = vec![order("c1", 2, "INSERT", "1", "PAID")];
     fakes.0.append(&root, records[0].clone());
     let child = fakes.0.rollover(&root);
@@ -886,14 +892,7 @@ fn batches_are_due_when_full_at_the_end_or_at_the_tip_after_the_window() {
 async fn a_throttled_reader_at_latest_keeps_its_place() {
     let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
     let shard = fakes.0.add_shard(None);
-    let r = start_config(&fakes, "r1", None, config_with(&[("SOURCE__START_POSITION", "latest")]));
-    for _ in 0..100 {
-        if fakes.1.snapshot().iter().any(|l| l.owner.is_some()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = start_at_latest(&fakes).await;
     fakes.0.throttle_next(3);
     let records: Vec<Value> = (1..=3).map(|n| order("c1", n, "INSERT", "2", "PAID")).collect();
     for rec in &records {
