@@ -150,7 +150,7 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
         info!("stop requested; finishing in-flight batches");
         signals.cancel();
     });
-    info!(metrics = %local, rules = config.engine.rules.len(), "starting");
+    info!(metrics = %local, rules = config.engine.rules.len(), ledger_namespace = %config.ledger_namespace, "starting");
     let every = (config.state.lease_duration * 3).clamp(Duration::from_secs(10), Duration::from_secs(60));
     loop {
         let follow = cancel.child_token();

@@ -22,7 +22,11 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     let table = unique("orders");
     create_source_table(&c, &table).await;
     let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    // The replay below is the same deployment with a fresh state table: it keeps the ledger
+    // namespace (by default derived from the state table's name, which would make it a second
+    // deployment counting everything again).
+    let namespace = [("DDB_AGGREGATOR__AGGREGATES__LEDGER_NAMESPACE", "orders")];
+    let mut svc = Service::start(&config, dir.path(), "svc", &namespace);
     let started = Instant::now();
     let writes = workload(&c, &table, 5000, 60, 8, 1).await;
     let write_time = started.elapsed();
@@ -56,7 +60,7 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     let last = leases_after.iter().filter_map(|(_, _, cp)| cp.clone()).max_by(|a, b| a.len().cmp(&b.len()).then(a.cmp(b))).unwrap();
     let replay_state = format!("{table}-replay");
     let replay_config = write_config(dir.path(), &table, &replay_state, LEASE);
-    let svc2 = Service::start(&replay_config, dir.path(), "replay", &[]);
+    let svc2 = Service::start(&replay_config, dir.path(), "replay", &namespace);
     let replay_started = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
