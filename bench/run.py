@@ -245,6 +245,9 @@ class Harness:
                     DDB_AGGREGATOR__SOURCE__TABLE=source,
                     DDB_AGGREGATOR__STATE__TABLE=f"bench-state-{tag}",  # a new table: created at start
                     DDB_AGGREGATOR__AGGREGATES__TABLE=aggregates,
+                    # One deployment across runs: the replay's fresh state table keeps the ledger
+                    # namespace (the default comes from the state table's name).
+                    DDB_AGGREGATOR__AGGREGATES__LEDGER_NAMESPACE="bench",
                     DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL=self.queue_url,
                     DDB_AGGREGATOR__METRICS__LISTEN=f"127.0.0.1:{port}",
                 )
