@@ -67,6 +67,19 @@ async fn poison_between_valid_orders(
     }
 }
 
+/// The service on `table`, its dead letters sent through `sqs` (a refusing proxy), with small
+/// batches: a shard held at the poison's batch leaves the later orders unapplied (a batch is
+/// re-read from its checkpoint, so one batch holding them all would hide it).
+fn service_behind_sqs_proxy(dir: &std::path::Path, table: &str, queue: &str, sqs: &str) -> Service {
+    let config = write_config(dir, table, &format!("{table}-state"), "2s");
+    Service::start(
+        &config,
+        dir,
+        "svc",
+        &[("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", queue), ("AWS_ENDPOINT_URL_SQS", sqs), ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE", "10")],
+    )
+}
+
 async fn put_order(c: &aws_sdk_dynamodb::Client, table: &str, customer: &str, sk: &str, status: &str, total: AttributeValue) {
     c.put_item()
         .table_name(table)
@@ -316,19 +329,7 @@ async fn a_letter_holding_characters_sqs_refuses_is_queued_escaped_and_the_shard
     let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
     // SQS refuses U+FFFF in a body (moto does not: the proxy plays SQS's part).
     let proxy = proxy::start_refusing_sqs_bodies(sqs_port(), vec![proxy::U_FFFF.to_vec()], 10_000).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
-    let svc = Service::start(
-        &config,
-        dir.path(),
-        "svc",
-        &[
-            ("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", &queue),
-            ("AWS_ENDPOINT_URL_SQS", &proxy.endpoint()),
-            // Small batches: a shard held at the poison's batch leaves the later orders unapplied
-            // (a batch is re-read from its checkpoint, so one batch holding them all would hide it).
-            ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE", "10"),
-        ],
-    );
+    let svc = service_behind_sqs_proxy(dir.path(), &table, &queue, &proxy.endpoint());
     let poison = [("c1", "ORDER#2026-11-30#bad", AttributeValue::S("12\u{FFFF}".into()), None)];
     poison_between_valid_orders(&c, &table, &svc, &poison, 1.0).await;
     let letters = drain_queue(&sqs, &queue).await;
@@ -358,19 +359,7 @@ async fn letters_sqs_keeps_refusing_are_cut_or_dropped_and_never_stall_the_shard
     let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
     // Stands for content SQS refuses whatever the encoding: in an image, then in a key.
     let proxy = proxy::start_refusing_sqs_bodies(sqs_port(), vec![b"sqs-refuses-this".to_vec()], 10_000).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
-    let svc = Service::start(
-        &config,
-        dir.path(),
-        "svc",
-        &[
-            ("DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL", &queue),
-            ("AWS_ENDPOINT_URL_SQS", &proxy.endpoint()),
-            // Small batches: a shard held at the poison's batch leaves the later orders unapplied
-            // (a batch is re-read from its checkpoint, so one batch holding them all would hide it).
-            ("DDB_AGGREGATOR__SOURCE__BATCH_SIZE", "10"),
-        ],
-    );
+    let svc = service_behind_sqs_proxy(dir.path(), &table, &queue, &proxy.endpoint());
     let poison = [
         ("c1", "ORDER#2026-11-30#in-image", AttributeValue::S("7 EUR".into()), Some("sqs-refuses-this")),
         ("c2", "ORDER#2026-11-30#sqs-refuses-this", AttributeValue::S("8 EUR".into()), None),
