@@ -23,6 +23,7 @@ fn attribute(v: &ExprValue) -> AttributeValue {
     match v {
         ExprValue::S(s) => AttributeValue::S(s.clone()),
         ExprValue::N(n) => AttributeValue::N(n.clone()),
+        ExprValue::Ss(v) => AttributeValue::Ss(v.clone()),
     }
 }
 

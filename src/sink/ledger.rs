@@ -86,6 +86,19 @@ impl Ledger {
         format!("_aggopen:{}", self.namespace)
     }
 
+    /// `_aggv:<namespace>`: a counter every ledger write (and every reconcile correction)
+    /// advances, so reconcile's correction is conditioned on one attribute, however many
+    /// shards the stream has had.
+    pub fn version_attribute(&self) -> String {
+        format!("_aggv:{}", self.namespace)
+    }
+
+    /// `_aggm:<namespace>`: the set of measure attributes this deployment wrote on the item;
+    /// reconcile touches no other attribute (a user's `orders_note` stays as it is).
+    pub fn measures_attribute(&self) -> String {
+        format!("_aggm:{}", self.namespace)
+    }
+
     /// Whether an attribute is one of this namespace's entries.
     pub fn is_entry(&self, attribute: &str) -> bool {
         attribute.strip_prefix(ENTRY_PREFIX).and_then(|r| r.strip_prefix(self.namespace.as_str())).is_some_and(|r| r.starts_with(':'))
@@ -317,6 +330,8 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
 /// A value in an expression.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExprValue {
+    /// A string set (never empty: DynamoDB refuses empty sets).
+    Ss(Vec<String>),
     S(String),
     N(String),
 }
@@ -345,11 +360,19 @@ pub fn expressions(w: &super::LedgerWrite) -> Expressions {
     let mut values = vec![(":l".to_string(), ExprValue::S(w.entry_value.clone())), (":first".to_string(), ExprValue::S(w.first.clone()))];
     let mut condition = String::from("(attribute_not_exists(#l) OR #l < :first) AND (attribute_not_exists(#g) OR #g < :first)");
     let mut sets = vec!["#l = :l".to_string()];
-    let mut adds = Vec::with_capacity(w.adds.len());
+    let mut adds = Vec::with_capacity(w.adds.len() + 2);
     for (i, (name, v)) in w.adds.iter().enumerate() {
         adds.push(format!("#m{i} :m{i}"));
         names.push((format!("#m{i}"), name.clone()));
         values.push((format!(":m{i}"), ExprValue::N(v.to_string())));
+    }
+    adds.push("#v :one".into());
+    names.push(("#v".into(), w.version_attribute.clone()));
+    values.push((":one".into(), ExprValue::N("1".into())));
+    if !w.adds.is_empty() {
+        adds.push("#w :w".into());
+        names.push(("#w".into(), w.measures_attribute.clone()));
+        values.push((":w".into(), ExprValue::Ss(w.adds.iter().map(|(n, _)| n.clone()).collect())));
     }
     if let Some(f) = &w.fence {
         names.push(("#f".into(), f.floor_attribute.clone()));
@@ -378,7 +401,7 @@ pub fn expressions(w: &super::LedgerWrite) -> Expressions {
             values.push((":no".into(), ExprValue::S(p.open.clone())));
         }
     }
-    let mut update = if adds.is_empty() { String::new() } else { format!("ADD {} ", adds.join(", ")) };
+    let mut update = format!("ADD {} ", adds.join(", "));
     update.push_str("SET ");
     update.push_str(&sets.join(", "));
     if let Some(p) = w.prune.as_ref().filter(|p| w.fence.is_some() && !p.entries.is_empty()) {
@@ -516,6 +539,8 @@ mod tests {
             adds: (0..20).map(|i| (format!("m{i}"), Decimal::from_i64(1))).collect(),
             entry_name: own.clone(),
             legacy_entry: entry_name(&id(5000, 1)),
+            version_attribute: l.version_attribute(),
+            measures_attribute: l.measures_attribute(),
             entry_value: entry_value(&pad_sequence("1").unwrap(), None),
             first: pad_sequence("1").unwrap(),
             fence: Some(super::super::Fence {

@@ -11,6 +11,7 @@ use crate::sink::ledger::{admits, entry_prefix_of, expressions, Seen, MAX_EXPRES
 pub enum MemValue {
     Num(Decimal),
     Str(String),
+    Set(std::collections::BTreeSet<String>),
 }
 
 #[derive(Debug, Default)]
@@ -38,14 +39,14 @@ impl MemoryAggregates {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Numeric attributes of every item: (key values, attribute) -> value.
+    /// Numeric measure attributes of every item (not the ledger's own): (key values, attribute) -> value.
     pub fn numbers(&self) -> BTreeMap<(Vec<String>, String), Decimal> {
         let s = self.lock();
         let mut out = BTreeMap::new();
         for (k, item) in &s.items {
             for (a, v) in item {
                 if let MemValue::Num(n) = v {
-                    if !n.is_zero() {
+                    if !n.is_zero() && !a.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) {
                         out.insert((k.clone(), a.clone()), *n);
                     }
                 }
@@ -89,6 +90,44 @@ impl MemoryAggregates {
         }
     }
 
+    /// Every item's key values.
+    pub fn keys(&self) -> Vec<Vec<String>> {
+        self.lock().items.keys().cloned().collect()
+    }
+
+    /// Reconcile's correction: sets `set` and advances the counter `version_attribute`, if the
+    /// counter still is `seen` (None: absent); adds the names to `measures_attribute`.
+    pub fn correct_if(
+        &self,
+        key: &[String],
+        version_attribute: &str,
+        measures_attribute: &str,
+        seen: Option<&str>,
+        set: &[(String, Decimal)],
+    ) -> bool {
+        let mut s = self.lock();
+        let item = s.items.entry(key.to_vec()).or_default();
+        let version = match item.get(version_attribute) {
+            Some(MemValue::Num(n)) => Some(*n),
+            _ => None,
+        };
+        if version.map(|v| v.to_string()).as_deref() != seen {
+            return false;
+        }
+        for (name, v) in set {
+            item.insert(name.clone(), MemValue::Num(*v));
+        }
+        let next = version.unwrap_or(Decimal::ZERO).checked_add(Decimal::from_i64(1)).unwrap_or(Decimal::ZERO);
+        item.insert(version_attribute.to_string(), MemValue::Num(next));
+        let mut written = match item.remove(measures_attribute) {
+            Some(MemValue::Set(v)) => v,
+            _ => Default::default(),
+        };
+        written.extend(set.iter().map(|(n, _)| n.clone()));
+        item.insert(measures_attribute.to_string(), MemValue::Set(written));
+        true
+    }
+
     /// Ledger entries (attributes starting `_agg:`) of the item holding the most.
     pub fn most_entries(&self) -> usize {
         let s = self.lock();
@@ -111,6 +150,7 @@ pub fn item_size(key: &[(String, String)], item: &BTreeMap<String, MemValue>) ->
                 + match v {
                     MemValue::Num(d) => d.to_string().len() / 2 + 2,
                     MemValue::Str(s) => s.len(),
+                    MemValue::Set(v) => v.iter().map(String::len).sum(),
                 }
         })
         .sum();
@@ -156,12 +196,25 @@ impl AggregateStore for MemoryAggregates {
             let current = match updated.get(name) {
                 None => Decimal::ZERO,
                 Some(MemValue::Num(n)) => *n,
-                Some(MemValue::Str(_)) => {
+                Some(MemValue::Str(_) | MemValue::Set(_)) => {
                     return Err(SinkError::Invalid(format!("An operand in the update expression has an incorrect data type ({name})")))
                 }
             };
             let sum = current.checked_add(*v).map_err(|e| SinkError::Invalid(e.to_string()))?;
             updated.insert(name.clone(), MemValue::Num(sum));
+        }
+        let version = match updated.get(&w.version_attribute) {
+            Some(MemValue::Num(n)) => *n,
+            _ => Decimal::ZERO,
+        };
+        updated.insert(w.version_attribute.clone(), MemValue::Num(version.checked_add(Decimal::from_i64(1)).unwrap_or(version)));
+        if !w.adds.is_empty() {
+            let mut written = match updated.remove(&w.measures_attribute) {
+                Some(MemValue::Set(v)) => v,
+                _ => Default::default(),
+            };
+            written.extend(w.adds.iter().map(|(n, _)| n.clone()));
+            updated.insert(w.measures_attribute.clone(), MemValue::Set(written));
         }
         updated.insert(w.entry_name.clone(), MemValue::Str(w.entry_value.clone()));
         if let (Some(p), Some(_)) = (&w.prune, &w.fence) {

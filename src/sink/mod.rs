@@ -38,6 +38,10 @@ pub struct LedgerWrite {
     /// it, so a batch applied by the previous version and replayed after the upgrade is not
     /// applied twice.
     pub legacy_entry: String,
+    /// The item's write counter, advanced by every write (reconcile's O(1) condition).
+    pub version_attribute: String,
+    /// The set of measure attributes this deployment wrote on the item.
+    pub measures_attribute: String,
     /// None for shard ids without a creation time (no floor, no pruning).
     pub fence: Option<Fence>,
     /// Entries of finished shards to remove, with the floor and straggler set to set.
@@ -97,6 +101,8 @@ pub struct WriteStats {
 pub struct ShardContext {
     pub entry_name: String,
     pub legacy_entry: String,
+    pub version_attribute: String,
+    pub measures_attribute: String,
     pub fence: Option<Fence>,
     /// The current floor plan (from the lease table); None: prune nothing.
     pub plan: Option<std::sync::Arc<FloorPlan>>,
@@ -107,6 +113,8 @@ impl ShardContext {
         ShardContext {
             entry_name: ledger.entry_name(shard_id),
             legacy_entry: ledger::entry_name(shard_id),
+            version_attribute: ledger.version_attribute(),
+            measures_attribute: ledger.measures_attribute(),
             fence: crate::shard_id::created_ms(shard_id).map(|c| Fence {
                 floor_attribute: ledger.floor_attribute(),
                 open_attribute: ledger.open_attribute(),
@@ -175,6 +183,8 @@ pub async fn write_target_pruning<S: AggregateStore>(
             adds: p.adds.clone(),
             entry_name: shard.entry_name.clone(),
             legacy_entry: shard.legacy_entry.clone(),
+            version_attribute: shard.version_attribute.clone(),
+            measures_attribute: shard.measures_attribute.clone(),
             entry_value: entry_value(&p.last, p.newest_created),
             first: p.first.clone(),
             fence: shard.fence.clone(),

@@ -277,7 +277,7 @@ pub fn aggregates(items: &[std::collections::HashMap<String, AttributeValue>]) -
         if sk != "PROFILE" && sk != "TOTAL" {
             continue;
         }
-        for (a, v) in item {
+        for (a, v) in item.iter().filter(|(a, _)| !a.starts_with("_agg")) {
             if let Ok(n) = v.as_n() {
                 let d = Decimal::parse(n).unwrap();
                 if !d.is_zero() {
