@@ -345,4 +345,44 @@ impl LeaseStore for DynamoDbLeases {
             .expression_attribute_values(":zero", n(0));
         self.send_owned(req).await
     }
+
+    async fn hold_named(&self, name: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
+        // No `stream_arn`: never listed as a shard's lease.
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(name))
+            .update_expression("SET #o = :me, #e = :until")
+            .condition_expression("attribute_not_exists(#o) OR #o = :me OR #e < :now")
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#e", "expires_at")
+            .expression_attribute_values(":me", s(owner))
+            .expression_attribute_values(":until", n(until_ms))
+            .expression_attribute_values(":now", n(now_ms))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    async fn release_named(&self, name: &str, owner: &str) -> Result<(), StateError> {
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(name))
+            .update_expression("REMOVE #o")
+            .condition_expression("#o = :me")
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_values(":me", s(owner))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(()),
+            Err(e) => map_err(e, &self.table).map(|_| ()),
+        }
+    }
 }

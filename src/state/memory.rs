@@ -11,6 +11,8 @@ pub struct MemoryLeases {
     /// (oldest, latest) pending request.
     reconcile_request: Mutex<Option<(u64, u64)>>,
     unowned: Mutex<Unowned>,
+    /// Named leases: name -> (owner, until).
+    named: Mutex<BTreeMap<String, (String, u64)>>,
 }
 
 /// When each lease became free to take, to measure how long shards went unowned.
@@ -178,5 +180,42 @@ impl LeaseStore for MemoryLeases {
             }
             _ => Ok(false),
         }
+    }
+
+    async fn hold_named(&self, name: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
+        let mut named = self.named.lock().unwrap_or_else(|e| e.into_inner());
+        match named.get(name) {
+            Some((o, until)) if o != owner && *until >= now_ms => Ok(false),
+            _ => {
+                named.insert(name.to_string(), (owner.to_string(), until_ms));
+                Ok(true)
+            }
+        }
+    }
+
+    async fn release_named(&self, name: &str, owner: &str) -> Result<(), StateError> {
+        let mut named = self.named.lock().unwrap_or_else(|e| e.into_inner());
+        if named.get(name).is_some_and(|(o, _)| o == owner) {
+            named.remove(name);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod named_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_named_lease_is_held_by_one_owner_until_it_expires_or_is_released() {
+        let l = MemoryLeases::new();
+        assert!(l.hold_named("s", "a", 100, 0).await.unwrap());
+        assert!(!l.hold_named("s", "b", 200, 50).await.unwrap(), "held by a");
+        assert!(l.hold_named("s", "a", 300, 90).await.unwrap(), "a renews");
+        assert!(l.hold_named("s", "b", 500, 301).await.unwrap(), "expired: b takes it");
+        l.release_named("s", "a").await.unwrap();
+        assert!(!l.hold_named("s", "a", 600, 400).await.unwrap(), "a cannot release b's");
+        l.release_named("s", "b").await.unwrap();
+        assert!(l.hold_named("s", "a", 700, 400).await.unwrap(), "released: free");
     }
 }

@@ -133,6 +133,11 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// Clears the request if every request was made at or before `started_ms` (a full
     /// reconcile that started then covered them); a request made during the run stays.
     fn clear_reconcile_request(&self, started_ms: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Takes or renews a named lease that is no shard's (the reconcile schedule's): true when
+    /// `owner` holds it until `until_ms` (it was free, expired at `now_ms`, or already its own).
+    fn hold_named(&self, name: &str, owner: &str, until_ms: u64, now_ms: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Gives a named lease up, if `owner` holds it.
+    fn release_named(&self, name: &str, owner: &str) -> impl Future<Output = Result<(), StateError>> + Send;
 }
 
 thread_local! {
