@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 use super::{Page, Position, ShardInfo, StreamError, StreamSource};
 use crate::aws::{classify, stream_attribute_to_json as attribute_to_json, FailureKind};
 
+#[derive(Clone)]
 pub struct DynamoDbStream {
     client: Client,
     stream_arn: String,

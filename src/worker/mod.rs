@@ -57,6 +57,9 @@ pub struct Shared<S, L, A> {
     pub polling: Polling,
     /// What the last write saw of each target's ledger, for pruning on the next (bounded).
     pub seen: std::sync::Mutex<HashMap<crate::rules::TargetKey, crate::sink::ledger::Seen>>,
+    /// Takes leases from live replicas to balance (false: reconcile's own consumer, which
+    /// only takes leases nobody holds).
+    pub balance: bool,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -82,7 +85,15 @@ impl<S, L, A> Shared<S, L, A> {
             reconcile_everything: Default::default(),
             seen: Default::default(),
             polling: Polling::default(),
+            balance: true,
         }
+    }
+
+    /// A consumer that only takes leases nobody holds (reconcile catching up shards whose
+    /// owner is gone), never one a live replica renews.
+    pub fn without_balancing(mut self) -> Self {
+        self.balance = false;
+        self
     }
 
     pub fn with_dead_letters(mut self, dead_letters: DeadLetters, stream_arn: String) -> Self {
@@ -308,7 +319,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         let finished = |id: &str| leases.get(id).is_some_and(Lease::finished);
         let ready: Vec<String> = lineage::ready(&self.shards, &finished).into_iter().map(|s| s.shard_id.clone()).collect();
         let running: BTreeSet<String> = self.running.keys().cloned().collect();
-        let want: Vec<Lease> = plan::leases_to_take(&ready, &leases, &self.shared.owner, &running, now).into_iter().cloned().collect();
+        let want: Vec<Lease> = plan::leases_to_take(&ready, &leases, &self.shared.owner, &running, now)
+            .into_iter()
+            .filter(|l| self.shared.balance || l.available(now))
+            .cloned()
+            .collect();
         let lease_ms = self.lease_ms();
         for l in want {
             let got = match self.shared.leases.take(&l, &self.shared.owner, now + lease_ms).await {

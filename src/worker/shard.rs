@@ -67,6 +67,12 @@ async fn pause(d: Duration, stop: &CancellationToken) -> bool {
 
 /// Whether gathered records are applied now: a full batch, the shard's end, or the tip (a
 /// short page) once the batching window has passed since the oldest record.
+/// Reconcile's evidence that a reader was at its shard's tip at `called_at`: only an empty
+/// GetRecords page is; a short one is not (pages stop at 1 MB, and can be short mid-shard).
+pub fn tip_evidence(page_records: usize, called_at: u64) -> Option<u64> {
+    (page_records == 0).then_some(called_at)
+}
+
 pub fn batch_due(pending: usize, batch_size: usize, shard_end: bool, at_tip: bool, window_passed: bool) -> bool {
     pending > 0 && (shard_end || pending >= batch_size || (at_tip && window_passed))
 }
@@ -189,7 +195,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if batch_due(self.pending.len(), batch_size, page.next_iterator.is_none(), short, window_passed) {
             let batch = std::mem::take(&mut self.pending);
             self.pending_since = None;
-            match self.apply(&batch, short.then_some(called_at)).await {
+            match self.apply(&batch, tip_evidence(got, called_at)).await {
                 BatchOutcome::Applied(cp) => {
                     if let Some(Checkpoint::Sequence(seq)) = cp {
                         self.position = Position::After(seq);
@@ -316,7 +322,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if lost {
             persist_request(&self.shared).await;
         }
-        let flow = if lost { Flow::Continue } else { self.pause_or_stop(self.idle).await };
+        // A lost stretch behind a checkpoint: read on from the trim horizon at once. Otherwise
+        // (the start position answered so) poll again after the idle backoff.
+        let flow = if lost && self.position == Position::TrimHorizon { Flow::Continue } else { self.pause_or_stop(self.idle).await };
         self.idle = (self.idle * 2).min(self.shared.polling.idle_max);
         flow
     }
@@ -636,9 +644,19 @@ fn refused_letter(records: &[Value], seq: String, rules: Vec<String>, why: Strin
 /// such a table needs the initial backfill, `reconcile --all`, in any case.) Returns whether
 /// records were lost.
 fn trimmed<S, L, A>(shared: &Shared<S, L, A>, shard: &str, why: &str, position: &mut Position) -> bool {
-    if !matches!(position, Position::After(_)) {
-        debug!(shard = %shard, reason = %why, "trimmed-data answer while reading from the start position; polling again");
-        return false;
+    match position {
+        Position::After(_) => {}
+        Position::TrimHorizon => {
+            debug!(shard = %shard, reason = %why, "trimmed-data answer while reading from the trim horizon; polling again");
+            return false;
+        }
+        Position::Latest => {
+            // A new LATEST iterator skips whatever arrived since this reader started (DynamoDB
+            // Local answers so once records arrive on a shard that was empty). Never silent.
+            warn!(shard = %shard, reason = %why, "trimmed-data answer before the first checkpoint of a shard read from LATEST: records written since may be skipped; a reconcile of everything is requested");
+            shared.request_reconcile_everything();
+            return true;
+        }
     }
     metrics::counter!(names::TRIMMED_DATA).increment(1);
     shared.trimmed_events.fetch_add(1, Ordering::Relaxed);
