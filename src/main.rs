@@ -65,9 +65,19 @@ enum Command {
         /// Most items read per second by scans (default: unlimited).
         #[arg(long, value_name = "ITEMS", value_parser = clap::value_parser!(u32).range(1..))]
         read_rate: Option<u32>,
-        /// Longest wait for the stream consumer to catch up before correcting.
-        #[arg(long, default_value = "60s", value_name = "DURATION")]
-        wait: String,
+        /// Most read capacity units consumed per second, over every read of both the source
+        /// and the aggregates table (default: unlimited).
+        #[arg(long, value_name = "UNITS", value_parser = parse_units)]
+        read_capacity: Option<f64>,
+        /// Push the run's results (last success time, corrections, ...) to this Prometheus
+        /// Pushgateway, e.g. http://pushgateway:9091 (default: the config's
+        /// reconcile.pushgateway); for the nightly --all CronJob.
+        #[arg(long, value_name = "URL")]
+        pushgateway: Option<String>,
+        /// Longest wait for a live replica that is behind and makes no progress (default:
+        /// the config's reconcile.wait, 2m). Shards nobody owns are read by reconcile itself.
+        #[arg(long, value_name = "DURATION")]
+        wait: Option<String>,
         /// Do not wait for a consumer (only when no `run` will ever read this stream).
         #[arg(long)]
         no_wait: bool,
@@ -75,7 +85,7 @@ enum Command {
         /// they are reported (not forced) and the exit code is 1.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
         rounds: u32,
-        /// Variable values as `--NAME VALUE` (collected before parsing; see --help with --config).
+        /// Variable values as `--NAME VALUE`: flags built from the config (see command_for).
         #[arg(skip)]
         vars: Vec<(String, String)>,
     },
@@ -127,9 +137,10 @@ enum DlqAction {
         /// Most letters to process in this run.
         #[arg(long, default_value_t = 1000)]
         max: u64,
-        /// Longest wait for the stream consumer to catch up before correcting.
-        #[arg(long, default_value = "60s", value_name = "DURATION")]
-        wait: String,
+        /// Longest wait for a live replica that is behind and makes no progress (default:
+        /// the config's reconcile.wait, 2m). Shards nobody owns are read by reconcile itself.
+        #[arg(long, value_name = "DURATION")]
+        wait: Option<String>,
     },
 }
 
@@ -161,104 +172,118 @@ fn bad(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(BadInput(msg.into()))
 }
 
-/// Flags of `reconcile` that are not variables (the rest `--NAME VALUE` are).
-const RECONCILE_FLAGS: &[&str] = &[
-    "--config",
-    "--all",
-    "--rule",
-    "--dry-run",
-    "--output",
-    "--segments",
-    "--read-rate",
-    "--wait",
-    "--no-wait",
-    "--rounds",
-    "--help",
-    "-h",
-];
-
-/// Pulls `--NAME VALUE` variable pairs out of a `reconcile` command line.
-/// `--NAME VALUE` pairs taken out of a command line.
-type Vars = Vec<(String, String)>;
-
-fn split_reconcile_vars(args: Vec<String>) -> Result<(Vec<String>, Vars), String> {
-    if args.get(1).map(String::as_str) != Some("reconcile") {
-        return Ok((args, Vec::new()));
+/// `--read-capacity`: a positive number of read capacity units per second.
+fn parse_units(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{text:?}: give read capacity units per second, a number above 0 (e.g. 100)")),
     }
-    let mut rest = Vec::new();
-    let mut vars = Vec::new();
-    let mut it = args.into_iter().peekable();
-    while let Some(a) = it.next() {
-        let name = a.split('=').next().unwrap_or("");
-        if a.starts_with("--") && a.len() > 2 && !RECONCILE_FLAGS.contains(&name) {
-            let (key, value) = match a.split_once('=') {
-                Some((k, v)) => (k.to_string(), v.to_string()),
-                None => match it.next() {
-                    Some(v) => (a.clone(), v),
-                    None => return Err(format!("{a} needs a value, e.g. {a} c1")),
-                },
-            };
-            vars.push((key.trim_start_matches("--").to_string(), value));
-        } else {
-            rest.push(a);
-        }
-    }
-    Ok((rest, vars))
 }
 
-/// `reconcile --config FILE --help`: the usual help plus the variable flags of that config.
-fn reconcile_help(args: &[String]) -> Option<ExitCode> {
-    if args.get(1).map(String::as_str) != Some("reconcile") || !args.iter().any(|a| a == "--help" || a == "-h") {
-        return None;
-    }
-    let config = args.iter().position(|a| a == "--config").and_then(|i| args.get(i + 1))?;
+/// The value of `--config` (`--config FILE` or `--config=FILE`) on a command line.
+fn config_arg(args: &[String]) -> Option<String> {
+    args.iter().enumerate().find_map(|(i, a)| match a.strip_prefix("--config") {
+        Some("") => args.get(i + 1).cloned(),
+        Some(rest) => rest.strip_prefix('=').map(str::to_string),
+        None => None,
+    })
+}
+
+/// The command line with `reconcile`'s variable flags (`--customer`, `--date`, ...) built from
+/// the config that `--config` names, so `--help` lists them and a typo gets clap's suggestion.
+/// Returns the variables added (a name that clashes with a built-in flag is left out).
+fn command_for(args: &[String]) -> Result<(clap::Command, Vec<String>), String> {
     use clap::CommandFactory;
-    let mut cmd = Cli::command();
-    let help = cmd.find_subcommand_mut("reconcile").map(|c| c.render_long_help().to_string()).unwrap_or_default();
-    println!("{help}");
-    match Config::load(Path::new(config)) {
-        Ok(c) => {
-            println!("Variable flags of {config}:");
-            for v in c.target_variables() {
-                let rules: Vec<String> = c
-                    .engine
-                    .rules
-                    .iter()
-                    .filter(|r| r.target.iter().any(|(_, t)| t.variables().any(|x| x == v)))
-                    .map(|r| r.name.to_string())
-                    .collect();
-                println!("  --{v} <VALUE>    determines targets of {}", rules.join(", "));
-            }
-            Some(ExitCode::SUCCESS)
-        }
-        Err(e) => {
-            eprintln!("error: {config}: {e}");
-            Some(ExitCode::from(2))
-        }
+    let cmd = Cli::command();
+    if args.get(1).map(String::as_str) != Some("reconcile") {
+        return Ok((cmd, Vec::new()));
     }
+    let Some(path) = config_arg(args) else { return Ok((cmd, Vec::new())) };
+    let config = Config::load(Path::new(&path)).map_err(|e| format!("{path}: {e}"))?;
+    let taken: std::collections::BTreeSet<String> = cmd
+        .find_subcommand("reconcile")
+        .map(|c| c.get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect())
+        .unwrap_or_default();
+    let vars: Vec<String> = config.target_variables().into_iter().filter(|v| !taken.contains(v) && v != "help" && v != "version").collect();
+    let cmd = cmd.mut_subcommand("reconcile", |mut c| {
+        for v in &vars {
+            let rules: Vec<String> = config
+                .engine
+                .rules
+                .iter()
+                .filter(|r| r.target.iter().any(|(_, t)| t.variables().any(|x| x == v)))
+                .map(|r| r.name.to_string())
+                .collect();
+            c = c.arg(
+                clap::Arg::new(format!("var:{v}"))
+                    .long(v.clone())
+                    .value_name("VALUE")
+                    .help(format!("Reconcile the targets this value of {{{v}}} determines (rules: {})", rules.join(", ")))
+                    .help_heading("Variable flags (from --config)"),
+            );
+        }
+        c
+    });
+    Ok((cmd, vars))
 }
 
 fn main() -> ExitCode {
-    let (args, vars) = match split_reconcile_vars(std::env::args().collect()) {
+    let args: Vec<String> = std::env::args().collect();
+    let (cmd, var_names) = match command_for(&args) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    if let Some(code) = reconcile_help(&args) {
-        return code;
-    }
-    let mut cli = Cli::parse_from(args);
+    let mut matches = match cmd.try_get_matches_from(&args) {
+        Ok(m) => m,
+        Err(e) => {
+            let unknown = e.kind() == clap::error::ErrorKind::UnknownArgument;
+            let _ = e.print();
+            if unknown && args.get(1).is_some_and(|a| a == "reconcile") {
+                let flags: Vec<String> = var_names.iter().map(|v| format!("--{v}")).collect();
+                match config_arg(&args) {
+                    Some(path) if !flags.is_empty() => eprintln!("The variable flags of {path} are: {}", flags.join(" ")),
+                    Some(path) => eprintln!("{path} has no variable flags: its targets use no variables; use --all"),
+                    None => eprintln!("Variable flags (--customer, ...) come from the config: give --config FILE first."),
+                }
+            }
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    let vars: Vec<(String, String)> = matches
+        .subcommand_matches("reconcile")
+        .map(|m| var_names.iter().filter_map(|v| m.get_one::<String>(&format!("var:{v}")).map(|x| (v.clone(), x.clone()))).collect())
+        .unwrap_or_default();
+    let mut cli = match <Cli as clap::FromArgMatches>::from_arg_matches_mut(&mut matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     if let Command::Reconcile { vars: v, .. } = &mut cli.command {
         *v = vars;
     }
     let result = match cli.command {
-        Command::Reconcile { config, all, rule, dry_run, output, segments, read_rate, wait, no_wait, rounds, vars } => {
-            let opts = ReconcileCli { all, rule, dry_run, output, segments, read_rate, wait, no_wait, rounds, vars };
+        Command::Reconcile {
+            config,
+            all,
+            rule,
+            dry_run,
+            output,
+            segments,
+            read_rate,
+            read_capacity,
+            pushgateway,
+            wait,
+            no_wait,
+            rounds,
+            vars,
+        } => {
+            let opts =
+                ReconcileCli { all, rule, dry_run, output, segments, read_rate, read_capacity, pushgateway, wait, no_wait, rounds, vars };
             reconcile(&config, opts)
         }
-        Command::Dlq { action: DlqAction::Replay { config, max, wait } } => dlq_replay(&config, max, &wait),
+        Command::Dlq { action: DlqAction::Replay { config, max, wait } } => dlq_replay(&config, max, wait.as_deref()),
         Command::Run { config, log_format } => run(&config, log_format),
         Command::Validate { config } => validate(&config),
         Command::TestPattern { pattern, event, numeric_strings } => test_pattern(&pattern, &event, numeric_strings),
@@ -294,7 +319,9 @@ struct ReconcileCli {
     output: Output,
     segments: u32,
     read_rate: Option<u32>,
-    wait: String,
+    read_capacity: Option<f64>,
+    pushgateway: Option<String>,
+    wait: Option<String>,
     no_wait: bool,
     rounds: u32,
     vars: Vec<(String, String)>,
@@ -307,15 +334,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 fn reconcile(path: &Path, cli: ReconcileCli) -> anyhow::Result<()> {
     use ddb_aggregator::reconcile::{Options, Reconciler};
     let config = load_config(path)?;
-    let wait = ddb_aggregator::config::parse_duration(&cli.wait).map_err(|e| bad(format!("--wait: {e}")))?;
-    let mut vars = std::collections::BTreeMap::new();
-    for (k, v) in cli.vars {
-        if vars.insert(k.clone(), v).is_some() {
-            return Err(bad(format!("--{k} given twice")));
-        }
-    }
+    let wait = wait_flag(cli.wait.as_deref(), &config)?;
     let opts = Options {
-        vars,
+        // clap takes each variable flag at most once.
+        vars: cli.vars.into_iter().collect(),
         all: cli.all,
         rule: cli.rule,
         dry_run: cli.dry_run,
@@ -327,14 +349,27 @@ fn reconcile(path: &Path, cli: ReconcileCli) -> anyhow::Result<()> {
         progress: true,
     };
     // Bad input is refused before any request.
-    Reconciler::check(&config, &opts).map_err(bad)?;
+    ddb_aggregator::reconcile::check(&config, &opts).map_err(|e| bad(e.to_string()))?;
+    let read_capacity = cli.read_capacity;
+    let pushgateway = cli.pushgateway.or_else(|| config.reconcile_pushgateway.clone());
+    if let Some(url) = &pushgateway {
+        ddb_aggregator::telemetry::push::parse_url(url).map_err(|e| bad(format!("--pushgateway: {e}")))?;
+    }
     ddb_aggregator::telemetry::init_logging(false);
     let key_names = config.engine.key_names.clone();
-    let report = runtime()?.block_on(async move {
+    let rt = runtime()?;
+    let started = std::time::Instant::now();
+    let report = rt.block_on(async move {
         let sdk = ddb_aggregator::aws::sdk_config().await;
-        let reconciler = Reconciler::new(aws_sdk_dynamodb::Client::new(&sdk), config).await?;
+        let reconciler = Reconciler::new(&sdk, config).await?.with_own_consumer().with_read_capacity(read_capacity);
         reconciler.run(&opts).await
     });
+    if let Some(url) = &pushgateway {
+        let result = job_result(report.as_ref().ok(), started.elapsed());
+        if let Err(e) = rt.block_on(ddb_aggregator::telemetry::push::push(url, &ddb_aggregator::telemetry::push::body(&result))) {
+            eprintln!("warning: the results were not pushed: {e}");
+        }
+    }
     let report = report.map_err(|e| anyhow!(e))?;
     print_report(&report, &key_names, cli.output, cli.dry_run)?;
     if report.uncorrected() > 0 {
@@ -343,8 +378,29 @@ fn reconcile(path: &Path, cli: ReconcileCli) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A run's results for the Pushgateway (None: the run failed).
+fn job_result(
+    report: Option<&ddb_aggregator::reconcile::Report>,
+    elapsed: std::time::Duration,
+) -> ddb_aggregator::telemetry::push::JobResult {
+    let finished_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    let mut r = ddb_aggregator::telemetry::push::JobResult { finished_s, seconds: elapsed.as_secs_f64(), ..Default::default() };
+    if let Some(report) = report {
+        r.succeeded = report.uncorrected() == 0;
+        r.targets_checked = report.targets_checked;
+        r.items_read = report.items_read;
+        r.drifts = report.drifts.len() as u64;
+        r.corrected = report.drifts.iter().filter(|d| d.corrected).count() as u64;
+        r.uncorrected = report.uncorrected() as u64;
+    }
+    r
+}
+
 fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String], output: Output, dry_run: bool) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
+    for why in &report.refused {
+        eprintln!("skipped: {why}");
+    }
     let target_text = |t: &TargetKey| t.0.join(" / ");
     match output {
         Output::Json => {
@@ -360,7 +416,7 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
             }
             let not_quiet: Vec<String> = report.not_quiet.iter().map(|(r, t)| format!("{r}: {}", target_text(t))).collect();
             let summary = serde_json::json!({"summary": {
-                "targets_checked": report.targets_checked, "items_read": report.items_read, "drifts": report.drifts.len(),
+                "targets_checked": report.targets_checked, "items_read": report.items_read, "read_units": report.read_units, "drifts": report.drifts.len(),
                 "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet,
                 "poison_items": report.poisons, "seconds": report.elapsed.as_secs_f64(), "dry_run": dry_run,
             }});
@@ -408,10 +464,18 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
     Ok(())
 }
 
-fn dlq_replay(path: &Path, max: u64, wait: &str) -> anyhow::Result<()> {
+/// `--wait`, or the config's `reconcile.wait`.
+fn wait_flag(flag: Option<&str>, config: &ddb_aggregator::config::Config) -> anyhow::Result<std::time::Duration> {
+    match flag {
+        Some(text) => ddb_aggregator::config::parse_duration(text).map_err(|e| bad(format!("--wait: {e}"))),
+        None => Ok(config.reconcile_wait),
+    }
+}
+
+fn dlq_replay(path: &Path, max: u64, wait: Option<&str>) -> anyhow::Result<()> {
     use ddb_aggregator::reconcile::{replay_dead_letters, Options, Reconciler};
     let config = load_config(path)?;
-    let wait = ddb_aggregator::config::parse_duration(wait).map_err(|e| bad(format!("--wait: {e}")))?;
+    let wait = wait_flag(wait, &config)?;
     let queue = config
         .dead_letter
         .as_ref()
@@ -421,7 +485,7 @@ fn dlq_replay(path: &Path, max: u64, wait: &str) -> anyhow::Result<()> {
     let summary = runtime()?.block_on(async move {
         let sdk = ddb_aggregator::aws::sdk_config().await;
         let sqs = aws_sdk_sqs::Client::new(&sdk);
-        let reconciler = Reconciler::new(aws_sdk_dynamodb::Client::new(&sdk), config).await?;
+        let reconciler = Reconciler::new(&sdk, config).await?.with_own_consumer();
         replay_dead_letters(&reconciler, &sqs, &queue, max, &Options { wait, ..Options::default() }).await
     });
     let summary = summary.map_err(|e| anyhow!(e))?;
@@ -457,6 +521,9 @@ fn validate(path: &Path) -> anyhow::Result<()> {
         let target: Vec<String> = rule.target.iter().map(|(k, t)| format!("{k}={t}")).collect();
         let measures: Vec<String> = rule.measures.iter().map(|m| m.name.to_string()).collect();
         writeln!(out, "  rule {}: target {} measures {}", rule.name, target.join(" "), measures.join(", "))?;
+        if let Some(why) = ddb_aggregator::reconcile::refusal(rule) {
+            writeln!(out, "  warning: {why}; drift in it is never repaired")?;
+        }
     }
     let vars: Vec<String> = config.target_variables().into_iter().map(|v| format!("--{v}")).collect();
     if !vars.is_empty() {

@@ -198,14 +198,8 @@ async fn run_stream(
     let worker = Worker::new(shared);
     // Also with the schedule off: a persisted request to reconcile everything (data lost)
     // is still carried out.
-    let reconciler = crate::reconcile::Reconciler::new(ddb.clone(), config.clone()).await.map_err(ServiceError::Runtime)?;
-    tokio::spawn(crate::reconcile::schedule::run_schedule(
-        worker.shared().clone(),
-        reconciler,
-        ddb.clone(),
-        config.reconcile_interval,
-        stop.clone(),
-    ));
+    let reconciler = crate::reconcile::Reconciler::new(sdk, config.clone()).await.map_err(|e| ServiceError::Runtime(e.to_string()))?;
+    tokio::spawn(crate::reconcile::schedule::run_schedule(worker.shared().clone(), reconciler, config.reconcile_interval, stop.clone()));
     worker.run(stop).await.map_err(|e| {
         error!(error = %e, "worker failed");
         ServiceError::Runtime(e.to_string())

@@ -278,13 +278,19 @@ fn command_line_values() {
         "delimiter injection",
     );
     expect_bad(rec(&["--customer", ""]), "a key part may not be empty", "empty key part");
-    expect_bad(rec(&["--shop", "s1"]), "--shop: no rule's target uses {shop}", "unknown variable");
-    expect_bad(rec(&["--customer"]), "--customer needs a value", "variable without a value");
+    expect_bad(rec(&["--shop", "s1"]), "unexpected argument '--shop'", "unknown variable");
+    expect_bad(rec(&["--shop", "s1"]), "are: --customer --date", "unknown variable: the flags there are");
+    expect_bad(rec(&["--custmer", "c1"]), "a similar argument exists: '--customer'", "a typo");
+    expect_bad(rec(&["--customer"]), "a value is required for '--customer <VALUE>'", "variable without a value");
     expect_bad(rec(&[]), "say what to reconcile", "nothing to reconcile");
     expect_bad(rec(&["--all", "--customer", "c1"]), "--all reconciles every target", "--all with variables");
     expect_bad(rec(&["--customer", "c1", "--rule", "nope"]), "--rule nope: no such rule", "unknown rule");
     expect_bad(rec(&["--customer", "c1", "--wait", "soon"]), "--wait: duration \"soon\"", "bad duration flag");
-    expect_bad(rec(&["--customer", "c1", "--customer", "c2"]), "--customer given twice", "variable given twice");
+    expect_bad(
+        rec(&["--customer", "c1", "--customer", "c2"]),
+        "'--customer <VALUE>' cannot be used multiple times",
+        "variable given twice",
+    );
     let o = rec(&["--all", "--segments", "0"]);
     assert_eq!(o.status.code(), Some(2), "segments 0: {}", stderr(&o));
     let o = bin().args(["simulate", "--config", cfg]).output().unwrap();

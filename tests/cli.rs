@@ -276,3 +276,24 @@ fn help_explains_the_commands() {
     let out = run(&["simulate", "--help"]);
     assert!(stdout(&out).contains("JSON lines") && stdout(&out).contains("Records"), "{}", stdout(&out));
 }
+
+/// A rule whose filter reads what only stream records hold (here `eventName: [INSERT]`: items
+/// ever inserted, deletes not subtracted) cannot be recomputed from the items: `validate` warns,
+/// and `reconcile --rule` refuses it before any request.
+#[test]
+fn a_rule_reconcile_cannot_recompute_is_flagged_and_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(demo()).unwrap().replacen(
+        "    filter:\n      dynamodb:",
+        "    filter:\n      eventName: [INSERT]\n      dynamodb:",
+        1,
+    );
+    assert!(text.contains("eventName: [INSERT]"), "the example's first filter changed shape");
+    let config = write(dir.path(), "inserts.yaml", &text);
+    let o = run(&["validate", "--config", &config]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("warning: rule customer-orders cannot be reconciled: its filter reads eventName"), "{}", stdout(&o));
+    let o = run(&["reconcile", "--config", &config, "--rule", "customer-orders", "--customer", "c1"]);
+    assert_eq!(o.status.code(), Some(2), "{}{}", stdout(&o), stderr(&o));
+    assert!(stderr(&o).contains("which the source items do not hold"), "{}", stderr(&o));
+}

@@ -36,13 +36,21 @@ fn summary(o: &Output) -> Value {
 }
 
 async fn set_number(c: &aws_sdk_dynamodb::Client, table: &str, pk: &str, sk: &str, attr: &str, value: &str) {
+    set_value(c, table, pk, sk, attr, AttributeValue::N(value.into())).await;
+}
+
+async fn set_text(c: &aws_sdk_dynamodb::Client, table: &str, pk: &str, sk: &str, attr: &str, value: &str) {
+    set_value(c, table, pk, sk, attr, AttributeValue::S(value.into())).await;
+}
+
+async fn set_value(c: &aws_sdk_dynamodb::Client, table: &str, pk: &str, sk: &str, attr: &str, value: AttributeValue) {
     c.update_item()
         .table_name(table)
         .key("PK", AttributeValue::S(pk.into()))
         .key("SK", AttributeValue::S(sk.into()))
         .update_expression("SET #a = :v")
         .expression_attribute_names("#a", attr)
-        .expression_attribute_values(":v", AttributeValue::N(value.into()))
+        .expression_attribute_values(":v", value)
         .send()
         .await
         .unwrap();
@@ -127,6 +135,155 @@ async fn customer_all_dry_run_and_schedule_fix_drift_exactly() {
     wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
     let m = svc.metrics();
     assert!(metric(&m, "ddb_aggregator_reconcile_corrections_total") >= 1.0, "{m}");
+}
+
+/// A Pushgateway stand-in on loopback: takes one request (bounded: 120 s), answers 200, and
+/// returns what it received.
+fn capture_one_push() -> (u16, std::thread::JoinHandle<String>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let handle = std::thread::spawn(move || {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(120) {
+            let Ok((mut conn, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            };
+            conn.set_nonblocking(false).unwrap();
+            conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let text = String::from_utf8_lossy(&got).to_string();
+                if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("Content-Length: "))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if body.len() >= len {
+                        break;
+                    }
+                }
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+            return String::from_utf8_lossy(&got).to_string();
+        }
+        String::new()
+    });
+    (port, handle)
+}
+
+/// `n` finished leases of long-gone shards for the table's stream, as a stream's history
+/// leaves them.
+async fn finished_leases(c: &aws_sdk_dynamodb::Client, table: &str, state: &str, n: u32) {
+    let arn = c.describe_table().table_name(table).send().await.unwrap().table().unwrap().latest_stream_arn().unwrap().to_string();
+    let created = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64) - 3 * 86_400_000;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(25) {
+        let reqs: Vec<WriteRequest> = chunk
+            .iter()
+            .map(|i| {
+                let put = PutRequest::builder()
+                    .item("shard_id", AttributeValue::S(format!("shardId-{created:020}-{i:08x}")))
+                    .item("stream_arn", AttributeValue::S(arn.clone()))
+                    .item("checkpoint", AttributeValue::S("SHARD_END".into()))
+                    .item("counter", AttributeValue::N("1".into()))
+                    .build()
+                    .unwrap();
+                WriteRequest::builder().put_request(put).build()
+            })
+            .collect();
+        c.batch_write_item().request_items(state, reqs).send().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_service_stopped_reconcile_catches_up_and_touches_no_user_attribute() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("stopped");
+    let state = format!("{table}-state");
+    create_source_table(&c, &table).await;
+    let config = write_config(dir.path(), &table, &state, "2s");
+    let mut svc = Service::start(&config, dir.path(), "svc", &[("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s")]);
+    workload(&c, &table, 400, 20, 4, 31).await;
+    wait_exact(&c, &table, Duration::from_secs(60)).await;
+    // The service dies holding its leases; writes go on with nobody reading them.
+    svc.kill();
+    workload(&c, &table, 200, 20, 4, 32).await;
+    // Drift on c3, next to 300 ledger entries of another deployment (a condition with one
+    // term per entry would pass DynamoDB's 4 KB expression limit); user attributes on c1
+    // whose names `orders_{status}` could form; 1,000 finished leases in the state table.
+    set_number(&c, &table, "CUST#c3", "PROFILE", "revenue", "999999").await;
+    let mut entries =
+        c.update_item().table_name(&table).key("PK", AttributeValue::S("CUST#c3".into())).key("SK", AttributeValue::S("PROFILE".into()));
+    let mut sets = Vec::new();
+    for i in 0..300 {
+        sets.push(format!("#e{i} = :e"));
+        entries = entries.expression_attribute_names(format!("#e{i}"), format!("_agg:other:00000001700000000000-{i:08x}"));
+    }
+    entries
+        .update_expression(format!("SET {}", sets.join(", ")))
+        .expression_attribute_values(":e", AttributeValue::S("x".repeat(30)))
+        .send()
+        .await
+        .unwrap();
+    set_text(&c, &table, "CUST#c1", "PROFILE", "orders_note", "vip").await;
+    set_number(&c, &table, "CUST#c1", "PROFILE", "orders_cap", "10").await;
+    finished_leases(&c, &table, &state, 1000).await;
+
+    let o = reconcile(&config, &["--customer", "c3", "--output", "json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let items = scan(&c, &table).await;
+    let (truth, stored) = (truth(&items), aggregates(&items));
+    let c3 = |v: &Values| v.iter().filter(|(k, _)| k.0 == "CUST#c3").map(|(k, v)| (k.2.clone(), *v)).collect::<Vec<_>>();
+    assert_eq!(c3(&stored), c3(&truth), "c3 is exact, the 200 writes nobody read included");
+    // Reconcile read the shards itself: every other target caught up through the ledger.
+    let wrong: Vec<_> = truth.iter().filter(|(k, v)| k.0 != "CUST#c1" && stored.get(*k) != Some(*v)).collect();
+    assert!(wrong.is_empty(), "{wrong:?}");
+
+    // Drift on a daily total, for --all (no variable determines it).
+    let sales = truth.keys().find(|k| k.0.starts_with("SALES#") && k.2 == "orders").unwrap().clone();
+    set_number(&c, &table, &sales.0, "TOTAL", "orders", "12345").await;
+    let (port, pushed) = capture_one_push();
+    let gateway = format!("http://127.0.0.1:{port}");
+    for args in [&["--customer", "c1"][..], &["--all", "--read-capacity", "5000", "--pushgateway", &gateway][..]] {
+        let o = reconcile(&config, args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}", text(&o));
+        let c1 = get(&c, &table, "CUST#c1", "PROFILE").await;
+        assert_eq!(c1.get("orders_note").and_then(|v| v.as_s().ok()).map(String::as_str), Some("vip"), "{args:?}");
+        assert_eq!(n(&c1, "orders_cap"), "10", "{args:?}: a user's number is not reconcile's");
+    }
+    let items = scan(&c, &table).await;
+    assert_eq!(aggregates(&items).get(&sales), common::truth(&items).get(&sales), "--all fixed the daily total");
+    // The --all run pushed its results, as the nightly CronJob does.
+    let pushed = pushed.join().unwrap();
+    assert!(pushed.contains("\nddb_aggregator_reconcile_job_corrections 1\n"), "{pushed}");
+    assert!(pushed.starts_with("POST /metrics/job/ddb-aggregator-reconcile HTTP/1.1"), "{pushed}");
+    assert!(pushed.contains("\nddb_aggregator_reconcile_job_succeeded 1\n"), "{pushed}");
+    assert!(pushed.contains("\nddb_aggregator_reconcile_last_success_timestamp_seconds "), "{pushed}");
+    // Its leases are released with checkpoints, for `run` to go on from.
+    let held: Vec<_> = leases(&c, &state).await.into_iter().filter(|l| l.2.as_deref().is_some_and(|c| c != "SHARD_END")).collect();
+    assert!(!held.is_empty() && held.iter().all(|l| l.1.is_none()), "{held:?}");
+    c.update_item()
+        .table_name(&table)
+        .key("PK", AttributeValue::S("CUST#c1".into()))
+        .key("SK", AttributeValue::S("PROFILE".into()))
+        .update_expression("REMOVE orders_note, orders_cap")
+        .send()
+        .await
+        .unwrap();
+    // `run` again, more writes: nothing reconcile applied is applied twice.
+    let svc = Service::start(&config, dir.path(), "again", &[("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s")]);
+    workload(&c, &table, 100, 20, 2, 33).await;
+    wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -312,6 +469,9 @@ async fn dlq_replay_after_fixing_a_poison_item() {
     }
     let profile = get(&c, &table, "CUST#c1", "PROFILE").await;
     assert_eq!(n(&profile, "revenue"), "10", "the poison order is not in the aggregates yet");
+    // The replay works with the service stopped, and leaves nothing for it to apply twice.
+    drop(svc);
+    put("ORDER#2026-11-30#o2", AttributeValue::N("5".into())).await.unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_ddb-aggregator"))
         .args(["dlq", "replay", "--config"])
         .arg(&config)
@@ -321,6 +481,10 @@ async fn dlq_replay_after_fixing_a_poison_item() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(text(&o).contains("2 letter(s) replayed and deleted"), "{}", text(&o));
     wait_exact(&c, &table, Duration::from_secs(10)).await;
-    assert_eq!(n(&get(&c, &table, "CUST#c1", "PROFILE").await, "revenue"), "22");
+    assert_eq!(n(&get(&c, &table, "CUST#c1", "PROFILE").await, "revenue"), "27");
     assert!(drain_queue(&sqs, &queue).await.is_empty(), "replayed letters are deleted");
+    let svc = Service::start(&config, dir.path(), "again", &[("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s")]);
+    put("ORDER#2026-11-30#o3", AttributeValue::N("1".into())).await.unwrap();
+    wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
+    assert_eq!(n(&get(&c, &table, "CUST#c1", "PROFILE").await, "revenue"), "28", "nothing applied twice");
 }

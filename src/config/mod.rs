@@ -63,6 +63,12 @@ pub struct Config {
     pub reconcile_interval: Option<Duration>,
     /// The schedule reconciles every target (true) or the touched ones.
     pub reconcile_all: bool,
+    /// Longest wait for a live replica that is behind (`reconcile.wait`).
+    pub reconcile_wait: Duration,
+    /// Evidence must be this much later than the truth read (`reconcile.margin`).
+    pub reconcile_margin: Duration,
+    /// Where `reconcile` pushes its results (`reconcile.pushgateway`).
+    pub reconcile_pushgateway: Option<String>,
     pub metrics_listen: SocketAddr,
     pub engine: Engine,
 }
@@ -251,6 +257,12 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     };
     let interval = duration("reconcile.interval", raw.reconcile.as_ref().and_then(|r| r.interval.as_deref()), "1h")?;
     let reconcile_interval = (!interval.is_zero()).then_some(interval);
+    let reconcile_wait = duration("reconcile.wait", raw.reconcile.as_ref().and_then(|r| r.wait.as_deref()), "2m")?;
+    let reconcile_pushgateway = raw.reconcile.as_ref().and_then(|r| r.pushgateway.clone()).filter(|u| !u.is_empty());
+    if let Some(u) = &reconcile_pushgateway {
+        crate::telemetry::push::parse_url(u).map_err(|e| err("reconcile.pushgateway", e.to_string()))?;
+    }
+    let reconcile_margin = duration("reconcile.margin", raw.reconcile.as_ref().and_then(|r| r.margin.as_deref()), "2s")?;
     let reconcile_all = match raw.reconcile.as_ref().and_then(|r| r.scope.as_deref()).unwrap_or("touched") {
         "touched" => false,
         "all" => true,
@@ -296,6 +308,9 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         dead_letter,
         reconcile_interval,
         reconcile_all,
+        reconcile_wait,
+        reconcile_margin,
+        reconcile_pushgateway,
         metrics_listen,
         engine,
     })
@@ -303,6 +318,54 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
 
 fn template(path: &str, text: &str) -> Result<Template, ConfigError> {
     Template::parse(text).map_err(|m| err(path, m))
+}
+
+/// The fields a filter (one pattern or a list) reads that a source item alone cannot supply:
+/// anything but `dynamodb.Keys` and `dynamodb.NewImage`, except `eventSource` (always
+/// `aws:dynamodb`) and an `eventName` list naming INSERT, MODIFY and REMOVE (every record).
+pub fn stream_only_fields(filter: &serde_json::Value) -> Vec<String> {
+    use serde_json::Value;
+    fn every_event(v: &Value) -> bool {
+        let names: Vec<&str> = v.as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+        ["INSERT", "MODIFY", "REMOVE"].iter().all(|n| names.contains(n))
+    }
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Array(patterns) => patterns.iter().for_each(|p| walk(p, out)),
+            Value::Object(fields) => {
+                for (k, v) in fields {
+                    match k.as_str() {
+                        "$or" => walk(v, out),
+                        "eventSource" => {}
+                        "eventName" if every_event(v) => {}
+                        "dynamodb" => {
+                            let inner: Vec<Value> = match v {
+                                Value::Object(_) => vec![v.clone()],
+                                Value::Array(a) => a.clone(),
+                                _ => vec![],
+                            };
+                            for o in inner.iter().filter_map(Value::as_object) {
+                                for (k2, v2) in o {
+                                    match k2.as_str() {
+                                        "Keys" | "NewImage" => {}
+                                        "$or" => walk(&serde_json::json!({ "dynamodb": v2 }), out),
+                                        other => out.push(format!("dynamodb.{other}")),
+                                    }
+                                }
+                            }
+                        }
+                        other => out.push(other.to_string()),
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(filter, &mut out);
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, ConfigError> {
@@ -373,7 +436,8 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
             (Some(q), _) => validate_query(&format!("{path}.reconcile.query"), q, &source_key, &target, &captures)?,
         },
     };
-    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile })
+    let stream_only = r.filter.as_ref().map(stream_only_fields).unwrap_or_default();
+    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile, stream_only })
 }
 
 fn pattern_err(outer: &str, e: PatternError) -> ConfigError {

@@ -106,6 +106,16 @@ pub struct RawReconcile {
     /// run, default) or `all` (a full scan every interval).
     #[serde(default)]
     pub scope: Option<String>,
+    /// Longest wait for a live replica that is behind (default 2m).
+    #[serde(default, deserialize_with = "text")]
+    pub wait: Option<String>,
+    /// How long after the truth read the consumer's evidence must be (stream propagation and
+    /// clock skew; default 2s).
+    #[serde(default, deserialize_with = "text")]
+    pub margin: Option<String>,
+    /// A Pushgateway (http://host:port) the `reconcile` command pushes its results to.
+    #[serde(default, deserialize_with = "text")]
+    pub pushgateway: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -190,3 +190,20 @@ fn shipped_example_configs_are_valid() {
     }
     assert!(n >= 1);
 }
+
+#[test]
+fn filters_on_stream_only_fields_are_found() {
+    use serde_json::json;
+    let f = |v| super::stream_only_fields(&v);
+    assert!(f(json!({"dynamodb": {"Keys": {"SK": {"S": [{"prefix": "ORDER#"}]}}, "NewImage": {"status": {"S": ["PAID"]}}}})).is_empty());
+    assert!(f(json!({"eventName": ["INSERT", "MODIFY", "REMOVE"], "eventSource": ["aws:dynamodb"]})).is_empty(), "every record");
+    assert_eq!(f(json!({"eventName": ["INSERT"]})), ["eventName"]);
+    assert_eq!(f(json!({"userIdentity": {"type": ["Service"]}})), ["userIdentity"]);
+    assert_eq!(f(json!({"dynamodb": {"OldImage": {"status": {"S": ["PAID"]}}}})), ["dynamodb.OldImage"]);
+    assert_eq!(f(json!({"$or": [{"eventName": ["REMOVE"]}, {"dynamodb": {"Keys": {}}}]})), ["eventName"]);
+    assert_eq!(f(json!({"dynamodb": {"$or": [{"Keys": {}}, {"OldImage": {}}]}})), ["dynamodb.OldImage"]);
+    assert_eq!(
+        f(json!([{"dynamodb": {"Keys": {}}}, {"eventName": ["MODIFY"], "dynamodb": {"SizeBytes": [{"numeric": [">", 5]}]}}])),
+        ["dynamodb.SizeBytes", "eventName"]
+    );
+}

@@ -1,12 +1,11 @@
 //! The reconcile schedule inside `run`: every `reconcile.interval`, one replica at a time (a
-//! lease item in the state table) reconciles the targets it wrote since its last run, or
+//! named lease in the state table, through the worker's lease store, renewed while it runs)
+//! reconciles the targets it wrote since its last run, or
 //! everything when so configured or when data was lost (trimmed stream data).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_dynamodb::types::AttributeValue;
-use aws_sdk_dynamodb::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -18,45 +17,12 @@ use crate::worker::Shared;
 /// `stream_arn`, so it is never taken for a shard lease).
 pub const SCHEDULE_LEASE: &str = "reconcile-schedule";
 
-async fn acquire(ddb: &Client, table: &str, owner: &str, hold: Duration) -> bool {
-    let now = now_ms();
-    let until = now + u64::try_from(hold.as_millis()).unwrap_or(u64::MAX / 2);
-    ddb.update_item()
-        .table_name(table)
-        .key("shard_id", AttributeValue::S(SCHEDULE_LEASE.into()))
-        .update_expression("SET #o = :me, #e = :until")
-        .condition_expression("attribute_not_exists(#o) OR #o = :me OR #e < :now")
-        .expression_attribute_names("#o", "owner")
-        .expression_attribute_names("#e", "expires_at")
-        .expression_attribute_values(":me", AttributeValue::S(owner.into()))
-        .expression_attribute_values(":until", AttributeValue::N(until.to_string()))
-        .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
-        .send()
-        .await
-        .is_ok()
-}
-
-async fn release(ddb: &Client, table: &str, owner: &str) {
-    let _ = ddb
-        .update_item()
-        .table_name(table)
-        .key("shard_id", AttributeValue::S(SCHEDULE_LEASE.into()))
-        .update_expression("REMOVE #o")
-        .condition_expression("#o = :me")
-        .expression_attribute_names("#o", "owner")
-        .expression_attribute_values(":me", AttributeValue::S(owner.into()))
-        .send()
-        .await;
-}
-
 pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     shared: Arc<Shared<S, L, A>>,
     reconciler: Reconciler,
-    ddb: Client,
     interval: Option<Duration>,
     cancel: CancellationToken,
 ) {
-    let table = shared.config.state.table.clone();
     let check = interval.map_or(Duration::from_secs(5), |i| Duration::from_secs(5).min(i));
     let mut since = Duration::ZERO;
     loop {
@@ -73,36 +39,39 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
             continue;
         }
         since = Duration::ZERO;
-        let hold = interval.unwrap_or(Duration::ZERO).max(Duration::from_secs(60)) * 2;
-        if !acquire(&ddb, &table, &shared.owner, hold).await {
+        if !hold(&*shared, HOLD).await {
             continue;
         }
         let started_ms = now_ms();
         let all = shared.config.reconcile_all || requested.is_some();
         let touched = std::mem::take(&mut *shared.touched.lock().unwrap_or_else(|e| e.into_inner()));
-        let opts = Options { wait: Duration::from_secs(120), ..Options::default() };
+        let opts = Options { wait: shared.config.reconcile_wait, ..Options::default() };
         let mut retry: Vec<(String, crate::rules::TargetKey)> = Vec::new();
-        let (mut drifts, mut corrected) = (0, 0);
-        let result: Result<(), String> = async {
+        let (mut drifts, mut corrected, mut checked) = (0, 0, 0);
+        let run_started = std::time::Instant::now();
+        let run = async {
             if all {
                 let r = reconciler.run(&Options { all: true, ..opts.clone() }).await?;
+                checked += r.targets_checked;
                 drifts += r.drifts.len();
                 corrected += r.drifts.iter().filter(|d| d.corrected).count();
                 retry.extend(r.not_quiet);
             } else {
                 for (rule, targets) in touched.iter() {
                     let r = reconciler.run_targets(rule, targets.clone(), &opts).await?;
+                    checked += r.targets_checked;
                     drifts += r.drifts.len();
                     corrected += r.drifts.iter().filter(|d| d.corrected).count();
                     retry.extend(r.not_quiet);
                 }
             }
-            Ok(())
-        }
-        .await;
+            Ok::<(), super::ReconcileError>(())
+        };
+        let result = renewing(&*shared, run).await;
         match result {
             Ok(()) => {
-                info!(all, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done");
+                let seconds = run_started.elapsed().as_secs_f64();
+                info!(all, targets = checked, seconds, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done");
                 // Targets not quiet were not repaired: the request stays for the next run.
                 if requested.is_some() && retry.is_empty() {
                     if let Err(e) = shared.leases.clear_reconcile_request(started_ms).await {
@@ -125,6 +94,34 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                 t.entry(rule).or_default().insert(key);
             }
         }
-        release(&ddb, &table, &shared.owner).await;
+        let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
+    }
+}
+
+/// How long the schedule lease is held between renewals.
+const HOLD: Duration = Duration::from_secs(120);
+
+async fn hold<S, L: crate::state::LeaseStore, A>(shared: &Shared<S, L, A>, d: Duration) -> bool {
+    let now = now_ms();
+    let until = now + u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 2);
+    shared.leases.hold_named(SCHEDULE_LEASE, &shared.owner, until, now).await.unwrap_or(false)
+}
+
+/// Runs `work` while renewing the schedule lease every third of its hold, so a run longer than
+/// the hold is not taken over by another replica midway. (Losing it is no danger to the data:
+/// corrections are conditional; the lease only spares duplicate work.)
+async fn renewing<S, L: crate::state::LeaseStore, A, T>(shared: &Shared<S, L, A>, work: impl std::future::Future<Output = T>) -> T {
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval(HOLD / 3);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = tick.tick() => {
+                if !hold(shared, HOLD).await {
+                    warn!("the reconcile schedule's lease was taken over; finishing this run");
+                }
+            }
+        }
     }
 }

@@ -79,6 +79,17 @@ pub fn owns_attribute(rule: &Rule, attribute: &str) -> bool {
         && rule.measures.iter().any(|m| m.name.matches_expansion(attribute))
 }
 
+/// Whether reconcile may compare and correct `attribute` on one of the rule's targets: a
+/// measure name without variables (only the rule writes it), or a name a template forms that
+/// this deployment wrote on the item (`written`, the item's measure set) or that the truth
+/// names. A user's `orders_note` next to `orders_{status}` counters is none of these.
+pub fn manages(rule: &Rule, attribute: &str, written: &std::collections::BTreeSet<String>, truth_names: bool) -> bool {
+    if !owns_attribute(rule, attribute) {
+        return false;
+    }
+    truth_names || written.contains(attribute) || rule.measures.iter().any(|m| m.name.is_literal() && m.name.matches_expansion(attribute))
+}
+
 /// The variables a target key was expanded from (captures of the target templates).
 pub fn variables_of(rule: &Rule, key: &TargetKey) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
@@ -138,6 +149,14 @@ mod tests {
         assert!(owns_attribute(&rules[0], "orders_PAID"));
         assert!(!owns_attribute(&rules[0], "name"));
         assert!(!owns_attribute(&rules[0], "_agg:0001"));
+        // A user's attribute that `orders_{status}` could form is not reconcile's, unless the
+        // service wrote it or the truth names it; `orderCount` always is.
+        let written: std::collections::BTreeSet<String> = ["orders_PAID".to_string()].into();
+        assert!(!manages(&rules[0], "orders_note", &written, false));
+        assert!(manages(&rules[0], "orders_note", &written, true));
+        assert!(manages(&rules[0], "orders_PAID", &written, false));
+        assert!(manages(&rules[0], "orderCount", &Default::default(), false));
+        assert!(!manages(&rules[0], "name", &written, true));
         let key = target_for(&rules[0], &[("customer".to_string(), "c9".to_string())].into()).unwrap();
         assert_eq!(variables_of(&rules[0], &key).get("customer").map(String::as_str), Some("c9"));
         assert!(target_for(&rules[1], &[("customer".to_string(), "c9".to_string())].into()).is_none(), "daily-sales needs {{date}}");

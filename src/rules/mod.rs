@@ -131,6 +131,10 @@ pub struct Rule {
     pub target: Vec<(String, Template)>,
     pub measures: Vec<Measure>,
     pub reconcile: ReconcileSource,
+    /// Fields of the stream record its filter reads that a source item does not have
+    /// (`eventName`, `userIdentity`, `dynamodb.OldImage`, ...): reconcile cannot recompute such
+    /// a rule from the items, so it refuses it.
+    pub stream_only: Vec<String>,
 }
 
 /// One record's effect on one target: attribute -> signed delta.

@@ -2,6 +2,7 @@
 //! logging.
 
 pub mod names;
+pub mod push;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

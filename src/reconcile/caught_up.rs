@@ -1,0 +1,135 @@
+//! "Every record created before t has been applied": the evidence reconcile needs before it
+//! compares a target with the truth read at t (pure).
+//!
+//! A shard has applied everything created before `target_ms` (t plus the margin) when its
+//! lease is finished, or its reader got an empty GetRecords page from a call made at or after
+//! `target_ms`, or it applied a record created at or after `target_ms`. A short page is not the
+//! tip (pages stop at 1 MB), and a shard DescribeStream lists without a lease has applied
+//! nothing.
+
+use std::collections::BTreeMap;
+
+use super::ReconcileError;
+use crate::state::{Lease, LeaseStore};
+use crate::stream::{ShardInfo, StreamSource};
+
+/// A shard without the evidence, and whether a live replica holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Behind {
+    pub shard_id: String,
+    /// The replica renewing its lease; None: nobody (no lease, or an expired one).
+    pub owner: Option<String>,
+}
+
+/// Whether a lease shows everything created before `target_ms` applied.
+pub fn caught_up(lease: &Lease, target_ms: u64) -> bool {
+    lease.finished() || lease.at_tip_ms.is_some_and(|t| t >= target_ms) || lease.last_record_ms.is_some_and(|t| t >= target_ms)
+}
+
+/// Every shard still behind `target_ms`: listed shards without a lease or without evidence,
+/// and unfinished leases the listing misses that are younger than the stream's retention (a
+/// listing can lag; an older one is lost, its records are gone, and the worker counts it).
+pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms: u64, now_ms: u64) -> Vec<Behind> {
+    let owner = |l: &Lease| l.owner.clone().filter(|_| !l.available(now_ms));
+    let mut out: Vec<Behind> = listed
+        .iter()
+        .filter_map(|s| match leases.get(&s.shard_id) {
+            None => Some(Behind { shard_id: s.shard_id.clone(), owner: None }),
+            Some(l) if caught_up(l, target_ms) => None,
+            Some(l) => Some(Behind { shard_id: s.shard_id.clone(), owner: owner(l) }),
+        })
+        .collect();
+    let unlisted = leases.values().filter(|l| !caught_up(l, target_ms) && !listed.iter().any(|s| s.shard_id == l.shard_id));
+    for l in unlisted {
+        let lost = crate::shard_id::created_ms(&l.shard_id).is_some_and(|c| now_ms.saturating_sub(c) > crate::worker::plan::RETENTION_MS);
+        if !lost {
+            out.push(Behind { shard_id: l.shard_id.clone(), owner: owner(l) });
+        }
+    }
+    out
+}
+
+/// Reads the stream's listing and the lease table, and returns the shards still behind
+/// `target_ms` with the leases as read.
+pub async fn standing<S: StreamSource, L: LeaseStore>(
+    stream: &S,
+    leases: &L,
+    target_ms: u64,
+) -> Result<(Vec<Behind>, BTreeMap<String, Lease>), ReconcileError> {
+    let listed = stream.shards().await.map_err(|e| ReconcileError::Aws(format!("listing the stream's shards: {e}")))?;
+    let leases: BTreeMap<String, Lease> = leases
+        .list()
+        .await
+        .map_err(|e| ReconcileError::Aws(format!("reading the state table: {e}")))?
+        .into_iter()
+        .map(|l| (l.shard_id.clone(), l))
+        .collect();
+    Ok((behind(&listed, &leases, target_ms, crate::state::now_ms()), leases))
+}
+
+/// Whether reconcile must read some shards itself: one is behind and nobody holds it.
+pub fn needs_a_consumer(behind: &[Behind]) -> bool {
+    behind.iter().any(|b| b.owner.is_none())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Checkpoint;
+
+    const DAY: u64 = 24 * 60 * 60 * 1000;
+
+    fn shard(id: &str) -> ShardInfo {
+        ShardInfo { shard_id: id.into(), parent: None, closed: false }
+    }
+
+    fn lease(id: &str, f: impl FnOnce(&mut Lease)) -> (String, Lease) {
+        let mut l = Lease::new(id, None);
+        f(&mut l);
+        (id.to_string(), l)
+    }
+
+    #[test]
+    fn only_real_evidence_counts() {
+        let now = 10 * DAY;
+        let t = now - 1_000;
+        let leases: BTreeMap<String, Lease> = [
+            lease("tip", |l| l.at_tip_ms = Some(t)),
+            lease("old-tip", |l| l.at_tip_ms = Some(t - 1)),
+            lease("newer-record", |l| l.last_record_ms = Some(t + 5)),
+            lease("done", |l| l.checkpoint = Some(Checkpoint::ShardEnd)),
+            lease("held", |l| {
+                l.owner = Some("r1".into());
+                l.expires_at_ms = now + 5_000;
+            }),
+            lease("expired", |l| {
+                l.owner = Some("r1".into());
+                l.expires_at_ms = now - 1;
+            }),
+        ]
+        .into();
+        let listed: Vec<ShardInfo> = ["tip", "old-tip", "newer-record", "done", "held", "expired", "unleased"].map(shard).into();
+        let got = behind(&listed, &leases, t, now);
+        assert_eq!(
+            got,
+            [
+                Behind { shard_id: "old-tip".into(), owner: None },
+                Behind { shard_id: "held".into(), owner: Some("r1".into()) },
+                Behind { shard_id: "expired".into(), owner: None },
+                Behind { shard_id: "unleased".into(), owner: None },
+            ]
+        );
+        assert!(needs_a_consumer(&got));
+        assert!(!needs_a_consumer(&got[1..2]), "a live owner is waited for");
+    }
+
+    #[test]
+    fn an_unlisted_lease_waits_unless_it_is_past_the_retention() {
+        let now = 10 * DAY;
+        let young = format!("shardId-{:020}-0000000a", now - DAY / 2);
+        let old = format!("shardId-{:020}-0000000b", now - 2 * DAY);
+        let leases: BTreeMap<String, Lease> = [lease(&young, |_| {}), lease(&old, |_| {})].into();
+        let got = behind(&[], &leases, now, now);
+        assert_eq!(got, [Behind { shard_id: young, owner: None }], "the listing may lag; a lost shard's records are gone");
+    }
+}

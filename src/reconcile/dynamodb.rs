@@ -1,0 +1,558 @@
+//! Reconcile on DynamoDB: the target and source tables, the state table's evidence and, on the
+//! command line, a consumer of its own for shards nobody owns.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
+use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity};
+use aws_sdk_dynamodb::Client;
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use super::budget::{self, ReadBudget};
+use super::caught_up;
+use super::protocol::{self, Consumer, Correction, SourceItems, TargetItem, TargetStore};
+use super::report::{Report, Stored};
+use super::truth::{is_target, target_for, Truth};
+use super::{check, refusal, Options, ReconcileError};
+use crate::aws::classify;
+use crate::config::Config;
+use crate::decimal::Decimal;
+use crate::rules::{Rule, TargetKey};
+use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
+use crate::sink::dynamodb::DynamoDbAggregates;
+use crate::sink::ledger::Ledger;
+use crate::state::dynamodb::DynamoDbLeases;
+use crate::state::{now_ms, Lease};
+use crate::stream::dynamodb::DynamoDbStream;
+use crate::telemetry::names;
+use crate::worker::{Shared, Worker};
+
+type Item = HashMap<String, AttributeValue>;
+
+/// Items per scan page.
+const SCAN_PAGE: i32 = 500;
+
+pub struct Reconciler {
+    ddb: Client,
+    config: Config,
+    /// The source table's key attributes (partition key first).
+    source_keys: Vec<String>,
+    leases: DynamoDbLeases,
+    ledger: Ledger,
+    stream: DynamoDbStream,
+    stream_arn: String,
+    sdk: aws_config::SdkConfig,
+    /// Reads shards nobody owns itself (the command line); false inside `run`, whose own
+    /// worker is the consumer.
+    own_consumer: bool,
+    /// Consumed read capacity per second over both tables.
+    budget: Arc<ReadBudget>,
+    pub items_read: Arc<AtomicU64>,
+}
+
+fn to_json(item: &Item) -> Result<Map<String, Value>, ReconcileError> {
+    let mut m = Map::new();
+    for (k, v) in item {
+        let value = crate::aws::attribute_to_json(v).map_err(|e| ReconcileError::Data(format!("attribute {k}: {e}")))?;
+        m.insert(k.clone(), value);
+    }
+    Ok(m)
+}
+
+fn aws(doing: String) -> impl FnOnce(crate::aws::Failure) -> ReconcileError {
+    move |f| ReconcileError::Aws(format!("{doing}: {f}"))
+}
+
+impl Reconciler {
+    pub async fn new(sdk: &aws_config::SdkConfig, config: Config) -> Result<Reconciler, ReconcileError> {
+        let ddb = Client::new(sdk);
+        let desc = ddb
+            .describe_table()
+            .table_name(&config.source.table)
+            .send()
+            .await
+            .map_err(|e| classify(&e))
+            .map_err(aws(format!("describing source table {}", config.source.table)))?;
+        let table = desc.table().ok_or_else(|| ReconcileError::Aws("DescribeTable returned no table".into()))?;
+        let mut source_keys: Vec<(bool, String)> =
+            table.key_schema().iter().map(|k| (k.key_type().as_str() != "HASH", k.attribute_name().to_string())).collect();
+        source_keys.sort();
+        let source_keys = source_keys.into_iter().map(|(_, n)| n).collect();
+        let stream_arn = table.latest_stream_arn().unwrap_or_default().to_string();
+        let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.clone());
+        let ledger = Ledger::new(&config.ledger_namespace);
+        let stream = DynamoDbStream::new(aws_sdk_dynamodbstreams::Client::new(sdk), stream_arn.clone());
+        Ok(Reconciler {
+            ddb,
+            config,
+            source_keys,
+            leases,
+            ledger,
+            stream,
+            stream_arn,
+            sdk: sdk.clone(),
+            own_consumer: false,
+            budget: Arc::new(ReadBudget::new(None)),
+            items_read: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// Shards nobody owns are read by this reconciler itself (with the same leases, ledger and
+    /// checkpoints as `run`), so reconcile works with the service stopped.
+    pub fn with_own_consumer(mut self) -> Self {
+        self.own_consumer = true;
+        self
+    }
+
+    /// Limits every read of both tables to `units` of consumed read capacity per second.
+    pub fn with_read_capacity(mut self, units: Option<f64>) -> Self {
+        self.budget = Arc::new(ReadBudget::new(units));
+        self
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub async fn run(&self, opts: &Options) -> Result<Report, ReconcileError> {
+        let started = Instant::now();
+        let rules = check(&self.config, opts)?;
+        let refused = self.config.engine.rules.iter().filter(|_| opts.rule.is_none()).filter_map(refusal).collect();
+        let mut report = Report { refused, ..Report::default() };
+        for rule in &rules {
+            let requested: Option<BTreeSet<TargetKey>> = if opts.all { None } else { target_for(rule, &opts.vars).map(|t| [t].into()) };
+            protocol::reconcile_rule(self, self, self, rule, requested, opts, &mut report).await?;
+        }
+        Ok(self.finish(report, started))
+    }
+
+    /// Reconciles explicit targets of one rule (the schedule's "touched since the last run"),
+    /// concurrently.
+    pub async fn run_targets(&self, rule_name: &str, targets: BTreeSet<TargetKey>, opts: &Options) -> Result<Report, ReconcileError> {
+        let started = Instant::now();
+        let rule = self
+            .config
+            .engine
+            .rules
+            .iter()
+            .find(|r| *r.name == *rule_name)
+            .ok_or_else(|| ReconcileError::BadInput(format!("no rule {rule_name}")))?
+            .clone();
+        if let Some(why) = refusal(&rule) {
+            return Ok(self.finish(Report { refused: vec![why], ..Report::default() }, started));
+        }
+        let mut report = Report::default();
+        if !targets.is_empty() {
+            protocol::reconcile_rule(self, self, self, &rule, Some(targets), opts, &mut report).await?;
+        }
+        Ok(self.finish(report, started))
+    }
+
+    fn finish(&self, mut report: Report, started: Instant) -> Report {
+        report.items_read = self.items_read.load(Ordering::Relaxed);
+        report.read_units = self.budget.used();
+        report.elapsed = started.elapsed();
+        let outcome = if report.uncorrected() == 0 { "ok" } else { "drift_remaining" };
+        metrics::counter!(names::RECONCILE_RUNS, "outcome" => outcome).increment(1);
+        if outcome == "ok" {
+            metrics::gauge!(names::RECONCILE_LAST_SUCCESS).set(now_ms() as f64 / 1000.0);
+        }
+        report
+    }
+
+    fn key_of(&self, target: &TargetKey) -> Vec<(String, AttributeValue)> {
+        self.config.engine.key_names.iter().cloned().zip(target.0.iter().map(|v| AttributeValue::S(v.to_string()))).collect()
+    }
+
+    fn target_item(&self, item: Option<&Item>) -> TargetItem {
+        let Some(item) = item else { return TargetItem::default() };
+        let mut t = TargetItem { exists: true, ..Default::default() };
+        t.version = item.get(&self.ledger.version_attribute()).and_then(|v| v.as_n().ok()).cloned();
+        if let Some(AttributeValue::Ss(names)) = item.get(&self.ledger.measures_attribute()) {
+            t.written = names.iter().cloned().collect();
+        }
+        let keys = &self.config.engine.key_names;
+        for (k, v) in item.iter().filter(|(k, _)| !k.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) && !keys.contains(k)) {
+            let stored = match v {
+                AttributeValue::N(n) => Decimal::parse(n).map(Stored::Number).unwrap_or_else(|_| Stored::Other(n.clone())),
+                AttributeValue::S(s) => Stored::Other(s.clone()),
+                other => Stored::Other(format!("{other:?}")),
+            };
+            t.values.insert(k.clone(), stored);
+        }
+        t
+    }
+
+    /// A strongly consistent parallel scan, streamed page by page into `each` (memory holds a
+    /// few pages, not the table), rate-limited, with progress and an ETA on stderr.
+    async fn scan_each(
+        &self,
+        table: &str,
+        segments: u32,
+        rate: Option<u32>,
+        progress: bool,
+        mut each: impl FnMut(&Item) -> Result<(), ReconcileError> + Send,
+    ) -> Result<(), ReconcileError> {
+        let started = Instant::now();
+        let expected = if progress { self.item_count(table).await } else { None };
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Item>>(segments as usize * 2);
+        let mut tasks = Vec::new();
+        for segment in 0..segments {
+            let (ddb, table, tx, budget) = (self.ddb.clone(), table.to_string(), tx.clone(), self.budget.clone());
+            let per_segment = rate.map(|r| (f64::from(r) / f64::from(segments)).max(1.0));
+            tasks.push(tokio::spawn(async move {
+                let mut start: Option<Item> = None;
+                let mut read = 0usize;
+                let seg_started = Instant::now();
+                for _ in 0..10_000_000 {
+                    let page = ddb
+                        .scan()
+                        .table_name(&table)
+                        .consistent_read(true)
+                        .segment(i32::try_from(segment).unwrap_or(0))
+                        .total_segments(i32::try_from(segments).unwrap_or(1))
+                        .limit(SCAN_PAGE)
+                        .set_exclusive_start_key(start.take())
+                        .return_consumed_capacity(ReturnConsumedCapacity::Total)
+                        .send()
+                        .await
+                        .map_err(|e| classify(&e))
+                        .map_err(aws(format!("scanning {table}")))?;
+                    read += page.items().len();
+                    budget.spend(budget::units(page.consumed_capacity().and_then(|c| c.capacity_units()), page.items().len())).await;
+                    let next = page.last_evaluated_key().filter(|k| !k.is_empty()).cloned();
+                    if tx.send(page.items().to_vec()).await.is_err() {
+                        return Ok(());
+                    }
+                    if let Some(r) = per_segment {
+                        // Stay at or below the read rate: sleep until this segment's budget allows.
+                        let due = Duration::from_secs_f64(read as f64 / r);
+                        if let Some(wait) = due.checked_sub(seg_started.elapsed()) {
+                            tokio::time::sleep(wait).await;
+                        }
+                    }
+                    match next {
+                        Some(k) => start = Some(k),
+                        None => return Ok::<_, ReconcileError>(()),
+                    }
+                }
+                Err(ReconcileError::Aws(format!("scanning {table} did not finish")))
+            }));
+        }
+        drop(tx);
+        let mut shown = Progress::new(started, expected, progress);
+        let mut failed = None;
+        while let Some(page) = rx.recv().await {
+            self.items_read.fetch_add(page.len() as u64, Ordering::Relaxed);
+            shown.add(page.len() as u64);
+            for item in &page {
+                if let Err(e) = each(item) {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        shown.done();
+        for t in tasks {
+            match t.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    failed.get_or_insert(e);
+                }
+                Err(e) => {
+                    failed.get_or_insert(ReconcileError::Aws(e.to_string()));
+                }
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// DescribeTable's item count (updated about every 6 hours on AWS): the progress bar's
+    /// estimate.
+    async fn item_count(&self, table: &str) -> Option<u64> {
+        let out = self.ddb.describe_table().table_name(table).send().await.ok()?;
+        out.table()?.item_count().and_then(|n| u64::try_from(n).ok()).filter(|n| *n > 0)
+    }
+
+    /// Waits until every shard has applied the records created before `after_ms` plus the
+    /// margin ([`super::caught_up`]). Shards nobody owns are read by a consumer of our own, when
+    /// allowed; a live owner is waited for up to `max` without progress.
+    async fn wait_for_consumer(&self, after_ms: u64, max: Duration) -> Result<(), ReconcileError> {
+        let target = after_ms + u64::try_from(self.config.reconcile_margin.as_millis()).unwrap_or(u64::MAX / 4);
+        let mut consumer: Option<(CancellationToken, tokio::task::JoinHandle<()>)> = None;
+        let result = self.wait_for_evidence(target, max, &mut consumer).await;
+        if let Some((stop, task)) = consumer {
+            // It finishes its batch, checkpoints and releases its leases for `run`.
+            stop.cancel();
+            let _ = task.await;
+        }
+        result
+    }
+
+    async fn wait_for_evidence(
+        &self,
+        target: u64,
+        max: Duration,
+        consumer: &mut Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
+    ) -> Result<(), ReconcileError> {
+        let started = Instant::now();
+        let mut last_progress = started;
+        let mut last_seen: Option<Vec<Lease>> = None;
+        loop {
+            let (behind, leases) = caught_up::standing(&self.stream, &self.leases, target).await?;
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if consumer.is_none() && self.own_consumer && caught_up::needs_a_consumer(&behind) {
+                info!(shards = behind.iter().filter(|b| b.owner.is_none()).count(), "no live owner for some shards; reading them");
+                *consumer = Some(self.start_consumer());
+            }
+            // Any checkpoint moving counts as progress: the wait is for a consumer that stalled.
+            let seen: Vec<Lease> = behind.iter().filter_map(|b| leases.get(&b.shard_id).cloned()).collect();
+            if last_seen.as_ref() != Some(&seen) {
+                last_seen = Some(seen);
+                last_progress = Instant::now();
+            }
+            // A consumer that progresses is waited for, up to ten times `max` in all.
+            if last_progress.elapsed() > max || started.elapsed() > max * 10 {
+                let names: Vec<String> = behind
+                    .iter()
+                    .map(|b| match &b.owner {
+                        Some(o) => format!("{} (owner {o})", b.shard_id),
+                        None => format!("{} (no owner)", b.shard_id),
+                    })
+                    .collect();
+                return Err(ReconcileError::NotCaughtUp(format!(
+                    "the stream consumer has not applied every record written before this reconcile: no progress for {}s, or {}s in all (shards behind: {})",
+                    max.as_secs(),
+                    max.as_secs() * 10,
+                    names.join(", ")
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// A worker over the same state table that takes only leases nobody holds.
+    fn start_consumer(&self) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        let ddb = self.ddb.clone();
+        let leases = DynamoDbLeases::new(ddb.clone(), self.config.state.table.clone(), self.stream_arn.clone());
+        let sink = Arc::new(DynamoDbAggregates::new(ddb, self.config.aggregates_table.clone()));
+        let dead_letters = match &self.config.dead_letter {
+            Some(d) => DeadLetters::Sqs(SqsDeadLetters::new(aws_sdk_sqs::Client::new(&self.sdk), d.queue_url.clone(), d.include_images)),
+            None => DeadLetters::Disabled,
+        };
+        let owner = format!("reconcile-{}", crate::worker::replica_id());
+        let shared =
+            Shared::new(self.config.clone(), self.stream.clone(), leases, sink, owner, Arc::new(crate::telemetry::Health::default()))
+                .with_dead_letters(dead_letters, self.stream_arn.clone())
+                .without_balancing();
+        let stop = CancellationToken::new();
+        let worker = Worker::new(shared);
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = worker.run(token).await {
+                tracing::warn!(error = %e, "reconcile's own consumer stopped");
+            }
+        });
+        (stop, task)
+    }
+}
+
+/// Scan progress on stderr: a bar with an ETA on a terminal, a line every 10 s otherwise.
+struct Progress {
+    started: Instant,
+    expected: Option<u64>,
+    enabled: bool,
+    tty: bool,
+    seen: u64,
+    last: Instant,
+}
+
+impl Progress {
+    fn new(started: Instant, expected: Option<u64>, enabled: bool) -> Progress {
+        let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        Progress { started, expected, enabled, tty, seen: 0, last: started }
+    }
+
+    fn add(&mut self, n: u64) {
+        self.seen += n;
+        let every = if self.tty { Duration::from_millis(200) } else { Duration::from_secs(10) };
+        if self.enabled && self.last.elapsed() >= every {
+            self.last = Instant::now();
+            self.show(false);
+        }
+    }
+
+    fn done(&mut self) {
+        if self.enabled {
+            self.show(true);
+        }
+    }
+
+    fn show(&self, done: bool) {
+        let line = progress_line(self.seen, self.expected, self.started.elapsed(), done);
+        if self.tty {
+            eprint!("\r{line}   ");
+            if done {
+                eprintln!();
+            }
+        } else {
+            eprintln!("reconcile: {line}");
+        }
+    }
+}
+
+/// One progress line (pure): items, rate, and with an expected total, a bar and an ETA.
+pub fn progress_line(seen: u64, expected: Option<u64>, elapsed: Duration, done: bool) -> String {
+    let secs = elapsed.as_secs_f64().max(0.001);
+    let rate = seen as f64 / secs;
+    if done {
+        return format!("scanned {seen} items in {secs:.1}s ({rate:.0}/s)");
+    }
+    match expected {
+        Some(total) if total > 0 => {
+            let part = (seen as f64 / total as f64).min(1.0);
+            let filled = (part * 20.0).round() as usize;
+            let eta = if rate > 0.0 { (total.saturating_sub(seen)) as f64 / rate } else { 0.0 };
+            format!(
+                "[{}{}] {seen}/~{total} items ({:.0}%), {rate:.0}/s, ETA {}:{:02}",
+                "#".repeat(filled),
+                ".".repeat(20 - filled),
+                part * 100.0,
+                (eta as u64) / 60,
+                (eta as u64) % 60
+            )
+        }
+        _ => format!("scanned {seen} items ({rate:.0}/s)"),
+    }
+}
+
+impl TargetStore for Reconciler {
+    async fn read(&self, key: &TargetKey) -> Result<TargetItem, ReconcileError> {
+        let mut req = self
+            .ddb
+            .get_item()
+            .table_name(&self.config.aggregates_table)
+            .consistent_read(true)
+            .return_consumed_capacity(ReturnConsumedCapacity::Total);
+        for (k, v) in self.key_of(key) {
+            req = req.key(k, v);
+        }
+        let out = req.send().await.map_err(|e| classify(&e)).map_err(aws(format!("reading target {:?}", key.0)))?;
+        self.budget.spend(budget::units(out.consumed_capacity().and_then(|c| c.capacity_units()), 1)).await;
+        Ok(self.target_item(out.item()))
+    }
+
+    async fn scan(&self, rule: &Rule) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+        let key_names = self.config.engine.key_names.clone();
+        let mut out = BTreeMap::new();
+        self.scan_each(&self.config.aggregates_table, 1, None, false, |item| {
+            let key: Option<Vec<&str>> = key_names.iter().map(|k| item.get(k).and_then(|v| v.as_s().ok()).map(String::as_str)).collect();
+            if let Some(key) = key.filter(|k| is_target(rule, k)) {
+                out.insert(TargetKey(key.iter().map(|s| Box::from(*s)).collect()), self.target_item(Some(item)));
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(out)
+    }
+
+    async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
+        let mut req = self.ddb.update_item().table_name(&self.config.aggregates_table);
+        for (k, v) in self.key_of(key) {
+            req = req.key(k, v);
+        }
+        let mut sets = Vec::new();
+        for (i, (name, value)) in c.set.iter().enumerate() {
+            sets.push(format!("#a{i} = :a{i}"));
+            req = req
+                .expression_attribute_names(format!("#a{i}"), name)
+                .expression_attribute_values(format!(":a{i}"), AttributeValue::N(value.to_string()));
+        }
+        req = req
+            .expression_attribute_names("#v", self.ledger.version_attribute())
+            .expression_attribute_names("#w", self.ledger.measures_attribute())
+            .expression_attribute_values(":one", AttributeValue::N("1".into()))
+            .expression_attribute_values(":w", AttributeValue::Ss(c.set.iter().map(|(n, _)| n.clone()).collect()));
+        req = match &c.seen_version {
+            Some(v) => req.condition_expression("#v = :seen").expression_attribute_values(":seen", AttributeValue::N(v.clone())),
+            None => req.condition_expression("attribute_not_exists(#v)"),
+        };
+        match req.update_expression(format!("SET {} ADD #v :one, #w :w", sets.join(", "))).send().await {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
+            Err(e) => Err(ReconcileError::Aws(format!("correcting {:?}: {}", key.0, classify(&e)))),
+        }
+    }
+}
+
+impl SourceItems for Reconciler {
+    async fn query(&self, rule: &Rule, pk: &str, sk_prefix: Option<&str>, truth: &mut Truth) -> Result<(), ReconcileError> {
+        let pk_name = &self.source_keys[0];
+        let table = &self.config.source.table;
+        let mut start: Option<Item> = None;
+        for _ in 0..1_000_000 {
+            let mut req = self
+                .ddb
+                .query()
+                .table_name(table)
+                .consistent_read(true)
+                .return_consumed_capacity(ReturnConsumedCapacity::Total)
+                .expression_attribute_names("#pk", pk_name)
+                .expression_attribute_values(":pk", AttributeValue::S(pk.to_string()))
+                .set_exclusive_start_key(start.take());
+            req = match (sk_prefix, self.source_keys.get(1)) {
+                (Some(prefix), Some(sk_name)) => req
+                    .key_condition_expression("#pk = :pk AND begins_with(#sk, :sk)")
+                    .expression_attribute_names("#sk", sk_name)
+                    .expression_attribute_values(":sk", AttributeValue::S(prefix.to_string())),
+                _ => req.key_condition_expression("#pk = :pk"),
+            };
+            let page = req.send().await.map_err(|e| classify(&e)).map_err(aws(format!("querying {table}")))?;
+            self.items_read.fetch_add(page.items().len() as u64, Ordering::Relaxed);
+            self.budget.spend(budget::units(page.consumed_capacity().and_then(|c| c.capacity_units()), page.items().len())).await;
+            for item in page.items() {
+                truth.add_item(rule, &self.source_keys, &to_json(item)?);
+            }
+            match page.last_evaluated_key() {
+                Some(k) if !k.is_empty() => start = Some(k.clone()),
+                _ => return Ok(()),
+            }
+        }
+        Err(ReconcileError::Aws(format!("querying {table} did not finish")))
+    }
+
+    async fn scan(&self, rule: &Rule, opts: &Options, truth: &mut Truth) -> Result<(), ReconcileError> {
+        let keys = self.source_keys.clone();
+        self.scan_each(&self.config.source.table, opts.segments.max(1), opts.read_rate, opts.progress && opts.all, |item| {
+            truth.add_item(rule, &keys, &to_json(item)?);
+            Ok(())
+        })
+        .await
+    }
+}
+
+impl Consumer for Reconciler {
+    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<(), ReconcileError> {
+        self.wait_for_consumer(after_ms, wait).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_lines() {
+        let s = Duration::from_secs(10);
+        assert_eq!(progress_line(500, Some(2000), s, false), "[#####...............] 500/~2000 items (25%), 50/s, ETA 0:30");
+        assert_eq!(progress_line(500, None, s, false), "scanned 500 items (50/s)");
+        assert_eq!(progress_line(2500, Some(2000), s, false), "[####################] 2500/~2000 items (100%), 250/s, ETA 0:00");
+        assert_eq!(progress_line(500, Some(2000), s, true), "scanned 500 items in 10.0s (50/s)");
+    }
+}

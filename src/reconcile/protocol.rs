@@ -1,0 +1,384 @@
+//! The reconcile procedure over three narrow traits (the target items, the source items, the
+//! stream consumer), so it runs the same on DynamoDB, in the simulation and in property tests.
+//!
+//! Per rule and round: (1) snapshot the targets; (2) read the truth; (3) wait until every
+//! record created before the truth read was applied; (4) read each target again: if its write
+//! counter moved since (1), a record was applied meanwhile, so the target is tried again in the
+//! next round; otherwise the stored values reflect exactly the records the truth saw, and any
+//! difference is drift, corrected on condition that the counter is still as read.
+//!
+//! Why (1) comes before (2): a record created after the truth read cannot have been applied
+//! before (1), so an unchanged counter between (1) and (4) proves the target holds no record
+//! the truth did not see (no timestamps compared: DynamoDB Local rounds them to the minute).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::time::Duration;
+
+use futures::StreamExt;
+
+use super::report::{Drift, Report, Stored};
+use super::truth::{self, Truth};
+use super::{Options, ReconcileError};
+use crate::decimal::Decimal;
+use crate::rules::{ReconcileSource, Rule, TargetKey};
+use crate::state::now_ms;
+use crate::telemetry::names;
+
+/// Targets read, queried or corrected at once.
+pub const CONCURRENCY: usize = 16;
+
+/// A target item as reconcile sees it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TargetItem {
+    pub exists: bool,
+    /// Every attribute that is neither a key nor reserved (`_agg...`).
+    pub values: BTreeMap<String, Stored>,
+    /// The write counter every ledger write and correction advances; None: never advanced.
+    pub version: Option<String>,
+    /// The measure attributes this deployment wrote on the item.
+    pub written: BTreeSet<String>,
+}
+
+/// A conditional write that sets attributes to the truth.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Correction {
+    /// The item's write counter as read: the write applies only if it is unchanged.
+    pub seen_version: Option<String>,
+    pub set: Vec<(String, Decimal)>,
+}
+
+/// The aggregates table.
+pub trait TargetStore: Sync {
+    /// One target item, strongly consistent (absent: `exists` false).
+    fn read(&self, key: &TargetKey) -> impl Future<Output = Result<TargetItem, ReconcileError>> + Send;
+    /// Every existing item that is one of the rule's targets.
+    fn scan(&self, rule: &Rule) -> impl Future<Output = Result<BTreeMap<TargetKey, TargetItem>, ReconcileError>> + Send;
+    /// Applies `c` (and advances the counter) if the counter is still `c.seen_version`; false
+    /// when it moved.
+    fn correct(&self, key: &TargetKey, c: &Correction) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
+}
+
+/// The source table.
+pub trait SourceItems: Sync {
+    /// Adds to `truth` the items of partition `pk` whose sort key begins with `sk_prefix`
+    /// (strongly consistent).
+    fn query(
+        &self,
+        rule: &Rule,
+        pk: &str,
+        sk_prefix: Option<&str>,
+        truth: &mut Truth,
+    ) -> impl Future<Output = Result<(), ReconcileError>> + Send;
+    /// Adds every item of the table (strongly consistent, streamed: memory does not grow with
+    /// the table).
+    fn scan(&self, rule: &Rule, opts: &Options, truth: &mut Truth) -> impl Future<Output = Result<(), ReconcileError>> + Send;
+}
+
+/// The stream consumer, as far as reconcile needs it.
+pub trait Consumer: Sync {
+    /// Returns once every record created before `after_ms` has been applied (or dead-lettered);
+    /// gives up after `wait` without progress.
+    fn applied_before(&self, after_ms: u64, wait: Duration) -> impl Future<Output = Result<(), ReconcileError>> + Send;
+}
+
+/// A partition and an optional sort-key prefix.
+pub type Query = (String, Option<String>);
+
+/// The query (partition, sort-key prefix) that reads a target's source items, if the rule has
+/// one and the target determines it.
+pub fn query_for(rule: &Rule, target: &TargetKey) -> Option<Query> {
+    let ReconcileSource::Query { pk, sk_begins_with } = &rule.reconcile else { return None };
+    let vars = truth::variables_of(rule, target);
+    let lookup = |name: &str| vars.get(name).map(|v| crate::rules::template::VarValue::Str(v.as_str()));
+    let pk = pk.expand(lookup).ok()?;
+    let sk = match sk_begins_with {
+        Some(t) => Some(t.expand(lookup).ok()?),
+        None => None,
+    };
+    Some((pk, sk))
+}
+
+/// The drifted attributes of one target: those reconcile manages ([`truth::manages`]) whose
+/// stored value differs from the truth (absent counts as zero).
+pub fn drifts(rule: &Rule, key: &TargetKey, want: &BTreeMap<String, Decimal>, item: &TargetItem) -> Vec<Drift> {
+    let attrs: BTreeSet<&String> =
+        want.keys().chain(item.values.keys()).filter(|a| truth::manages(rule, a, &item.written, want.contains_key(*a))).collect();
+    let mut out = Vec::new();
+    for attr in attrs {
+        let t = want.get(attr).copied().unwrap_or(Decimal::ZERO);
+        let stored = item.values.get(attr).cloned().unwrap_or(Stored::Missing);
+        let same = match &stored {
+            Stored::Number(n) => *n == t,
+            Stored::Missing => t.is_zero(),
+            Stored::Other(_) => false,
+        };
+        if !same {
+            out.push(Drift {
+                rule: rule.name.to_string(),
+                target: key.clone(),
+                attribute: attr.clone(),
+                stored,
+                truth: t,
+                corrected: false,
+            });
+        }
+    }
+    out
+}
+
+/// Attributes set by one correction: its SET clause stays far below DynamoDB's 4 KB expression
+/// limit however many attributes a template such as `orders_{status}` forms.
+pub const MAX_SET_PER_CORRECTION: usize = 100;
+
+/// The writes that repair `drifts` on `item`: numbers only (a value that is not a number was
+/// written by someone else: reported, never overwritten), at most
+/// [`MAX_SET_PER_CORRECTION`] attributes each. Each is conditioned on the counter the one
+/// before leaves (every correction advances it by one). Empty: nothing to write.
+pub fn corrections(drifts: &[Drift], item: &TargetItem) -> Vec<Correction> {
+    let set: Vec<(String, Decimal)> =
+        drifts.iter().filter(|d| !matches!(d.stored, Stored::Other(_))).map(|d| (d.attribute.clone(), d.truth)).collect();
+    let mut seen = item.version.clone();
+    let mut out = Vec::new();
+    for chunk in set.chunks(MAX_SET_PER_CORRECTION) {
+        out.push(Correction { seen_version: seen.clone(), set: chunk.to_vec() });
+        let before = seen.as_deref().and_then(|v| Decimal::parse(v).ok()).unwrap_or(Decimal::ZERO);
+        seen = before.checked_add(Decimal::from_i64(1)).ok().map(|v| v.to_string());
+    }
+    out
+}
+
+/// What happened to one target in a round.
+enum Outcome {
+    /// Compared (and corrected where drifted and allowed).
+    Done(Vec<Drift>),
+    /// A record was applied meanwhile: try again.
+    Changed,
+}
+
+/// Reconciles `requested` targets of `rule` (None: every target the truth or the table has).
+pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
+    targets: &T,
+    sources: &S,
+    consumer: &C,
+    rule: &Rule,
+    requested: Option<BTreeSet<TargetKey>>,
+    opts: &Options,
+    report: &mut Report,
+) -> Result<(), ReconcileError> {
+    let mut pending = requested;
+    for round in 0..opts.attempts.max(1) {
+        let before = snapshot(targets, rule, pending.as_ref()).await?;
+        let truth = read_truth(sources, rule, pending.as_ref(), opts).await?;
+        let truth_done_at = now_ms();
+        report.poisons += truth.poisons.len() as u64;
+        if !opts.dry_run && !opts.no_wait {
+            consumer.applied_before(truth_done_at, opts.wait).await?;
+        }
+        let mut keys: BTreeSet<TargetKey> = before.keys().cloned().collect();
+        keys.extend(truth.values.keys().cloned());
+        if let Some(p) = &pending {
+            keys.retain(|k| p.contains(k));
+        }
+        report.targets_checked += keys.len() as u64;
+        let empty = BTreeMap::new();
+        let outcomes: Vec<(TargetKey, Result<Outcome, ReconcileError>)> = futures::stream::iter(keys)
+            .map(|key| {
+                let seen = before.get(&key).cloned().unwrap_or_default();
+                let want = truth.values.get(&key).unwrap_or(&empty);
+                async move {
+                    let outcome = compare_and_correct(targets, rule, &key, &seen, want, opts).await;
+                    (key, outcome)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        let mut changed = BTreeSet::new();
+        for (key, outcome) in outcomes {
+            match outcome? {
+                Outcome::Done(d) => report.drifts.extend(d),
+                Outcome::Changed => {
+                    changed.insert(key);
+                }
+            }
+        }
+        if changed.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(rule = %rule.name, targets = changed.len(), round, "targets changed while reconciling; trying them again");
+        pending = Some(changed);
+    }
+    for key in pending.into_iter().flatten() {
+        report.not_quiet.push((rule.name.to_string(), key));
+    }
+    Ok(())
+}
+
+/// (1) The targets as they are before the truth is read.
+async fn snapshot<T: TargetStore>(
+    targets: &T,
+    rule: &Rule,
+    pending: Option<&BTreeSet<TargetKey>>,
+) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+    let Some(keys) = pending else { return targets.scan(rule).await };
+    let read: Vec<Result<(TargetKey, TargetItem), ReconcileError>> = futures::stream::iter(keys.iter().cloned())
+        .map(|k| async move { targets.read(&k).await.map(|item| (k, item)) })
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
+    read.into_iter().collect()
+}
+
+/// (2) The truth: one query per target for query rules, else one scan.
+async fn read_truth<S: SourceItems>(
+    sources: &S,
+    rule: &Rule,
+    pending: Option<&BTreeSet<TargetKey>>,
+    opts: &Options,
+) -> Result<Truth, ReconcileError> {
+    let queries: Option<Vec<(TargetKey, Query)>> =
+        pending.and_then(|keys| keys.iter().map(|k| query_for(rule, k).map(|q| (k.clone(), q))).collect());
+    let Some(queries) = queries else {
+        let mut truth = Truth::default();
+        sources.scan(rule, opts, &mut truth).await?;
+        if let Some(keys) = pending {
+            truth.values.retain(|k, _| keys.contains(k));
+        }
+        return Ok(truth);
+    };
+    let parts: Vec<Result<(TargetKey, Truth), ReconcileError>> = futures::stream::iter(queries)
+        .map(|(key, (pk, sk))| async move {
+            let mut t = Truth::default();
+            sources.query(rule, &pk, sk.as_deref(), &mut t).await?;
+            Ok((key, t))
+        })
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
+    let mut truth = Truth::default();
+    for part in parts {
+        let (key, mut t) = part?;
+        truth.items += t.items;
+        truth.poisons.append(&mut t.poisons);
+        if let Some(v) = t.values.remove(&key) {
+            truth.values.insert(key, v);
+        }
+    }
+    Ok(truth)
+}
+
+/// (4) One target: read again, compare, correct.
+async fn compare_and_correct<T: TargetStore>(
+    targets: &T,
+    rule: &Rule,
+    key: &TargetKey,
+    before: &TargetItem,
+    want: &BTreeMap<String, Decimal>,
+    opts: &Options,
+) -> Result<Outcome, ReconcileError> {
+    let now = targets.read(key).await?;
+    if !opts.dry_run && now.version != before.version {
+        return Ok(Outcome::Changed);
+    }
+    let mut found = drifts(rule, key, want, &now);
+    if found.is_empty() {
+        return Ok(Outcome::Done(found));
+    }
+    metrics::counter!(names::RECONCILE_DRIFT, "rule" => rule.name.to_string()).increment(found.len() as u64);
+    let writes = corrections(&found, &now);
+    if opts.dry_run || writes.is_empty() {
+        return Ok(Outcome::Done(found));
+    }
+    for write in &writes {
+        // A record applied in between: the attributes set so far are right (the comparison
+        // held when they were written); the rest are compared again next round.
+        if !targets.correct(key, write).await? {
+            return Ok(Outcome::Changed);
+        }
+        metrics::counter!(names::RECONCILE_CORRECTIONS, "rule" => rule.name.to_string()).increment(write.set.len() as u64);
+    }
+    for d in found.iter_mut().filter(|d| !matches!(d.stored, Stored::Other(_))) {
+        d.corrected = true;
+    }
+    tracing::info!(rule = %rule.name, target = ?key.0, attributes = writes.iter().map(|w| w.set.len()).sum::<usize>(), "drift corrected");
+    Ok(Outcome::Done(found))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn rules() -> Vec<Rule> {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+        Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules
+    }
+
+    fn key(parts: &[&str]) -> TargetKey {
+        TargetKey(parts.iter().map(|p| Box::from(*p)).collect())
+    }
+
+    fn d(v: &str) -> Decimal {
+        Decimal::parse(v).unwrap()
+    }
+
+    #[test]
+    fn a_query_per_target() {
+        let rules = rules();
+        assert_eq!(query_for(&rules[0], &key(&["CUST#c1", "PROFILE"])), Some(("CUST#c1".into(), Some("ORDER#".into()))));
+        assert_eq!(query_for(&rules[1], &key(&["SALES#2026-11-30", "TOTAL"])), None, "a scan rule");
+    }
+
+    #[test]
+    fn drifts_and_the_correction_leave_users_and_strings_alone() {
+        let rules = rules();
+        let k = key(&["CUST#c1", "PROFILE"]);
+        let item = TargetItem {
+            exists: true,
+            values: [
+                ("orderCount".to_string(), Stored::Number(d("3"))),
+                ("revenue".to_string(), Stored::Number(d("10"))),
+                ("orders_PAID".to_string(), Stored::Number(d("9"))),
+                ("orders_cap".to_string(), Stored::Number(d("10"))),
+                ("orders_SHIPPED".to_string(), Stored::Other("many".into())),
+                ("name".to_string(), Stored::Other("Ann".into())),
+            ]
+            .into(),
+            version: Some("41".into()),
+            written: ["orders_PAID".to_string()].into(),
+        };
+        let want: BTreeMap<String, Decimal> =
+            [("orderCount", "3"), ("revenue", "12.5"), ("orders_SHIPPED", "1")].iter().map(|(a, v)| (a.to_string(), d(v))).collect();
+        let found = drifts(&rules[0], &k, &want, &item);
+        let shown: Vec<String> = found.iter().map(|d| format!("{}: {} -> {}", d.attribute, d.stored, d.truth)).collect();
+        // orders_PAID: written by the service, no item feeds it any more: zero. orders_cap: a
+        // user's. openOrders/openRevenue: absent and zero in truth, no drift.
+        assert_eq!(shown, ["orders_PAID: 9 -> 0", "orders_SHIPPED: \"many\" -> 1", "revenue: 10 -> 12.5"]);
+        let c = corrections(&found, &item);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].seen_version.as_deref(), Some("41"));
+        assert_eq!(c[0].set, [("orders_PAID".to_string(), d("0")), ("revenue".to_string(), d("12.5"))], "never the string");
+        assert!(corrections(&found[1..2], &item).is_empty(), "only a string drifted: nothing to write");
+    }
+
+    #[test]
+    fn many_drifted_attributes_are_corrected_in_chained_writes() {
+        let k = key(&["CUST#c1", "PROFILE"]);
+        let drift = |i: usize| Drift {
+            rule: "r".into(),
+            target: k.clone(),
+            attribute: format!("orders_S{i}"),
+            stored: Stored::Number(d("9")),
+            truth: d("1"),
+            corrected: false,
+        };
+        let found: Vec<Drift> = (0..250).map(drift).collect();
+        let fresh = TargetItem { exists: true, ..TargetItem::default() };
+        let c = corrections(&found, &fresh);
+        let shape: Vec<(Option<&str>, usize)> = c.iter().map(|w| (w.seen_version.as_deref(), w.set.len())).collect();
+        assert_eq!(shape, [(None, 100), (Some("1"), 100), (Some("2"), 50)], "each write expects the counter the one before left");
+        let seen = TargetItem { version: Some("41".into()), ..fresh };
+        assert_eq!(corrections(&found, &seen)[2].seen_version.as_deref(), Some("43"));
+    }
+}

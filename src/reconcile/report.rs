@@ -1,0 +1,65 @@
+//! What a reconcile found and did.
+
+use std::time::Duration;
+
+use crate::decimal::Decimal;
+use crate::rules::TargetKey;
+
+/// A stored attribute: its number, or the text of a value that is not one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stored {
+    Missing,
+    Number(Decimal),
+    Other(String),
+}
+
+impl std::fmt::Display for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stored::Missing => f.write_str("-"),
+            Stored::Number(n) => write!(f, "{n}"),
+            Stored::Other(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Drift {
+    pub rule: String,
+    pub target: TargetKey,
+    pub attribute: String,
+    pub stored: Stored,
+    pub truth: Decimal,
+    pub corrected: bool,
+}
+
+impl Drift {
+    pub fn difference(&self) -> Option<Decimal> {
+        match &self.stored {
+            Stored::Missing => Some(self.truth),
+            Stored::Number(n) => self.truth.checked_sub(*n).ok(),
+            Stored::Other(_) => None,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Report {
+    pub drifts: Vec<Drift>,
+    /// Targets whose write counter kept moving: reported, not forced.
+    pub not_quiet: Vec<(String, TargetKey)>,
+    pub items_read: u64,
+    /// Read capacity units consumed (both tables).
+    pub read_units: f64,
+    pub targets_checked: u64,
+    pub poisons: u64,
+    pub elapsed: Duration,
+    /// Rules left out: their definition cannot be recomputed from the items (why, per rule).
+    pub refused: Vec<String>,
+}
+
+impl Report {
+    pub fn uncorrected(&self) -> usize {
+        self.drifts.iter().filter(|d| !d.corrected).count() + self.not_quiet.len()
+    }
+}
