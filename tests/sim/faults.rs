@@ -177,6 +177,12 @@ impl<L: LeaseStore> LeaseStore for Leases<L> {
     async fn clear_reconcile_request(&self, started_ms: u64) -> Result<bool, StateError> {
         call(&self.fate, &self.faults, self.inner.clear_reconcile_request(started_ms), state_fault, state_fault).await
     }
+    async fn hold_named(&self, name: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.hold_named(name, owner, until_ms, now_ms), state_fault, state_fault).await
+    }
+    async fn release_named(&self, name: &str, owner: &str) -> Result<(), StateError> {
+        call(&self.fate, &self.faults, self.inner.release_named(name, owner), state_fault, state_fault).await
+    }
 }
 
 pub struct Sink<A> {

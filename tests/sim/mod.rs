@@ -3,6 +3,7 @@
 //! oracle.
 
 mod faults;
+mod reconcile;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -11,6 +12,8 @@ use std::time::Duration;
 
 use ddb_aggregator::config::Config;
 use ddb_aggregator::decimal::Decimal;
+use ddb_aggregator::reconcile::memory::MemorySources;
+use ddb_aggregator::reconcile::ReconcileError;
 use ddb_aggregator::sink::dead_letter::{DeadLetters, MemoryDeadLetters};
 use ddb_aggregator::sink::memory::MemoryAggregates;
 use ddb_aggregator::state::memory::MemoryLeases;
@@ -45,6 +48,8 @@ pub struct Params {
     pub idle_poll_secs: u64,
     /// Stop the run (drain, last check) once this much real time has passed.
     pub wall_budget: Option<std::time::Duration>,
+    /// Simulated hours between deployment A's scheduled reconciles of everything.
+    pub reconcile_every_hours: u64,
 }
 
 impl Default for Params {
@@ -58,6 +63,7 @@ impl Default for Params {
             fault_rate: 0.01,
             idle_poll_secs: 300,
             wall_budget: None,
+            reconcile_every_hours: 24,
         }
     }
 }
@@ -92,6 +98,10 @@ pub struct Report {
     pub shards_lost: u64,
     pub reconcile_requests: u64,
     pub repairs: u64,
+    /// Reconcile rounds run among the faults, and what they corrected.
+    pub reconcile_rounds: u64,
+    pub reconcile_corrected: u64,
+    pub reconcile_failed: u64,
     pub deployment_b_values: u64,
     pub letters: u64,
     pub wall_s: f64,
@@ -123,6 +133,11 @@ impl std::fmt::Display for Report {
             f,
             "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, h leases deleted {}",
             self.children_started, self.shards_lost, self.reconcile_requests, self.repairs, self.deployment_b_values, self.most_entries, self.leases_deleted
+        )?;
+        writeln!(
+            f,
+            "  reconcile: {} rounds among the faults ({} attributes corrected, {} rounds gave up)",
+            self.reconcile_rounds, self.reconcile_corrected, self.reconcile_failed
         )?;
         if self.problems.is_empty() {
             write!(f, "  sound: every aggregate exact at every quiescent point")
@@ -258,11 +273,17 @@ struct World {
     poison: Vec<(u64, u64)>,
     /// Records appended within this window may be lost to the outage.
     loss_window: Option<(u64, u64)>,
+    /// The source table as reconcile reads it (the same items as `items`).
+    sources: Arc<MemorySources>,
+    /// A reconcile round of deployment A running among the replicas, and when the next starts.
+    round: Option<tokio::task::JoinHandle<Result<ddb_aggregator::reconcile::Report, ReconcileError>>>,
+    next_round: u64,
     report: Report,
 }
 
 impl World {
     fn new(p: Params) -> World {
+        let first_round = p.reconcile_every_hours * HOUR;
         let stream = Arc::new(SimStream::new());
         stream.quiet();
         let now = now_ms();
@@ -293,6 +314,9 @@ impl World {
             events: Vec::new(),
             poison: Vec::new(),
             loss_window: None,
+            sources: Arc::new(MemorySources::new(vec!["PK".into(), "SK".into()])),
+            round: None,
+            next_round: now + first_round,
             report,
         }
     }
@@ -365,6 +389,7 @@ impl World {
                 next_check = now + 28 * HOUR;
             }
             self.rollovers(now);
+            self.reconcile_rounds(now);
             if now >= next_retention {
                 self.retention(now);
                 next_retention = now + 10 * 60_000;
@@ -477,6 +502,39 @@ impl World {
         self.leases_b.measure_unowned_from(back);
     }
 
+    /// Deployment A's schedule: a reconcile of everything every `reconcile_every_hours`,
+    /// running among the replicas, their faults and the writes.
+    fn reconcile_rounds(&mut self, now: u64) {
+        if let Some(done) = self.round.take_if(|r| r.is_finished()) {
+            self.count_round(futures::FutureExt::now_or_never(done));
+        }
+        if self.round.is_none() && now >= self.next_round {
+            self.next_round = now + self.p.reconcile_every_hours * HOUR;
+            let (aggregates, sources, stream, leases) =
+                (self.aggregates.clone(), self.sources.clone(), self.stream.clone(), self.leases_a.clone());
+            self.round =
+                Some(tokio::spawn(async move { reconcile::reconcile_all(&config_a(), &aggregates, &sources, &stream, &leases).await }));
+        }
+    }
+
+    fn count_round(&mut self, done: Option<Result<Result<ddb_aggregator::reconcile::Report, ReconcileError>, tokio::task::JoinError>>) {
+        match done {
+            Some(Ok(Ok(r))) => {
+                self.report.reconcile_rounds += 1;
+                let corrected = r.drifts.iter().filter(|d| d.corrected).count() as u64;
+                self.report.reconcile_corrected += corrected;
+                // Before the outage nothing is lost and nothing drifts: a correction then is
+                // reconcile changing a right value.
+                if corrected > 0 && self.report.outages == 0 {
+                    let d: Vec<String> =
+                        r.drifts.iter().take(3).map(|d| format!("{:?}.{} {} -> {}", d.target.0, d.attribute, d.stored, d.truth)).collect();
+                    self.report.problems.push(format!("reconcile corrected {corrected} right values before any loss: {}", d.join("; ")));
+                }
+            }
+            _ => self.report.reconcile_failed += 1,
+        }
+    }
+
     fn rollovers(&mut self, now: u64) {
         let max_leaves = self.p.partitions + self.p.partitions / 2 + 1;
         let mut i = 0;
@@ -556,6 +614,7 @@ impl World {
             let key = (customer, day, self.next_order);
             let seq = self.emit("INSERT", &key, None, Some(&order));
             self.poison.push((seq, now));
+            self.sources.put(source_item(&key, &order));
             self.items.insert(key, order);
             self.report.poison += 1;
             return;
@@ -577,12 +636,14 @@ impl World {
                 let order = Order { status: "PENDING", cents: Some(self.rng.i64(1..100_000)) };
                 let key = (customer, day, self.next_order);
                 self.emit("INSERT", &key, None, Some(&order));
+                self.sources.put(source_item(&key, &order));
                 self.items.insert(key, order);
             }
             Some(key) => {
                 let old = self.items[&key].clone();
                 if self.rng.f64() < 0.3 {
                     self.emit("REMOVE", &key, Some(&old), None);
+                    self.sources.delete(&[format!("CUST#c{}", key.0), format!("ORDER#{}#o{}", key.1, key.2)]);
                     self.items.remove(&key);
                 } else {
                     let new = if self.rng.bool() {
@@ -591,6 +652,7 @@ impl World {
                         Order { cents: Some(self.rng.i64(1..100_000)), ..old.clone() }
                     };
                     self.emit("MODIFY", &key, Some(&old), Some(&new));
+                    self.sources.put(source_item(&key, &new));
                     self.items.insert(key, new);
                 }
             }
@@ -599,21 +661,12 @@ impl World {
 
     fn emit(&mut self, event: &str, key: &(u32, String, u64), old: Option<&Order>, new: Option<&Order>) -> u64 {
         let keys = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#{}#o{}", key.1, key.2)}});
-        let image = |o: &Order| {
-            let mut img = keys.clone();
-            img["status"] = json!({"S": o.status});
-            img["total"] = match o.cents {
-                Some(c) => json!({"N": cents_text(c)}),
-                None => json!({"S": "n/a"}),
-            };
-            img
-        };
         let mut ddb = json!({"Keys": keys, "ApproximateCreationDateTime": now_ms() / 1000});
         if let Some(o) = old {
-            ddb["OldImage"] = image(o);
+            ddb["OldImage"] = Value::Object(source_item(key, o));
         }
         if let Some(o) = new {
-            ddb["NewImage"] = image(o);
+            ddb["NewImage"] = Value::Object(source_item(key, o));
         }
         let record: Value = json!({"eventName": event, "dynamodb": ddb});
         self.report.records += 1;
@@ -692,11 +745,33 @@ impl World {
         }
         if !wrong.is_empty() && (requested || requested_b) {
             // The service flagged possible loss (trimmed or lost shards, an iterator lost
-            // before a first checkpoint) and asked for a reconcile: repair and go on.
-            self.aggregates.set_numbers(&truth);
-            let _ = self.leases_a.clear_reconcile_request(u64::MAX).await;
-            let _ = self.leases_b.clear_reconcile_request(u64::MAX).await;
-            self.report.repairs += 1;
+            // before a first checkpoint) and asked for a reconcile: the real one repairs it.
+            for (wanted, config, leases) in
+                [(requested, config_a(), self.leases_a.clone()), (requested_b, config_b(), self.leases_b.clone())]
+            {
+                if !wanted {
+                    continue;
+                }
+                let r = reconcile::reconcile_all(&config, &self.aggregates, &self.sources, &self.stream, &leases).await;
+                if r.as_ref().is_ok_and(|r| r.not_quiet.is_empty()) {
+                    let _ = leases.clear_reconcile_request(u64::MAX).await;
+                }
+                self.count_round(Some(Ok(r)));
+            }
+            let after = self.aggregates.numbers();
+            let still: Vec<String> = truth
+                .keys()
+                .chain(after.keys())
+                .filter(|k| truth.get(*k) != after.get(*k))
+                .take(5)
+                .map(|k| format!("{:?}.{}: stored {:?}, truth {:?}", k.0, k.1, after.get(k), truth.get(k)))
+                .collect();
+            if still.is_empty() {
+                self.report.repairs += 1;
+                return;
+            }
+            self.report.values_wrong += still.len() as u64;
+            self.report.problems.push(format!("reconcile did not repair: {}", still.join("; ")));
             return;
         }
         if requested || requested_b {
@@ -738,6 +813,10 @@ impl World {
     }
 
     async fn finish(&mut self) {
+        if let Some(round) = self.round.take() {
+            let done = tokio::time::timeout(Duration::from_secs(12 * 3600), round).await.ok();
+            self.count_round(done);
+        }
         for r in self.replicas.iter().flatten() {
             r.cancel.cancel();
         }
@@ -767,6 +846,17 @@ impl World {
         self.report.longest_unowned_s = self.leases_a.longest_unowned_ms().max(self.leases_b.longest_unowned_ms()) / 1000;
         self.report.children_started = self.report.shards - self.p.partitions as u64;
     }
+}
+
+/// An order as the source table holds it (typed DynamoDB JSON).
+fn source_item(key: &(u32, String, u64), o: &Order) -> serde_json::Map<String, Value> {
+    let total = match o.cents {
+        Some(c) => json!({"N": cents_text(c)}),
+        None => json!({"S": "n/a"}),
+    };
+    let item = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#{}#o{}", key.1, key.2)},
+                      "status": {"S": o.status}, "total": total});
+    item.as_object().cloned().unwrap_or_default()
 }
 
 /// Cents as a decimal text (`12345` -> `123.45`).
