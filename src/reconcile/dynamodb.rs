@@ -27,6 +27,7 @@ use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
 use crate::sink::dynamodb::DynamoDbAggregates;
 use crate::sink::ledger::Ledger;
 use crate::state::dynamodb::DynamoDbLeases;
+use crate::state::LeaseStore;
 use crate::state::{now_ms, Lease};
 use crate::stream::dynamodb::DynamoDbStream;
 use crate::telemetry::names;
@@ -299,6 +300,13 @@ impl Reconciler {
         max: Duration,
         consumer: &mut Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
     ) -> Result<(), ReconcileError> {
+        if self.own_consumer {
+            // A backfill before the first `run`: the state table may not exist yet.
+            self.leases
+                .prepare(self.config.state.create_table)
+                .await
+                .map_err(|e| ReconcileError::Aws(format!("preparing the state table: {e}")))?;
+        }
         let started = Instant::now();
         let mut last_progress = started;
         let mut last_seen: Option<Vec<Lease>> = None;
@@ -350,7 +358,8 @@ impl Reconciler {
         let shared =
             Shared::new(self.config.clone(), self.stream.clone(), leases, sink, owner, Arc::new(crate::telemetry::Health::default()))
                 .with_dead_letters(dead_letters, self.stream_arn.clone())
-                .without_balancing();
+                .without_balancing()
+                .reading_from_the_horizon();
         let stop = CancellationToken::new();
         let worker = Worker::new(shared);
         let token = stop.clone();

@@ -18,16 +18,20 @@ pub enum Checkpoint {
     Sequence(String),
     /// The shard is closed and every record is applied.
     ShardEnd,
+    /// Nothing applied yet, and reading started at the shard's trim horizon: the next owner
+    /// starts there too, not at `start_position: latest` (which would skip what arrived since).
+    TrimHorizon,
 }
 
 impl Checkpoint {
     pub const SHARD_END: &'static str = "SHARD_END";
+    pub const TRIM_HORIZON: &'static str = "TRIM_HORIZON";
 
     pub fn parse(s: &str) -> Checkpoint {
-        if s == Self::SHARD_END {
-            Checkpoint::ShardEnd
-        } else {
-            Checkpoint::Sequence(s.to_string())
+        match s {
+            Self::SHARD_END => Checkpoint::ShardEnd,
+            Self::TRIM_HORIZON => Checkpoint::TrimHorizon,
+            _ => Checkpoint::Sequence(s.to_string()),
         }
     }
 
@@ -35,6 +39,7 @@ impl Checkpoint {
         match self {
             Checkpoint::Sequence(s) => s,
             Checkpoint::ShardEnd => Self::SHARD_END,
+            Checkpoint::TrimHorizon => Self::TRIM_HORIZON,
         }
     }
 }

@@ -34,6 +34,9 @@ struct State {
     reads: Vec<(String, u64)>,
     /// GetRecords calls that should fail with throttling before succeeding.
     throttles: u32,
+    /// GetRecords calls that answer an empty page though records follow (a stretch of the
+    /// shard without records, which AWS documents may take several calls to pass).
+    empty_pages: u32,
     /// DynamoDB Local's answer to GetRecords on an empty shard: TrimmedDataAccess.
     trimmed_when_empty: bool,
     /// Reading order is not logged (long simulations).
@@ -176,6 +179,12 @@ impl SimStream {
         lock(&self.state).trimmed_when_empty = true;
     }
 
+    /// The next `n` GetRecords calls that have records to return answer an empty page instead,
+    /// with an iterator at the same place.
+    pub fn empty_pages_next(&self, n: u32) {
+        lock(&self.state).empty_pages = n;
+    }
+
     pub fn throttle_next(&self, n: u32) {
         lock(&self.state).throttles = n;
     }
@@ -235,6 +244,10 @@ impl StreamSource for SimStream {
         let sh = s.shards.get(&shard).ok_or_else(|| StreamError::NotFound(shard.clone()))?;
         if index < sh.trimmed || (s.trimmed_when_empty && sh.records.is_empty()) {
             return Err(StreamError::TrimmedData(format!("{shard}: iterator points at trimmed data")));
+        }
+        if s.empty_pages > 0 && index < sh.records.len() {
+            s.empty_pages -= 1;
+            return Ok(Page { records: Vec::new(), next_iterator: Some(encode(&shard, index, current)) });
         }
         let end = (index + limit as usize).min(sh.records.len());
         let records: Vec<(u64, Value)> = sh.records[index..end].to_vec();

@@ -60,6 +60,9 @@ pub struct Shared<S, L, A> {
     /// Takes leases from live replicas to balance (false: reconcile's own consumer, which
     /// only takes leases nobody holds).
     pub balance: bool,
+    /// Starts a shard without a checkpoint at its trim horizon whatever `start_position`
+    /// says (reconcile's own consumer: see [`Shared::reading_from_the_horizon`]).
+    pub from_horizon: bool,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -86,6 +89,26 @@ impl<S, L, A> Shared<S, L, A> {
             seen: Default::default(),
             polling: Polling::default(),
             balance: true,
+            from_horizon: false,
+        }
+    }
+
+    /// Never starts at LATEST. Reconcile's own consumer: the checkpoints it leaves are where
+    /// `run` goes on, and one read from LATEST that saw no record leaves none, so `run` would
+    /// start at LATEST again and skip what was written in between. From the horizon every
+    /// record is applied (the ledger drops repeats) before reconcile compares the truth, and a
+    /// shard that had none keeps a TRIM_HORIZON checkpoint for `run`.
+    pub fn reading_from_the_horizon(mut self) -> Self {
+        self.from_horizon = true;
+        self
+    }
+
+    /// Where a shard without a checkpoint or known parent starts.
+    pub fn start_position(&self) -> crate::config::StartPosition {
+        if self.from_horizon {
+            crate::config::StartPosition::TrimHorizon
+        } else {
+            self.config.source.start_position
         }
     }
 
@@ -340,7 +363,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 let start = plan::initial_position(
                     got.checkpoint.as_ref(),
                     plan::parent_known(&got, &leases, &listed),
-                    self.shared.config.source.start_position,
+                    self.shared.start_position(),
                 );
                 self.start_reader(got, start, now + lease_ms);
             }

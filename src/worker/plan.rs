@@ -15,6 +15,7 @@ pub fn initial_position(checkpoint: Option<&Checkpoint>, parent_known: bool, sta
     match checkpoint {
         Some(Checkpoint::ShardEnd) => None,
         Some(Checkpoint::Sequence(s)) => Some(Position::After(s.clone())),
+        Some(Checkpoint::TrimHorizon) => Some(Position::TrimHorizon),
         None if parent_known => Some(Position::TrimHorizon),
         None => Some(match start {
             StartPosition::TrimHorizon => Position::TrimHorizon,
@@ -138,6 +139,12 @@ mod tests {
         assert_eq!(initial_position(Some(&Checkpoint::ShardEnd), false, Latest), None);
         assert_eq!(initial_position(None, true, Latest), Some(Position::TrimHorizon), "a rollover child is read from its start");
         assert_eq!(initial_position(None, false, Latest), Some(Position::Latest));
+        let horizon = Checkpoint::TrimHorizon;
+        assert_eq!(
+            initial_position(Some(&horizon), false, Latest),
+            Some(Position::TrimHorizon),
+            "a reader that started at the horizon and applied nothing"
+        );
         assert_eq!(initial_position(None, false, TrimHorizon), Some(Position::TrimHorizon));
 
         let (p, c, orphan) = (id(1, 1), id(2, 2), id(3, 3));

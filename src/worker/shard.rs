@@ -67,10 +67,17 @@ async fn pause(d: Duration, stop: &CancellationToken) -> bool {
 
 /// Whether gathered records are applied now: a full batch, the shard's end, or the tip (a
 /// short page) once the batching window has passed since the oldest record.
-/// Reconcile's evidence that a reader was at its shard's tip at `called_at`: only an empty
-/// GetRecords page is; a short one is not (pages stop at 1 MB, and can be short mid-shard).
-pub fn tip_evidence(page_records: usize, called_at: u64) -> Option<u64> {
-    (page_records == 0).then_some(called_at)
+/// Reconcile's evidence that a reader had applied everything its shard held at some time: two
+/// empty GetRecords pages in a row on one iterator chain, dated by the first call
+/// (`previous_empty`). A short page is not the tip (pages stop at 1 MB), and neither is one
+/// empty page: GetRecords may answer an empty list for a stretch of the shard without records
+/// and need more calls to reach the records after it.
+pub fn tip_evidence(page_records: usize, previous_empty: Option<u64>) -> Option<u64> {
+    if page_records == 0 {
+        previous_empty
+    } else {
+        None
+    }
 }
 
 pub fn batch_due(pending: usize, batch_size: usize, shard_end: bool, at_tip: bool, window_passed: bool) -> bool {
@@ -105,6 +112,9 @@ pub struct ShardReader<S, L, A> {
     idle: Duration,
     failures: u32,
     last_tip_report: u64,
+    /// When the previous GetRecords call on this iterator chain was made, if its page was
+    /// empty ([`tip_evidence`]).
+    previous_empty: Option<u64>,
     /// Sequence numbers this reader already queued, so a retried batch does not queue twice.
     dead_lettered: HashSet<String>,
     /// Records read but not yet applied: a batch gathers pages until it holds `batch_size`
@@ -134,6 +144,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         idle: idle_min,
         failures: 0,
         last_tip_report: 0,
+        previous_empty: None,
         dead_lettered: HashSet::new(),
         pending: Vec::new(),
         pending_since: None,
@@ -166,12 +177,13 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let it = match self.iterator.take() {
             Some(it) => it,
             None => match self.shared.source.iterator(&self.lease.shard_id, &self.position).await {
-                Ok(it) => it,
+                Ok(it) => {
+                    self.previous_empty = None;
+                    it
+                }
                 Err(e) => return self.on_iterator_error(e).await,
             },
         };
-        // A page shorter than the limit means the shard's tip was reached as of this call:
-        // everything in the shard before `called_at` is in this page or earlier ones.
         let called_at = now_ms();
         let batch_size = self.shared.config.source.batch_size as usize;
         let limit = u32::try_from(batch_size.saturating_sub(self.pending.len())).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
@@ -185,6 +197,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         };
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
         let got = page.records.len();
+        let evidence = tip_evidence(got, self.previous_empty);
+        self.previous_empty = (got == 0).then_some(called_at);
         let short = got < limit as usize;
         if got > 0 {
             self.pending_since.get_or_insert_with(Instant::now);
@@ -195,7 +209,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if batch_due(self.pending.len(), batch_size, page.next_iterator.is_none(), short, window_passed) {
             let batch = std::mem::take(&mut self.pending);
             self.pending_since = None;
-            match self.apply(&batch, tip_evidence(got, called_at)).await {
+            match self.apply(&batch, evidence).await {
                 BatchOutcome::Applied(cp) => {
                     if let Some(Checkpoint::Sequence(seq)) = cp {
                         self.position = Position::After(seq);
@@ -224,7 +238,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             return Flow::Continue;
         }
         if got == 0 {
-            return self.at_tip(called_at).await;
+            return self.at_tip(evidence).await;
         }
         Flow::Continue
     }
@@ -237,13 +251,14 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         }
     }
 
-    /// Nothing more to read: report the tip now and then (reconcile's evidence), poll again
-    /// after the idle backoff.
-    async fn at_tip(&mut self, called_at: u64) -> Flow {
+    /// Nothing more to read: report the tip now and then (reconcile's evidence, once there is
+    /// some), poll again after the idle backoff.
+    async fn at_tip(&mut self, evidence: Option<u64>) -> Flow {
         self.shared.set_age(&self.lease.shard_id, 0.0);
         let now = now_ms();
-        if now.saturating_sub(self.last_tip_report) >= self.shared.config.state.lease_duration.as_millis() as u64 / 2 {
-            let progress = Progress { checkpoint: None, last_record_ms: None, at_tip_ms: Some(called_at) };
+        let due = now.saturating_sub(self.last_tip_report) >= self.shared.config.state.lease_duration.as_millis() as u64 / 2;
+        if let Some(tip) = evidence.filter(|_| due) {
+            let progress = Progress { checkpoint: self.horizon_marker(), last_record_ms: None, at_tip_ms: Some(tip) };
             if let Ok(false) = self.shared.leases.checkpoint(&self.lease.shard_id, &self.shared.owner, self.lease.counter, &progress).await
             {
                 return Flow::Exit(ShardExit::LeaseLost);
@@ -253,6 +268,15 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let flow = self.pause_or_stop(self.idle).await;
         self.idle = (self.idle * 2).min(self.shared.polling.idle_max);
         flow
+    }
+
+    /// A reader that started at the trim horizon and has applied nothing leaves that as its
+    /// checkpoint where the next owner would otherwise start at LATEST and skip whatever
+    /// arrives in between (reconcile's own consumer before the first `run`, say).
+    fn horizon_marker(&self) -> Option<Checkpoint> {
+        let from_horizon = self.lease.start == Some(Position::TrimHorizon) && self.position == Position::TrimHorizon;
+        (from_horizon && self.shared.config.source.start_position == crate::config::StartPosition::Latest)
+            .then_some(Checkpoint::TrimHorizon)
     }
 
     async fn on_iterator_error(&mut self, e: StreamError) -> Flow {

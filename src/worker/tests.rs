@@ -892,11 +892,12 @@ fn batches_are_due_when_full_at_the_end_or_at_the_tip_after_the_window() {
 }
 
 #[test]
-fn only_an_empty_page_is_evidence_of_the_tip() {
+fn only_empty_pages_in_a_row_are_evidence_of_the_tip() {
     use super::shard::tip_evidence;
-    assert_eq!(tip_evidence(0, 1_000), Some(1_000));
-    assert_eq!(tip_evidence(1, 1_000), None, "a short page is not the tip: pages stop at 1 MB");
-    assert_eq!(tip_evidence(1000, 1_000), None);
+    assert_eq!(tip_evidence(0, Some(1_000)), Some(1_000), "two empty pages in a row, dated by the first");
+    assert_eq!(tip_evidence(0, None), None, "one empty page may be a stretch without records mid-shard");
+    assert_eq!(tip_evidence(1, Some(1_000)), None, "a short page is not the tip: pages stop at 1 MB");
+    assert_eq!(tip_evidence(1000, Some(1_000)), None);
 }
 
 /// A reader started at LATEST has no checkpoint until its first batch: throttling before then
@@ -945,4 +946,74 @@ async fn a_trimmed_answer_at_latest_requests_a_reconcile() {
     r.cancel.cancel();
     r.handle.await.unwrap().unwrap();
     assert_eq!(r.shared.trimmed_events.load(Ordering::Relaxed), 0, "not counted as trimmed data");
+}
+
+/// AWS: GetRecords may answer an empty list for a stretch of the shard without records, and
+/// take more calls to reach the records after it. Such a page is not the tip: a lease never
+/// shows tip evidence while records before it wait unapplied (reconcile would compare too soon).
+#[tokio::test]
+async fn an_empty_page_mid_shard_is_not_taken_for_the_tip() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    let records: Vec<Value> = (1..=5).map(|n| order("c1", n, "INSERT", "2", "PAID")).collect();
+    for rec in &records {
+        fakes.0.append(&shard, rec.clone());
+    }
+    fakes.0.empty_pages_next(1);
+    let r = start(&fakes, "a");
+    let mut evidence_seen = false;
+    for _ in 0..400 {
+        let lease = fakes.1.snapshot().into_iter().find(|l| l.shard_id == shard);
+        if let Some(l) = lease.filter(|l| l.at_tip_ms.is_some()) {
+            assert!(l.checkpoint.is_some(), "tip evidence before any record was applied: {l:?}");
+            evidence_seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(evidence_seen, "the reader reaches the real tip and says so");
+    settle(&fakes, &expected(&records), 0).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+}
+
+/// Reconcile's own consumer on a deployment at `start_position: latest` that never ran: it
+/// reads from the horizon, and a shard that had no record keeps a TRIM_HORIZON checkpoint, so
+/// the first `run` counts what arrives between the two instead of starting at LATEST.
+#[tokio::test]
+async fn a_reader_from_the_horizon_leaves_run_no_gap_at_latest() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    let latest = config_with(&[("SOURCE__START_POSITION", "latest")]);
+    let shared = Shared::new(
+        latest.clone(),
+        ArcSource(fakes.0.clone()),
+        ArcLeases(fakes.1.clone()),
+        fakes.2.clone(),
+        "reconcile-x".to_string(),
+        Arc::new(Health::default()),
+    )
+    .without_balancing()
+    .reading_from_the_horizon();
+    let cancel = CancellationToken::new();
+    let own = tokio::spawn(Worker::new(shared).run(cancel.clone()));
+    for _ in 0..400 {
+        if fakes.1.snapshot().iter().any(|l| l.at_tip_ms.is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    cancel.cancel();
+    own.await.unwrap().unwrap();
+    let lease = fakes.1.snapshot().into_iter().find(|l| l.shard_id == shard).unwrap();
+    assert_eq!(lease.checkpoint, Some(crate::state::Checkpoint::TrimHorizon), "{lease:?}");
+    // Written while nobody reads the stream; then `run` starts for the first time.
+    let between: Vec<Value> = (1..=4).map(|n| order("c2", n, "INSERT", "3", "PAID")).collect();
+    for rec in &between {
+        fakes.0.append(&shard, rec.clone());
+    }
+    let r = start_config(&fakes, "run", None, latest);
+    settle(&fakes, &expected(&between), 0).await;
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
 }
