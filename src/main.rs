@@ -415,9 +415,10 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                 writeln!(out, "{line}")?;
             }
             let not_quiet: Vec<String> = report.not_quiet.iter().map(|(r, t)| format!("{r}: {}", target_text(t))).collect();
+            let failed: Vec<String> = report.failed.iter().map(|(r, t, why)| format!("{r}: {}: {why}", target_text(t))).collect();
             let summary = serde_json::json!({"summary": {
                 "targets_checked": report.targets_checked, "items_read": report.items_read, "read_units": report.read_units, "drifts": report.drifts.len(),
-                "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet,
+                "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet, "failed": failed,
                 "poison_items": report.poisons, "seconds": report.elapsed.as_secs_f64(), "dry_run": dry_run,
             }});
             writeln!(out, "{summary}")?;
@@ -442,6 +443,9 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
             }
             for (r, t) in &report.not_quiet {
                 writeln!(out, "{r}: {} kept changing while being reconciled; not forced (run again)", target_text(t))?;
+            }
+            for (r, t, why) in &report.failed {
+                writeln!(out, "{r}: {} could not be reconciled: {why}", target_text(t))?;
             }
             writeln!(
                 out,

@@ -196,10 +196,17 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
             .await;
         let mut changed = BTreeSet::new();
         for (key, outcome) in outcomes {
-            match outcome? {
-                Outcome::Done(d) => report.drifts.extend(d),
-                Outcome::Changed => {
+            match outcome {
+                Ok(Outcome::Done(d)) => report.drifts.extend(d),
+                Ok(Outcome::Changed) => {
                     changed.insert(key);
+                }
+                // One target that cannot be read or written (an item at DynamoDB's size
+                // limit, a stored value of the wrong type) does not hold up the others.
+                Err(e) => {
+                    tracing::warn!(rule = %rule.name, target = ?key.0, error = %e, "cannot reconcile this target; the others go on");
+                    metrics::counter!(names::RECONCILE_FAILED_TARGETS, "rule" => rule.name.to_string()).increment(1);
+                    report.failed.push((rule.name.to_string(), key, e.to_string()));
                 }
             }
         }
@@ -380,5 +387,61 @@ mod tests {
         assert_eq!(shape, [(None, 100), (Some("1"), 100), (Some("2"), 50)], "each write expects the counter the one before left");
         let seen = TargetItem { version: Some("41".into()), ..fresh };
         assert_eq!(corrections(&found, &seen)[2].seen_version.as_deref(), Some("43"));
+    }
+
+    /// The memory fakes, with one target whose corrections DynamoDB refuses.
+    struct Refusing<'a> {
+        inner: super::super::memory::MemoryTargets<'a>,
+        refused: TargetKey,
+    }
+
+    impl TargetStore for Refusing<'_> {
+        async fn read(&self, key: &TargetKey) -> Result<TargetItem, ReconcileError> {
+            self.inner.read(key).await
+        }
+        async fn scan(&self, rule: &Rule) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+            self.inner.scan(rule).await
+        }
+        async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
+            if *key == self.refused {
+                return Err(ReconcileError::Aws("ValidationException: Item size has exceeded the maximum allowed size".into()));
+            }
+            self.inner.correct(key, c).await
+        }
+    }
+
+    struct Quiet;
+
+    impl Consumer for Quiet {
+        async fn applied_before(&self, _after_ms: u64, _wait: Duration) -> Result<(), ReconcileError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_target_that_cannot_be_corrected_does_not_hold_up_the_others() {
+        use crate::sink::memory::{MemValue, MemoryAggregates};
+        let rule = rules().into_iter().find(|r| r.name.as_ref() == "customer-orders").unwrap();
+        let sources = super::super::memory::MemorySources::new(vec!["PK".into(), "SK".into()]);
+        let store = MemoryAggregates::new();
+        for c in ["c1", "c2", "c3"] {
+            let order = serde_json::json!({"PK": {"S": format!("CUST#{c}")}, "SK": {"S": "ORDER#2026-11-30#o1"}, "status": {"S": "PAID"}, "total": {"N": "5"}});
+            sources.put(order.as_object().unwrap().clone());
+            store.put(&[&format!("CUST#{c}"), "PROFILE"], "orderCount", MemValue::Num(d("7")));
+        }
+        let targets = Refusing {
+            inner: super::super::memory::MemoryTargets { store: &store, ledger: crate::sink::ledger::Ledger::new("t") },
+            refused: key(&["CUST#c2", "PROFILE"]),
+        };
+        let mut report = Report::default();
+        let opts = Options { all: true, ..Options::default() };
+        reconcile_rule(&targets, &sources, &Quiet, &rule, None, &opts, &mut report).await.unwrap();
+        for c in ["c1", "c3"] {
+            assert_eq!(store.item(&[&format!("CUST#{c}"), "PROFILE"]).unwrap()["orderCount"], MemValue::Num(d("1")), "{c} corrected");
+        }
+        assert_eq!(store.item(&["CUST#c2", "PROFILE"]).unwrap()["orderCount"], MemValue::Num(d("7")), "c2 left as it was");
+        let failed: Vec<_> = report.failed.iter().map(|(r, k, why)| (r.as_str(), k.clone(), why.contains("size"))).collect();
+        assert_eq!(failed, [("customer-orders", key(&["CUST#c2", "PROFILE"]), true)]);
+        assert!(report.uncorrected() >= 1, "the run reports the failure");
     }
 }

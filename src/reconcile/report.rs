@@ -48,6 +48,8 @@ pub struct Report {
     pub drifts: Vec<Drift>,
     /// Targets whose write counter kept moving: reported, not forced.
     pub not_quiet: Vec<(String, TargetKey)>,
+    /// Targets that could not be read or corrected (rule, target, why): the others went on.
+    pub failed: Vec<(String, TargetKey, String)>,
     pub items_read: u64,
     /// Read capacity units consumed (both tables).
     pub read_units: f64,
@@ -60,6 +62,6 @@ pub struct Report {
 
 impl Report {
     pub fn uncorrected(&self) -> usize {
-        self.drifts.iter().filter(|d| !d.corrected).count() + self.not_quiet.len()
+        self.drifts.iter().filter(|d| !d.corrected).count() + self.not_quiet.len() + self.failed.len()
     }
 }

@@ -25,6 +25,9 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
 ) {
     let check = interval.map_or(Duration::from_secs(5), |i| Duration::from_secs(5).min(i));
     let mut since = Duration::ZERO;
+    // Runs that failed or left a requested repair unfinished, in a row: the next waits longer.
+    let mut failures: u32 = 0;
+    let mut not_before = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -36,6 +39,9 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         let requested = shared.leases.reconcile_request().await.ok().flatten();
         metrics::gauge!(crate::telemetry::names::RECONCILE_REQUESTED).set(if requested.is_some() { 1.0 } else { 0.0 });
         if requested.is_none() && interval.is_none_or(|i| since < i) {
+            continue;
+        }
+        if tokio::time::Instant::now() < not_before {
             continue;
         }
         since = Duration::ZERO;
@@ -56,6 +62,7 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                 drifts += r.drifts.len();
                 corrected += r.drifts.iter().filter(|d| d.corrected).count();
                 retry.extend(r.not_quiet);
+                retry.extend(r.failed.into_iter().map(|(rule, key, _)| (rule, key)));
             } else {
                 for (rule, targets) in touched.iter() {
                     let r = reconciler.run_targets(rule, targets.clone(), &opts).await?;
@@ -63,11 +70,15 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                     drifts += r.drifts.len();
                     corrected += r.drifts.iter().filter(|d| d.corrected).count();
                     retry.extend(r.not_quiet);
+                    retry.extend(r.failed.into_iter().map(|(rule, key, _)| (rule, key)));
                 }
             }
             Ok::<(), super::ReconcileError>(())
         };
         let result = renewing(&*shared, run).await;
+        let unfinished = result.is_err() || (requested.is_some() && !retry.is_empty());
+        failures = if unfinished { failures.saturating_add(1) } else { 0 };
+        not_before = tokio::time::Instant::now() + retry_after(failures);
         match result {
             Ok(()) => {
                 let seconds = run_started.elapsed().as_secs_f64();
@@ -98,6 +109,17 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     }
 }
 
+/// How long the schedule waits after `failures` unfinished runs in a row before the next: 0
+/// after a good run, then 5 s doubling up to 15 minutes, so a target that cannot be corrected
+/// (or a table that refuses every read) does not rerun a full reconcile every few seconds.
+pub fn retry_after(failures: u32) -> Duration {
+    if failures == 0 {
+        return Duration::ZERO;
+    }
+    let cap = Duration::from_secs(15 * 60);
+    Duration::from_secs(5).checked_mul(1u32.checked_shl(failures - 1).unwrap_or(u32::MAX)).map_or(cap, |d| d.min(cap))
+}
+
 /// How long the schedule lease is held between renewals.
 const HOLD: Duration = Duration::from_secs(120);
 
@@ -123,5 +145,16 @@ async fn renewing<S, L: crate::state::LeaseStore, A, T>(shared: &Shared<S, L, A>
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unfinished_runs_back_off_to_fifteen_minutes() {
+        let secs: Vec<u64> = [0, 1, 2, 3, 8, 9, 10, 31, 32, 33, u32::MAX].iter().map(|&f| retry_after(f).as_secs()).collect();
+        assert_eq!(secs, [0, 5, 10, 20, 640, 900, 900, 900, 900, 900, 900]);
     }
 }

@@ -24,6 +24,7 @@ pub const DEAD_LETTER_DELIVERIES: &str = "ddb_aggregator_dead_letter_deliveries_
 pub const RECONCILE_RUNS: &str = "ddb_aggregator_reconcile_runs_total";
 pub const RECONCILE_DRIFT: &str = "ddb_aggregator_reconcile_drift_total";
 pub const RECONCILE_CORRECTIONS: &str = "ddb_aggregator_reconcile_corrections_total";
+pub const RECONCILE_FAILED_TARGETS: &str = "ddb_aggregator_reconcile_failed_targets_total";
 pub const RECONCILE_LAST_SUCCESS: &str = "ddb_aggregator_reconcile_last_success_timestamp_seconds";
 pub const BUILD_INFO: &str = "ddb_aggregator_build_info";
 pub const SHARDS_LOST: &str = "ddb_aggregator_shards_lost_total";
@@ -68,6 +69,7 @@ pub fn describe() {
     describe_counter!(RECONCILE_RUNS, "Reconcile runs by outcome (ok, drift_remaining, error).");
     describe_counter!(RECONCILE_DRIFT, "Drifted target attributes found by reconcile, per rule.");
     describe_counter!(RECONCILE_CORRECTIONS, "Drifted target attributes corrected by reconcile, per rule.");
+    describe_counter!(RECONCILE_FAILED_TARGETS, "Targets reconcile could not read or correct (the others went on), per rule.");
     describe_gauge!(RECONCILE_LAST_SUCCESS, Unit::Seconds, "When a reconcile last finished with no drift left (epoch seconds).");
     describe_gauge!(BUILD_INFO, "Build information; the value is always 1.");
 }
@@ -109,5 +111,6 @@ pub fn init_series(rules: &[String]) {
         counter!(RECORDS_MATCHED, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_DRIFT, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_CORRECTIONS, "rule" => rule.clone()).increment(0);
+        counter!(RECONCILE_FAILED_TARGETS, "rule" => rule.clone()).increment(0);
     }
 }
