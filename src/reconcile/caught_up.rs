@@ -39,6 +39,7 @@ pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms:
             Some(l) => Some(Behind { shard_id: s.shard_id.clone(), owner: owner(l) }),
         })
         .collect();
+    out.extend(awaited_children(listed, leases, now_ms));
     let unlisted = leases.values().filter(|l| !caught_up(l, target_ms) && !listed.iter().any(|s| s.shard_id == l.shard_id));
     for l in unlisted {
         let lost = crate::shard_id::created_ms(&l.shard_id).is_some_and(|c| now_ms.saturating_sub(c) > crate::worker::plan::RETENTION_MS);
@@ -47,6 +48,25 @@ pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms:
         }
     }
     out
+}
+
+/// How long after a shard was read to its end its children may still be missing from
+/// DescribeStream (eventually consistent; seconds in practice). A closed shard always has a
+/// child unless the stream was disabled, so past this reconcile stops waiting for one.
+pub const CHILD_LISTING_LAG_MS: u64 = 10 * 60 * 1000;
+
+/// Shards read to their end within [`CHILD_LISTING_LAG_MS`] whose child neither the listing
+/// nor the lease table shows yet: the child may hold records created before the target that
+/// nobody applied, so reconcile waits for it (reported under the parent's id).
+fn awaited_children(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, now_ms: u64) -> Vec<Behind> {
+    let has_child =
+        |id: &str| listed.iter().any(|s| s.parent.as_deref() == Some(id)) || leases.values().any(|l| l.parent.as_deref() == Some(id));
+    leases
+        .values()
+        .filter(|l| l.finished() && l.at_tip_ms.is_some_and(|t| now_ms.saturating_sub(t) < CHILD_LISTING_LAG_MS))
+        .filter(|l| !has_child(&l.shard_id))
+        .map(|l| Behind { shard_id: format!("{} (its child, not listed yet)", l.shard_id), owner: None })
+        .collect()
 }
 
 /// Reads the stream's listing and the lease table, and returns the shards still behind
@@ -131,5 +151,36 @@ mod tests {
         let leases: BTreeMap<String, Lease> = [lease(&young, |_| {}), lease(&old, |_| {})].into();
         let got = behind(&[], &leases, now, now);
         assert_eq!(got, [Behind { shard_id: young, owner: None }], "the listing may lag; a lost shard's records are gone");
+    }
+
+    #[test]
+    fn a_shard_read_to_its_end_waits_for_its_child_to_be_listed() {
+        let now = 10 * DAY;
+        let ended = |l: &mut Lease| {
+            l.checkpoint = Some(Checkpoint::ShardEnd);
+            l.at_tip_ms = Some(now - 1_000);
+        };
+        let leases: BTreeMap<String, Lease> = [
+            lease("p", ended),
+            lease("q", ended),
+            lease("r", ended),
+            lease("s", |l| {
+                l.checkpoint = Some(Checkpoint::ShardEnd);
+                l.at_tip_ms = Some(now - CHILD_LISTING_LAG_MS);
+            }),
+        ]
+        .into();
+        // q's child is listed; r's child has a lease already; p's child is not visible yet;
+        // s ended long enough ago that no child is coming (the stream was disabled).
+        let listed = vec![ShardInfo { shard_id: "q1".into(), parent: Some("q".into()), closed: false }];
+        let mut leases = leases;
+        leases.insert("r1".into(), Lease::new("r1", Some("r")));
+        leases.get_mut("r1").unwrap().at_tip_ms = Some(now);
+        let got = behind(&listed, &leases, now - 500, now);
+        assert_eq!(
+            got,
+            [Behind { shard_id: "q1".into(), owner: None }, Behind { shard_id: "p (its child, not listed yet)".into(), owner: None }],
+            "q1 is listed without a lease, r1 is at its tip, s is past the lag"
+        );
     }
 }
