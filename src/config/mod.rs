@@ -81,6 +81,33 @@ pub struct ConfigError {
     pub message: String,
 }
 
+/// Two rules that may write one attribute of one item: the stored value would be their sum,
+/// while reconcile recomputes each rule alone and would set it to each rule's truth in turn
+/// (and one rule's corrections could zero the other's counters). Refused with the pair named.
+fn shared_attribute(rules: &[Rule]) -> Option<String> {
+    for (i, a) in rules.iter().enumerate() {
+        for b in &rules[i + 1..] {
+            let same_item = a.target.iter().zip(&b.target).all(|((_, x), (_, y))| x.may_overlap(y));
+            if !same_item {
+                continue;
+            }
+            for ma in &a.measures {
+                if let Some(mb) = b.measures.iter().find(|mb| ma.name.may_overlap(&mb.name)) {
+                    return Some(format!(
+                        "rules {:?} and {:?} may both write {:?} / {:?} on the same target item ({}); reconcile recomputes each rule alone, so give the measures (or the targets) names that cannot coincide",
+                        a.name,
+                        b.name,
+                        ma.name.text(),
+                        mb.name.text(),
+                        a.target.iter().map(|(k, t)| format!("{k}: {}", t.text())).collect::<Vec<_>>().join(", ")
+                    ));
+                }
+            }
+        }
+    }
+    None
+}
+
 fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError { path: path.into(), message: message.into() }
 }
@@ -283,6 +310,9 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             return Err(err(format!("{path}.name"), format!("{:?} is used by an earlier rule", r.name)));
         }
         rules.push(validate_rule(&path, r, &key_names)?);
+    }
+    if let Some(message) = shared_attribute(&rules) {
+        return Err(err("rules", message));
     }
     // Rules with the same filter (and options) share one evaluation per record.
     let filter_of = raw

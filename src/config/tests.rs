@@ -207,3 +207,30 @@ fn filters_on_stream_only_fields_are_found() {
         ["dynamodb.SizeBytes", "eventName"]
     );
 }
+
+/// Two rules that may add to one attribute of one item are refused: reconcile recomputes each
+/// rule alone and would set the attribute to each rule's truth in turn.
+#[test]
+fn two_rules_cannot_write_one_attribute_of_one_item() {
+    let second = |target: &str, measures: &str| {
+        format!(
+            "{DEMO}  - name: returns\n    filter: {{ dynamodb: {{ Keys: {{ SK: {{ S: [{{ prefix: \"RETURN#\" }}] }} }} }} }}\n    source_key: {{ PK: \"CUST#{{customer}}\", SK: \"RETURN#{{date}}#{{order_id}}\" }}\n    target: {target}\n    measures: {measures}\n    reconcile: {{ scan: true }}\n"
+        )
+    };
+    let same = r#"{ PK: "CUST#{customer}", SK: "PROFILE" }"#;
+    for (target, measures, refused) in [
+        (same, "{ orderCount: count }", true),
+        (same, r#"{ "orders_{kind}": count }"#, true),
+        (same, "{ orders_total: count }", true),
+        (same, r#"{ "returns_{kind}": count, returnCount: count }"#, false),
+        (r#"{ PK: "CUST#{customer}", SK: "RETURNS" }"#, "{ orderCount: count }", false),
+        (r#"{ PK: "RET#{customer}", SK: "PROFILE" }"#, "{ orderCount: count }", false),
+    ] {
+        let text = second(target, measures);
+        match load(&text) {
+            Err(e) if refused => assert!(e.to_string().contains("\"customer-orders\" and \"returns\" may both write"), "{e}"),
+            Err(e) => panic!("{target} {measures}: {e}"),
+            Ok(_) => assert!(!refused, "{target} {measures} was accepted"),
+        }
+    }
+}

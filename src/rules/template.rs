@@ -21,6 +21,13 @@ pub enum Part {
     Var { name: String, func: Option<TimeFunc> },
 }
 
+fn literal(part: Option<&Part>) -> &str {
+    match part {
+        Some(Part::Literal(l)) => l.as_str(),
+        _ => "",
+    }
+}
+
 /// Truncation of a timestamp to a calendar unit (UTC).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TimeFunc {
@@ -171,6 +178,27 @@ impl Template {
             }
         }
         go(&self.parts, text)
+    }
+
+    /// Whether some expansion of this template could equal some expansion of `other`: exact
+    /// when either is literal; otherwise judged by the literal text before the first and after
+    /// the last variable (an over-approximation: it may say yes where no text is shared).
+    pub fn may_overlap(&self, other: &Template) -> bool {
+        match (self.is_literal(), other.is_literal()) {
+            (true, true) => self.text == other.text,
+            (true, false) => other.matches_expansion(&self.text),
+            (false, true) => self.matches_expansion(&other.text),
+            (false, false) => {
+                let (p1, s1) = self.literal_ends();
+                let (p2, s2) = other.literal_ends();
+                (p1.starts_with(p2) || p2.starts_with(p1)) && (s1.ends_with(s2) || s2.ends_with(s1))
+            }
+        }
+    }
+
+    /// The literal text before the first variable and after the last.
+    fn literal_ends(&self) -> (&str, &str) {
+        (literal(self.parts.first()), literal(self.parts.last()))
     }
 
     /// Matches `value`, pushing `(variable, captured text)`; false if it does not match.
