@@ -226,3 +226,64 @@ async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled(
     wait_exact_or(&c, &table, Duration::from_secs(150), || svc.log_tail()).await;
     assert!(metric(&svc.metrics(), "ddb_aggregator_reconcile_runs_total") >= 1.0, "the gap was reconciled");
 }
+
+/// One sample of a gauge's series: label text (`shard="..."`) -> value.
+fn series(text: &str, name: &str) -> std::collections::BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| {
+            let (head, value) = l.rsplit_once(' ')?;
+            Some((head[name.len()..].to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// A shard whose aggregate writes all fail (DynamoDB answering 500 to every UpdateItem on the
+/// table) is what the iterator-age alerts exist for: its series stays exported and rises for
+/// two minutes, the maximum with it, and /healthz stays 200 (AWS failing is no reason to
+/// restart the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_whose_writes_all_fail_shows_a_rising_iterator_age() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let table = unique("stuck");
+    create_source_table(&c, &table).await;
+    let proxy = common::proxy::start_failing_updates_to(ddb_port(), &table, u64::MAX).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), "2s");
+    let svc = Service::start(
+        &config,
+        dir.path(),
+        "stuck",
+        &[("AWS_ENDPOINT_URL_DYNAMODB", &proxy.endpoint()), ("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s")],
+    );
+    workload(&c, &table, 40, 5, 2, 51).await;
+    const AGE: &str = "ddb_aggregator_iterator_age_seconds";
+    const MAX: &str = "ddb_aggregator_iterator_age_max_seconds";
+    // Until the first failed batch shows an age.
+    let started = Instant::now();
+    let mut first = None;
+    while first.is_none() && started.elapsed() < Duration::from_secs(60) {
+        let m = svc.metrics();
+        first = series(&m, AGE).into_iter().find(|(_, v)| *v > 0.0);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let (shard, mut last) = first.unwrap_or_else(|| panic!("no iterator age after 60 s\n{}", svc.log_tail()));
+    let mut last_max = 0.0;
+    let watch = Instant::now();
+    let mut samples = 0;
+    while watch.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let m = svc.metrics();
+        let age = series(&m, AGE).get(&shard).copied().unwrap_or_else(|| panic!("{AGE}{shard} is gone\n{m}"));
+        let max = series(&m, MAX).values().copied().next().unwrap_or_else(|| panic!("{MAX} is gone\n{m}"));
+        assert!(age > last, "the age rises: {last} then {age}");
+        assert!(max >= age && max > last_max, "the maximum rises with it: {last_max} then {max} (age {age})");
+        (last, last_max) = (age, max);
+        assert_eq!(svc.get("/healthz").0, "HTTP/1.1 200 OK");
+        samples += 1;
+    }
+    assert!(samples >= 7, "{samples} samples");
+    assert!(proxy.injected.load(std::sync::atomic::Ordering::SeqCst) > 0, "the writes were refused");
+    println!("iterator age of {shard} rose to {last:.0} s over 2 minutes of failing writes ({samples} samples)");
+}

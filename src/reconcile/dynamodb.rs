@@ -161,7 +161,7 @@ impl Reconciler {
         let outcome = if report.uncorrected() == 0 { "ok" } else { "drift_remaining" };
         metrics::counter!(names::RECONCILE_RUNS, "outcome" => outcome).increment(1);
         if outcome == "ok" {
-            metrics::gauge!(names::RECONCILE_LAST_SUCCESS).set(now_ms() as f64 / 1000.0);
+            crate::telemetry::reconcile_succeeded(now_ms());
         }
         report
     }

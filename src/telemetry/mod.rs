@@ -22,9 +22,24 @@ pub struct Health {
     pub last_maintenance_ms: AtomicU64,
     /// Maintenance rounds older than this make the replica unready.
     pub maintenance_deadline_ms: AtomicU64,
+    /// Epoch ms when the worker loop last started a maintenance round (successful or not:
+    /// AWS being slow or down is no reason to restart the process).
+    pub last_tick_ms: AtomicU64,
+}
+
+/// How long the worker loop may go without a maintenance round before `/healthz` fails and
+/// the orchestrator restarts the process: ten lease durations, at least two minutes.
+pub fn live_deadline_ms(lease_ms: u64) -> u64 {
+    lease_ms.saturating_mul(10).max(120_000)
 }
 
 impl Health {
+    /// `/healthz`: the worker loop is turning (before its first round, during start-up, yes).
+    pub fn alive(&self, now_ms: u64, deadline_ms: u64) -> bool {
+        let last = self.last_tick_ms.load(Ordering::Relaxed);
+        last == 0 || now_ms.saturating_sub(last) <= deadline_ms
+    }
+
     pub fn ready(&self, now_ms: u64) -> bool {
         let last = self.last_maintenance_ms.load(Ordering::Relaxed);
         self.aws_reachable.load(Ordering::Relaxed)
@@ -59,7 +74,10 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<
         loop {
             tokio::select! {
                 _ = upkeep_cancel.cancelled() => return,
-                _ = tick.tick() => upkeep.run_upkeep(),
+                _ = tick.tick() => {
+                    refresh_last_success();
+                    upkeep.run_upkeep();
+                }
             }
         }
     });
@@ -79,7 +97,12 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<
             let path = request.split_whitespace().nth(1).unwrap_or("/");
             let (status, content_type, body) = match path {
                 "/metrics" => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", handle.render()),
-                "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
+                "/healthz"
+                    if health.alive(crate::state::now_ms(), live_deadline_ms(health.maintenance_deadline_ms.load(Ordering::Relaxed))) =>
+                {
+                    ("200 OK", "text/plain", "ok\n".to_string())
+                }
+                "/healthz" => ("503 Service Unavailable", "text/plain", "the worker loop has stopped turning\n".to_string()),
                 "/readyz" if health.ready(crate::state::now_ms()) => ("200 OK", "text/plain", "ready\n".to_string()),
                 "/readyz" => ("503 Service Unavailable", "text/plain", "not ready\n".to_string()),
                 _ => ("404 Not Found", "text/plain", "not found: try /metrics, /healthz, /readyz\n".to_string()),
@@ -90,6 +113,24 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<
             let _ = socket.write_all(body.as_bytes()).await;
             let _ = socket.shutdown().await;
         });
+    }
+}
+
+/// When a reconcile last succeeded (epoch ms; 0: never in this process).
+static LAST_SUCCESS_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Records a successful reconcile. The gauge is set again every few seconds while the process
+/// lives ([`serve`]), so the idle timeout that drops gauges of shards no longer read never
+/// drops it, and `ReconcileNotSucceeding` sees its value age.
+pub fn reconcile_succeeded(now_ms: u64) {
+    LAST_SUCCESS_MS.store(now_ms, Ordering::Relaxed);
+    refresh_last_success();
+}
+
+fn refresh_last_success() {
+    let ms = LAST_SUCCESS_MS.load(Ordering::Relaxed);
+    if ms > 0 {
+        metrics::gauge!(names::RECONCILE_LAST_SUCCESS).set(ms as f64 / 1000.0);
     }
 }
 
@@ -107,5 +148,22 @@ pub fn init_logging(json: bool) {
         let _ = builder.json().flatten_event(true).with_current_span(false).try_init();
     } else {
         let _ = builder.try_init();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn healthz_fails_only_when_the_loop_stops_turning() {
+        let h = Health::default();
+        let deadline = live_deadline_ms(10_000);
+        assert_eq!(deadline, 120_000);
+        assert_eq!(live_deadline_ms(60_000), 600_000);
+        assert!(h.alive(1_000_000, deadline), "before the first round (start-up)");
+        h.last_tick_ms.store(1_000_000, Ordering::Relaxed);
+        assert!(h.alive(1_000_000 + deadline, deadline));
+        assert!(!h.alive(1_000_001 + deadline, deadline), "wedged");
     }
 }

@@ -2,6 +2,7 @@
 //! one reader per leased shard, and drain on shutdown. One `select!` loop; every reader is a
 //! task under the replica's cancellation token.
 
+pub mod age;
 pub mod plan;
 pub mod shard;
 
@@ -39,8 +40,8 @@ pub struct Shared<S, L, A> {
     pub capacity_milli: AtomicU64,
     /// Times a checkpoint or iterator pointed at trimmed data (records lost).
     pub trimmed_events: AtomicU64,
-    /// Iterator age per shard this replica reads, seconds.
-    pub ages: std::sync::Mutex<HashMap<String, f64>>,
+    /// What each reader of this replica saw of its shard (iterator age, [`age`]).
+    pub ages: std::sync::Mutex<HashMap<String, age::ShardAge>>,
     pub dead_letters: DeadLetters,
     pub stream_arn: String,
     /// This deployment's ledger names on target items.
@@ -161,9 +162,9 @@ impl<S, L, A> Shared<S, L, A> {
         self.reconcile_everything.store(true, Ordering::Relaxed);
     }
 
-    pub fn set_age(&self, shard: &str, seconds: f64) {
-        metrics::gauge!(names::ITERATOR_AGE_SECONDS, "shard" => shard.to_string()).set(seconds);
-        self.ages.lock().unwrap_or_else(|e| e.into_inner()).insert(shard.to_string(), seconds);
+    /// Updates what the reader of `shard` saw (the maintenance tick turns it into gauges).
+    pub fn note_age(&self, shard: &str, f: impl FnOnce(&mut age::ShardAge)) {
+        f(self.ages.lock().unwrap_or_else(|e| e.into_inner()).entry(shard.to_string()).or_default());
     }
 }
 
@@ -255,6 +256,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = tick.tick() => {
+                    self.shared.health.last_tick_ms.store(now_ms(), Ordering::Relaxed);
                     if let Err(e) = self.maintain().await {
                         warn!(error = %e, "lease maintenance failed; retrying next round");
                     }
@@ -437,10 +439,20 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     /// Gauges, and the floor plan target writes prune by.
     fn report(&self, ready: &[String], leases: &BTreeMap<String, Lease>) {
         let shared = &self.shared;
+        // Every held shard's age on every tick, so the series of a shard whose batches keep
+        // failing stays exported and rising; a shard no longer held stops being refreshed and
+        // its series goes after the exporter's idle timeout.
         let max_age = {
             let mut ages = shared.ages.lock().unwrap_or_else(|e| e.into_inner());
             ages.retain(|shard, _| self.running.contains_key(shard));
-            ages.values().copied().fold(0.0, f64::max)
+            let now = now_ms();
+            let mut max = 0.0f64;
+            for (shard, a) in ages.iter() {
+                let seconds = a.seconds(now);
+                metrics::gauge!(names::ITERATOR_AGE_SECONDS, "shard" => shard.clone()).set(seconds);
+                max = max.max(seconds);
+            }
+            max
         };
         metrics::gauge!(names::ITERATOR_AGE_MAX_SECONDS).set(max_age);
         let finished_count = leases.values().filter(|l| l.finished()).count();

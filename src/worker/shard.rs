@@ -201,6 +201,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         self.previous_empty = (got == 0).then_some(called_at);
         let short = got < limit as usize;
         if got > 0 {
+            let first = page.records.iter().find_map(created_ms);
+            self.shared.note_age(&self.lease.shard_id, |a| a.read(first));
             self.pending_since.get_or_insert_with(Instant::now);
             self.pending.extend(page.records);
         }
@@ -254,7 +256,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     /// Nothing more to read: report the tip now and then (reconcile's evidence, once there is
     /// some), poll again after the idle backoff.
     async fn at_tip(&mut self, evidence: Option<u64>) -> Flow {
-        self.shared.set_age(&self.lease.shard_id, 0.0);
+        self.shared.note_age(&self.lease.shard_id, |a| a.tip());
         let now = now_ms();
         let due = now.saturating_sub(self.last_tip_report) >= self.shared.config.state.lease_duration.as_millis() as u64 / 2;
         if let Some(tip) = evidence.filter(|_| due) {
@@ -382,8 +384,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         for ms in &evaluated.created {
             metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
         }
-        let age = evaluated.newest_ms.map_or(0.0, |n| now.saturating_sub(n) as f64 / 1000.0);
-        self.shared.set_age(&self.lease.shard_id, age);
+        self.shared.note_age(&self.lease.shard_id, |a| a.applied(evaluated.newest_ms));
         metrics::histogram!(names::BATCH_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
         BatchOutcome::Applied(checkpoint)
     }

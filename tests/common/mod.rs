@@ -179,13 +179,19 @@ impl Service {
 
     /// The Prometheus text of /metrics (empty if unreachable).
     pub fn metrics(&self) -> String {
+        self.get("/metrics").1
+    }
+
+    /// GET `path` on the metrics port: (status line, body); empty if unreachable.
+    pub fn get(&self, path: &str) -> (String, String) {
         use std::io::{Read, Write};
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)) else { return String::new() };
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)) else { return Default::default() };
         let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        let _ = s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes());
         let mut out = String::new();
         let _ = s.read_to_string(&mut out);
-        out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+        let (head, body) = out.split_once("\r\n\r\n").unwrap_or_default();
+        (head.lines().next().unwrap_or("").to_string(), body.to_string())
     }
 
     pub fn log_tail(&self) -> String {

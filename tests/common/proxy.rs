@@ -41,6 +41,8 @@ enum Policy {
     Chaos(f64),
     /// SQS SendMessage requests whose body holds one of these byte strings.
     RefuseSqsBodies(Vec<Vec<u8>>),
+    /// Every DynamoDB UpdateItem whose body holds this byte string (e.g. one table's name).
+    FailUpdates(Vec<u8>),
 }
 
 /// U+FFFF as UTF-8: a character SQS refuses in a message body.
@@ -118,6 +120,12 @@ pub async fn start_chaos(upstream_port: u16, rate: f64, max_faults: u64) -> Faul
 /// HTTP 400 `InvalidMessageContents`; everything else is forwarded.
 pub async fn start_refusing_sqs_bodies(upstream_port: u16, needles: Vec<Vec<u8>>, max_faults: u64) -> FaultProxy {
     launch(upstream_port, Policy::RefuseSqsBodies(needles), max_faults).await
+}
+
+/// In front of DynamoDB Local: every UpdateItem on `table` is answered HTTP 500
+/// InternalServerError (an aggregate table that refuses every write); all else is forwarded.
+pub async fn start_failing_updates_to(upstream_port: u16, table: &str, max_faults: u64) -> FaultProxy {
+    launch(upstream_port, Policy::FailUpdates(format!("\"TableName\":\"{table}\"").into_bytes()), max_faults).await
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
@@ -258,6 +266,8 @@ async fn serve(mut client: TcpStream, upstream_port: u16, policy: &Policy, count
                     ("sqs InvalidMessageContents".to_string(), Action::SqsError(400, "InvalidMessageContents", message))
                 })
             }
+            Policy::FailUpdates(needle) => (target.ends_with(".UpdateItem") && contains(&request, needle))
+                .then(|| ("InternalServerError".to_string(), Action::Error(500, "InternalServerError".into()))),
         };
         let action = action.filter(|(kind, _)| counters.take(kind)).map(|(_, a)| a);
         match &action {
