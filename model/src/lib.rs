@@ -19,10 +19,12 @@
 //! * Writes to the item are the conditional ledger writes. A write may also prune: remove
 //!   entries of finished shards, raise `F` and set `O`, computed from a possibly stale view of
 //!   the lease table, compare-and-set on the `(F, O)` it was computed from.
-//! * Reconcile reads the truth (the records produced so far) when every shard's checkpoint is
-//!   at its tip, later reads the item's ledger (and retries if it shows a record created after
-//!   the truth read), later writes `value := truth` conditioned on the ledger being unchanged.
-//!   An external corruption (+1 on the value) gives it something to repair.
+//! * Every ledger write advances the item's write counter `V`. Reconcile, as the code does it:
+//!   (1) reads `V`; (2) reads the truth (the records produced so far); (3) waits until every
+//!   shard's checkpoint covers the records that existed at (2); (4) reads the item and retries
+//!   if `V` moved since (1); (5) writes `value := truth` (advancing `V`) conditioned on `V`
+//!   still being as read in (1). An external corruption (+1 on the value) gives it something to
+//!   repair.
 //!
 //! Ghost state (not part of the system, only for the properties) counts how often each
 //! record's effect reached the item, the drift injected by corruption, and what was fenced.
@@ -105,6 +107,8 @@ pub struct Item {
     pub floor: u8,
     /// The straggler set `O`.
     pub stragglers: Set,
+    /// The write counter `V` (`_aggv:<namespace>`): every ledger write and correction adds 1.
+    pub version: u8,
 }
 
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
@@ -150,16 +154,26 @@ pub struct Replica {
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Recon {
     Idle,
-    /// Truth read at time t while every checkpoint was at its tip: `at_t` = records that
-    /// existed at t, per shard.
+    /// (1) The write counter as read before the truth.
+    Snapshot {
+        version: u8,
+    },
+    /// (2) Truth read at time t: `at_t` = records that existed at t, per shard. `version`:
+    /// the counter of (1) (None only under seeded bug (i), which reads it after the truth).
     Truth {
+        version: Option<u8>,
         truth: i8,
         at_t: [u8; SHARDS],
     },
-    /// Item read: its ledger showed no record created after t.
+    /// (3) Every checkpoint covers `at_t`.
+    Caught {
+        version: u8,
+        truth: i8,
+    },
+    /// (4) Item read: its counter had not moved since (1).
     ItemRead {
         truth: i8,
-        ledger: ([u8; SHARDS], u8, Set),
+        version: u8,
     },
 }
 
@@ -228,7 +242,9 @@ pub enum Action {
     Expire(usize),
     /// Somebody changes the item's value behind the service's back.
     Corrupt,
+    ReconSnapshot,
     ReconTruth,
+    ReconWait,
     ReconItem,
     ReconWrite,
 }
@@ -250,10 +266,13 @@ pub struct Bugs {
     pub floor_may_drop: bool,
     /// (g) `O'` may leave out shards that are open in the view.
     pub stragglers_incomplete: bool,
-    /// (h) Reconcile writes without checking that the ledger is unchanged.
+    /// (h) Reconcile writes without the counter condition.
     pub recon_unconditional: bool,
-    /// (i) Reconcile does not check the ledger for records created after its truth read.
-    pub recon_no_newer_check: bool,
+    /// (i) Reconcile reads the counter after the truth instead of before it.
+    pub recon_late_snapshot: bool,
+    /// (k) Reconcile does not wait for the checkpoints to cover its truth (`--no-wait` with a
+    /// live consumer).
+    pub recon_no_wait: bool,
 }
 
 /// Which shards a pruning replica's view of the lease table lists (and so can count as open).
@@ -430,13 +449,12 @@ impl ProtocolModel {
         (1..=st.n[s]).all(|k| st.applied[s][k as usize - 1] >= 1)
     }
 
-    /// Evidence that every record in the stream is applied: each checkpoint at its shard's
-    /// tip (an empty page read at the tip, in the service).
-    fn at_tip(st: &State) -> bool {
+    /// Evidence that every record that existed at `at_t` is applied: each checkpoint covers it.
+    fn covers(st: &State, at_t: [u8; SHARDS]) -> bool {
         (0..SHARDS).all(|s| match st.leases[s].checkpoint {
             Checkpoint::End => true,
-            Checkpoint::At(c) => c >= st.produced[s],
-            Checkpoint::None => st.produced[s] == 0,
+            Checkpoint::At(c) => c >= at_t[s],
+            Checkpoint::None => at_t[s] == 0,
         })
     }
 
@@ -478,7 +496,7 @@ impl Model for ProtocolModel {
                 n,
                 produced: if self.dynamic_production { [0; SHARDS] } else { n },
                 leases: [Lease { owner: None, counter: 0, expired: false, checkpoint: Checkpoint::None }; SHARDS],
-                item: Item { value: 0, entry: [0; SHARDS], floor: 0, stragglers: 0 },
+                item: Item { value: 0, entry: [0; SHARDS], floor: 0, stragglers: 0, version: 0 },
                 replicas: [Replica::default(); REPLICAS],
                 recon: Recon::Idle,
                 crashes_left: self.crashes,
@@ -553,11 +571,15 @@ impl Model for ProtocolModel {
             actions.push(Action::Corrupt);
         }
         match st.recon {
-            // Reconcile reads the truth only with evidence that every record created before
-            // the read is applied.
-            Recon::Idle if st.recon_writes_left > 0 && Self::at_tip(st) => actions.push(Action::ReconTruth),
+            Recon::Idle if st.recon_writes_left > 0 && self.bugs.recon_late_snapshot => actions.push(Action::ReconTruth),
+            Recon::Idle if st.recon_writes_left > 0 => actions.push(Action::ReconSnapshot),
             Recon::Idle => {}
-            Recon::Truth { .. } => actions.push(Action::ReconItem),
+            Recon::Snapshot { .. } => actions.push(Action::ReconTruth),
+            Recon::Truth { version: None, .. } => actions.push(Action::ReconSnapshot),
+            // The wait: evidence that every record created before the truth read is applied.
+            Recon::Truth { at_t, .. } if self.bugs.recon_no_wait || Self::covers(st, at_t) => actions.push(Action::ReconWait),
+            Recon::Truth { .. } => {}
+            Recon::Caught { .. } => actions.push(Action::ReconItem),
             Recon::ItemRead { .. } => actions.push(Action::ReconWrite),
         }
     }
@@ -626,24 +648,34 @@ impl Model for ProtocolModel {
                 st.drift += 1;
                 st.corruptions_left -= 1;
             }
-            Action::ReconTruth => st.recon = Recon::Truth { truth: self.produced_weight(&st), at_t: st.produced },
-            Action::ReconItem => {
-                let Recon::Truth { truth, at_t } = st.recon else { unreachable!("item read before truth read") };
-                // The item holds a record created after the truth read: the truth is behind
-                // the item; retry later.
-                let newer = (0..SHARDS).any(|s| st.item.entry[s] > at_t[s]);
-                st.recon = if newer && !self.bugs.recon_no_newer_check {
-                    Recon::Idle
-                } else {
-                    Recon::ItemRead { truth, ledger: (st.item.entry, st.item.floor, st.item.stragglers) }
+            Action::ReconSnapshot => {
+                st.recon = match st.recon {
+                    Recon::Truth { version: None, truth, at_t } => Recon::Truth { version: Some(st.item.version), truth, at_t },
+                    _ => Recon::Snapshot { version: st.item.version },
+                }
+            }
+            Action::ReconTruth => {
+                let version = match st.recon {
+                    Recon::Snapshot { version } => Some(version),
+                    _ => None,
                 };
+                st.recon = Recon::Truth { version, truth: self.produced_weight(&st), at_t: st.produced };
+            }
+            Action::ReconWait => {
+                let Recon::Truth { version: Some(version), truth, .. } = st.recon else { unreachable!("wait before truth read") };
+                st.recon = Recon::Caught { version, truth };
+            }
+            Action::ReconItem => {
+                let Recon::Caught { version, truth } = st.recon else { unreachable!("item read before the wait") };
+                // A write landed since (1): the item may hold a record the truth did not see.
+                st.recon = if st.item.version != version { Recon::Idle } else { Recon::ItemRead { truth, version } };
             }
             Action::ReconWrite => {
-                let Recon::ItemRead { truth, ledger } = st.recon else { unreachable!("write before item read") };
+                let Recon::ItemRead { truth, version } = st.recon else { unreachable!("write before item read") };
                 st.recon = Recon::Idle;
-                // Conditioned on the ledger (entries, F, O) being as read: no stream write
-                // landed in between.
-                if ledger == (st.item.entry, st.item.floor, st.item.stragglers) || self.bugs.recon_unconditional {
+                // Conditioned on the counter being as read in (1): no stream write landed since.
+                if st.item.version == version || self.bugs.recon_unconditional {
+                    st.item.version = st.item.version.wrapping_add(1);
                     let applied = self.applied_weight(&st);
                     if (truth - applied).abs() > (st.item.value - applied).abs() {
                         st.recon_worse = true;
@@ -725,6 +757,7 @@ impl ProtocolModel {
                 st.item.value += self.weight(s, k);
             }
             st.item.entry[s] = b.last;
+            st.item.version = st.item.version.wrapping_add(1);
             if let Some(p) = prune {
                 // Remove entries only of shards finished in the view, created before F', not
                 // kept as stragglers (never the writer's own entry).
@@ -810,9 +843,11 @@ impl std::fmt::Display for Action {
             Action::Crash(r) => write!(f, "{} crashes", rn[r]),
             Action::Expire(s) => write!(f, "lease {} expires (owner paused)", sn[s]),
             Action::Corrupt => write!(f, "external write: value += 1"),
-            Action::ReconTruth => write!(f, "reconcile reads the truth (every checkpoint at its tip)"),
-            Action::ReconItem => write!(f, "reconcile reads the item"),
-            Action::ReconWrite => write!(f, "reconcile writes value := truth if the ledger is unchanged"),
+            Action::ReconSnapshot => write!(f, "reconcile reads the item's write counter"),
+            Action::ReconTruth => write!(f, "reconcile reads the truth"),
+            Action::ReconWait => write!(f, "reconcile sees every checkpoint cover the records its truth saw"),
+            Action::ReconItem => write!(f, "reconcile reads the item (counter unchanged)"),
+            Action::ReconWrite => write!(f, "reconcile writes value := truth if the counter is as first read"),
         }
     }
 }

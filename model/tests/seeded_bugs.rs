@@ -83,18 +83,27 @@ fn live_reconcile(bugs: Bugs) -> ProtocolModel {
     }
 }
 
-/// (h) Reconcile writes without checking the ledger is unchanged: a stream write that lands
-/// between its read and its write is overwritten.
+/// (h) Reconcile writes without the counter condition: a stream write that lands between its
+/// item read and its write is overwritten.
 #[test]
 fn h_unconditional_reconcile_write_introduces_drift() {
     expect_found("h", live_reconcile(Bugs { recon_unconditional: true, ..Bugs::default() }), names::VALUE_MATCHES);
 }
 
-/// (i) Reconcile does not retry when the item already holds a record created after its
-/// truth read: it sets the value back to the older truth.
+/// (i) Reconcile reads the write counter after the truth instead of before it: a record
+/// created after the truth read and applied before the counter read goes unnoticed, and the
+/// correction sets the value back to the older truth.
 #[test]
-fn i_reconcile_ignoring_newer_records_introduces_drift() {
-    expect_found("i", live_reconcile(Bugs { recon_no_newer_check: true, ..Bugs::default() }), names::VALUE_MATCHES);
+fn i_reconcile_reading_the_counter_after_the_truth_introduces_drift() {
+    expect_found("i", live_reconcile(Bugs { recon_late_snapshot: true, ..Bugs::default() }), names::VALUE_MATCHES);
+}
+
+/// (k) Reconcile does not wait until the consumer applied what its truth saw (`--no-wait`
+/// while a consumer runs): it sets the value to a truth holding a record the item lacks, and
+/// the consumer then applies that record again on top.
+#[test]
+fn k_reconcile_without_the_wait_double_counts() {
+    expect_found("k", live_reconcile(Bugs { recon_no_wait: true, ..Bugs::default() }), names::VALUE_MATCHES);
 }
 
 /// (j) The code's floor plan counts as open only the shards its lease listing shows. A listing
