@@ -124,6 +124,12 @@ def static():
         "metrics port 9464": any(p["containerPort"] == 9464 for p in c.get("portMappings", [])),
         "run command": c.get("command", [None])[0] == "run",
         "config overrides are DDB_AGGREGATOR__ variables": all(e["name"].startswith(("AWS_", "RUST_", "DDB_AGGREGATOR__")) for e in c.get("environment", [])),
+        "config from a secret named by --config env:NAME": any(
+            a.startswith("env:") and any(sec["name"] == a[4:] for sec in c.get("secrets", [])) for a in c.get("command", [])
+        ),
+        "health check by the binary (no curl in the image)": c.get("healthCheck", {}).get("command", [])[1:3] == ["/usr/local/bin/ddb-aggregator", "healthcheck"],
+        "log group created if missing": c.get("logConfiguration", {}).get("options", {}).get("awslogs-create-group") == "true",
+        "CloudWatch agent scrape labels": c.get("dockerLabels", {}).get("ECS_PROMETHEUS_EXPORTER_PORT") == "9464",
     }
     for name, good in ecs.items():
         (ok if good else fail)(f"ECS task definition: {name}")

@@ -33,7 +33,7 @@ enum Command {
     /// come from the standard chain (AWS_REGION, AWS_ENDPOINT_URL_DYNAMODB, ...). SIGTERM
     /// finishes in-flight batches, checkpoints, releases leases and exits 0.
     Run {
-        #[arg(long, value_name = "FILE")]
+        #[arg(long, value_name = "FILE", help = CONFIG_HELP)]
         config: PathBuf,
         /// Log lines as JSON (for log pipelines) or text (for people). Levels from RUST_LOG.
         #[arg(long, value_enum, default_value_t = LogFormat::Json)]
@@ -45,7 +45,7 @@ enum Command {
     /// also the initial backfill). Exit 0 when no drift is left, 1 when drift remains
     /// (always with --dry-run if any is found), 2 for bad input.
     Reconcile {
-        #[arg(long, value_name = "FILE")]
+        #[arg(long, value_name = "FILE", help = CONFIG_HELP)]
         config: PathBuf,
         /// Every target of every rule, from a full scan of the source table.
         #[arg(long)]
@@ -97,8 +97,7 @@ enum Command {
     /// Load and check a config: settings, filter patterns, templates, measures and feedback
     /// loops. Prints a summary; errors name the setting's path and exit 2.
     Validate {
-        /// The YAML config (environment variables DDB_AGGREGATOR__SECTION__KEY override it).
-        #[arg(long, value_name = "FILE")]
+        #[arg(long, value_name = "FILE", help = CONFIG_HELP)]
         config: PathBuf,
     },
     /// Test a filter pattern against one event, like `aws events test-event-pattern`.
@@ -114,11 +113,18 @@ enum Command {
         #[arg(long)]
         numeric_strings: bool,
     },
+    /// Ask a running service's /healthz (for container health checks: the image has no shell or
+    /// curl). Exits 0 when it answers 2xx within 5 s, else 1 with the reason on stderr.
+    Healthcheck {
+        /// The service's health endpoint (metrics.listen plus /healthz).
+        #[arg(long, default_value = "http://127.0.0.1:9464/healthz")]
+        url: String,
+    },
     /// Offline dry run of the rules (no AWS): reads stream records and prints the summed
     /// delta of every target attribute as JSON lines, sorted by target then attribute.
     /// Poison records are reported on stderr and do not stop the run.
     Simulate {
-        #[arg(long, value_name = "FILE")]
+        #[arg(long, value_name = "FILE", help = CONFIG_HELP)]
         config: PathBuf,
         /// Stream records: JSON lines (one GetRecords/Lambda record per line) or one Lambda
         /// event document `{"Records": [...]}`; `-` reads standard input.
@@ -127,12 +133,16 @@ enum Command {
     },
 }
 
+/// `--config`'s help, shared by every command.
+const CONFIG_HELP: &str = "The YAML config, or env:NAME for YAML text held by environment variable NAME (e.g. from SSM \
+     Parameter Store through an ECS task's secrets). DDB_AGGREGATOR__SECTION__KEY variables override its settings.";
+
 #[derive(Subcommand)]
 enum DlqAction {
     /// For each dead letter: reconcile the targets its record touched, then delete it.
     /// Letters whose targets cannot be determined or still drift stay in the queue.
     Replay {
-        #[arg(long, value_name = "FILE")]
+        #[arg(long, value_name = "FILE", help = CONFIG_HELP)]
         config: PathBuf,
         /// Most letters to process in this run.
         #[arg(long, default_value_t = 1000)]
@@ -286,6 +296,7 @@ fn main() -> ExitCode {
         Command::Dlq { action: DlqAction::Replay { config, max, wait } } => dlq_replay(&config, max, wait.as_deref()),
         Command::Run { config, log_format } => run(&config, log_format),
         Command::Validate { config } => validate(&config),
+        Command::Healthcheck { url } => healthcheck(&url),
         Command::TestPattern { pattern, event, numeric_strings } => test_pattern(&pattern, &event, numeric_strings),
         Command::Simulate { config, records } => simulate(&config, &records),
     };
@@ -506,6 +517,15 @@ fn dlq_replay(path: &Path, max: u64, wait: Option<&str>) -> anyhow::Result<()> {
         return Err(anyhow!("{} letter(s) could not be replayed", summary.kept.len()));
     }
     Ok(())
+}
+
+fn healthcheck(url: &str) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the async runtime")?;
+    match runtime.block_on(ddb_aggregator::telemetry::probe::probe(url, std::time::Duration::from_secs(5))) {
+        Ok(()) => Ok(()),
+        Err(e @ ddb_aggregator::telemetry::probe::ProbeError::BadUrl(_)) => Err(bad(format!("--url: {e}"))),
+        Err(e) => Err(anyhow!("unhealthy: {e}")),
+    }
 }
 
 fn load_config(path: &Path) -> anyhow::Result<Config> {

@@ -297,3 +297,64 @@ fn a_rule_reconcile_cannot_recompute_is_flagged_and_refused() {
     assert_eq!(o.status.code(), Some(2), "{}{}", stdout(&o), stderr(&o));
     assert!(stderr(&o).contains("which the source items do not hold"), "{}", stderr(&o));
 }
+
+/// `healthcheck` for images without curl: 0 on a 2xx answer, 1 when the service answers
+/// otherwise or not at all, 2 for an address it cannot use.
+#[test]
+fn healthcheck_asks_healthz() {
+    use std::io::{Read, Write};
+    let serve = |status: &'static str| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let handle = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 1024];
+            let n = s.read(&mut buf).unwrap();
+            let request = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let body = "x\n";
+            let _ =
+                s.write_all(format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).as_bytes());
+            request
+        });
+        (port, handle)
+    };
+    let (port, seen) = serve("200 OK");
+    let o = run(&["healthcheck", "--url", &format!("http://127.0.0.1:{port}/healthz")]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(seen.join().unwrap().starts_with("GET /healthz HTTP/1.1\r\n"));
+    let (port, seen) = serve("503 Service Unavailable");
+    let o = run(&["healthcheck", "--url", &format!("http://127.0.0.1:{port}/healthz")]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("503 Service Unavailable"), "{}", stderr(&o));
+    seen.join().unwrap();
+    // Nobody listens there.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let o = run(&["healthcheck", "--url", &format!("http://127.0.0.1:{closed}/healthz")]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cannot reach 127.0.0.1:"), "{}", stderr(&o));
+    let o = run(&["healthcheck", "--url", "localhost:9464"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--url"), "{}", stderr(&o));
+}
+
+/// `--config env:NAME` reads the YAML from an environment variable (an ECS secret).
+#[test]
+fn a_config_can_come_from_an_environment_variable() {
+    let text = std::fs::read_to_string(demo()).unwrap();
+    let o =
+        bin().args(["validate", "--config", "env:DDB_AGGREGATOR_CONFIG_YAML"]).env("DDB_AGGREGATOR_CONFIG_YAML", &text).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("rule customer-orders"), "{}", stdout(&o));
+    let o =
+        bin().args(["validate", "--config", "env:DDB_AGGREGATOR_CONFIG_YAML"]).env_remove("DDB_AGGREGATOR_CONFIG_YAML").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o)
+            .contains("environment variable DDB_AGGREGATOR_CONFIG_YAML (named by --config env:DDB_AGGREGATOR_CONFIG_YAML) is not set"),
+        "{}",
+        stderr(&o)
+    );
+    let o = bin().args(["validate", "--config", "env:BROKEN"]).env("BROKEN", "rules: [").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not valid YAML"), "{}", stderr(&o));
+}

@@ -108,14 +108,26 @@ fn shared_attribute(rules: &[Rule]) -> Option<String> {
     None
 }
 
+/// `--config env:NAME`: the config's YAML text is in environment variable NAME.
+pub const ENV_CONFIG_PREFIX: &str = "env:";
+
 fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError { path: path.into(), message: message.into() }
 }
 
 impl Config {
     /// Reads, overrides from the process environment, and validates.
+    /// Reads the file at `path`, or with `env:NAME` the YAML text held by environment variable
+    /// NAME (an ECS task's `secrets` from SSM Parameter Store, so rules change without a new
+    /// image).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| err("", format!("cannot read {}: {e}", path.display())))?;
+        let text = match path.to_str().and_then(|p| p.strip_prefix(ENV_CONFIG_PREFIX)) {
+            Some(name) => std::env::var(name).map_err(|e| match e {
+                std::env::VarError::NotPresent => err("", format!("environment variable {name} (named by --config env:{name}) is not set")),
+                std::env::VarError::NotUnicode(_) => err("", format!("environment variable {name} is not valid UTF-8")),
+            })?,
+            None => std::fs::read_to_string(path).map_err(|e| err("", format!("cannot read {}: {e}", path.display())))?,
+        };
         Config::from_yaml(&text, std::env::vars())
     }
 

@@ -2,6 +2,7 @@
 //! logging.
 
 pub mod names;
+pub mod probe;
 pub mod push;
 
 use std::net::SocketAddr;
