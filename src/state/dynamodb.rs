@@ -57,26 +57,9 @@ fn n(v: u64) -> AttributeValue {
     AttributeValue::N(v.to_string())
 }
 
-fn get_s(item: &HashMap<String, AttributeValue>, k: &str) -> Option<String> {
-    item.get(k).and_then(|v| v.as_s().ok()).cloned()
-}
-
-fn get_n(item: &HashMap<String, AttributeValue>, k: &str) -> Option<u64> {
-    item.get(k).and_then(|v| v.as_n().ok()).and_then(|v| v.parse().ok())
-}
-
-fn lease_from(item: &HashMap<String, AttributeValue>) -> Option<Lease> {
-    Some(Lease {
-        shard_id: get_s(item, "shard_id")?,
-        parent: get_s(item, "parent"),
-        owner: get_s(item, "owner"),
-        counter: get_n(item, "counter").unwrap_or(0),
-        expires_at_ms: get_n(item, "expires_at").unwrap_or(0),
-        checkpoint: get_s(item, "checkpoint").map(|c| Checkpoint::parse(&c)),
-        last_record_ms: get_n(item, "last_record_ms"),
-        at_tip_ms: get_n(item, "at_tip_ms"),
-    })
-}
+/// The lease attribute that marks a reader started at the trim horizon that applied nothing
+/// yet ([`Checkpoint::TrimHorizon`]); `checkpoint`, once set, takes precedence.
+pub const HORIZON: &str = "horizon";
 
 const OWNED: &str = "#o = :owner AND #c = :counter";
 
@@ -187,7 +170,9 @@ impl LeaseStore for DynamoDbLeases {
                     return Err(StateError::Transient("scan condition failed".into()));
                 }
             };
-            out.extend(resp.items().iter().filter_map(lease_from));
+            for item in resp.items() {
+                out.push(super::items::lease(item)?);
+            }
             match resp.last_evaluated_key() {
                 Some(k) if !k.is_empty() => start = Some(k.clone()),
                 _ => return Ok(out),
@@ -238,7 +223,7 @@ impl LeaseStore for DynamoDbLeases {
             .send()
             .await;
         match resp {
-            Ok(r) => Ok(r.attributes().and_then(lease_from)),
+            Ok(r) => r.attributes().map(super::items::lease).transpose(),
             Err(e) => map_err(e, &self.table).map(|_| None),
         }
     }
@@ -255,9 +240,19 @@ impl LeaseStore for DynamoDbLeases {
     async fn checkpoint(&self, shard_id: &str, owner: &str, counter: u64, progress: &Progress) -> Result<bool, StateError> {
         let mut sets = Vec::new();
         let mut req = self.owned(shard_id, owner, counter);
-        if let Some(cp) = &progress.checkpoint {
-            sets.push("#cp = :cp");
-            req = req.expression_attribute_names("#cp", "checkpoint").expression_attribute_values(":cp", s(cp.as_str()));
+        match &progress.checkpoint {
+            // Its own attribute: it never overwrites a sequence checkpoint, and a version that
+            // does not know it reads no checkpoint (and starts as it always did) instead of
+            // asking for an iterator after sequence number "TRIM_HORIZON".
+            Some(Checkpoint::TrimHorizon) => {
+                sets.push("#hz = :hz");
+                req = req.expression_attribute_names("#hz", HORIZON).expression_attribute_values(":hz", s(Checkpoint::TRIM_HORIZON));
+            }
+            Some(cp) => {
+                sets.push("#cp = :cp");
+                req = req.expression_attribute_names("#cp", "checkpoint").expression_attribute_values(":cp", s(cp.as_str()));
+            }
+            None => {}
         }
         if let Some(t) = progress.last_record_ms {
             sets.push("#lr = :lr");
@@ -315,7 +310,7 @@ impl LeaseStore for DynamoDbLeases {
         let resp =
             self.client.get_item().table_name(&self.table).key("shard_id", s(&self.request_key())).consistent_read(true).send().await;
         match resp {
-            Ok(r) => Ok(r.item().and_then(|i| get_n(i, "requested_at"))),
+            Ok(r) => r.item().map(super::items::requested_at).transpose(),
             Err(e) => map_err(e, &self.table).map(|_| None),
         }
     }

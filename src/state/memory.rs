@@ -127,8 +127,11 @@ impl LeaseStore for MemoryLeases {
             self.mark_free(&format!("end:{shard_id}"), super::now_ms());
         }
         Ok(self.update(shard_id, owner, counter, |l| {
-            if let Some(c) = &progress.checkpoint {
-                l.checkpoint = Some(c.clone());
+            match (&progress.checkpoint, &l.checkpoint) {
+                // As the DynamoDB store: the horizon mark never replaces a real checkpoint.
+                (Some(super::Checkpoint::TrimHorizon), Some(c)) if *c != super::Checkpoint::TrimHorizon => {}
+                (Some(c), _) => l.checkpoint = Some(c.clone()),
+                (None, _) => {}
             }
             if progress.last_record_ms.is_some() {
                 l.last_record_ms = progress.last_record_ms;

@@ -7,6 +7,7 @@
 //! resume.
 
 pub mod dynamodb;
+mod items;
 pub mod memory;
 
 use std::future::Future;
@@ -100,6 +101,10 @@ pub enum StateError {
     Transient(String),
     #[error("state table error: {0}")]
     Fatal(String),
+    /// An item that does not have the shape this version writes (hand-edited, or written by
+    /// something else): never read with defaults.
+    #[error("state table item {0} is malformed ({1}): fix or delete it")]
+    Malformed(String, String),
 }
 
 impl StateError {
