@@ -282,6 +282,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     }
 
     async fn on_iterator_error(&mut self, e: StreamError) -> Flow {
+        self.shared.note_age(&self.lease.shard_id, |a| a.failed(now_ms()));
         match e {
             StreamError::TrimmedData(why) => self.on_trimmed(&why).await,
             StreamError::NoIterator(why) => {
@@ -303,6 +304,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     }
 
     async fn on_read_error(&mut self, e: StreamError, it: String) -> Flow {
+        self.shared.note_age(&self.lease.shard_id, |a| a.failed(now_ms()));
         if e.is_retriable() && e != StreamError::ExpiredIterator {
             // Throttling or a passing error: the iterator is still good (and for a shard
             // started at LATEST with no checkpoint yet, the only record of where it started),
