@@ -188,12 +188,30 @@ impl Template {
             (true, true) => self.text == other.text,
             (true, false) => other.matches_expansion(&self.text),
             (false, true) => self.matches_expansion(&other.text),
+            (false, false) if self.time_shapes_differ(other) => false,
             (false, false) => {
                 let (p1, s1) = self.literal_ends();
                 let (p2, s2) = other.literal_ends();
                 (p1.starts_with(p2) || p2.starts_with(p1)) && (s1.ends_with(s2) || s2.ends_with(s1))
             }
         }
+    }
+
+    /// Whether the two are the same text around one variable each, truncated by different
+    /// time functions (`SALES#{date|day}` and `SALES#{date|month}`): their expansions never
+    /// meet, as they hold different numbers of `-` after the year (0, 1, 2) and only the hour
+    /// holds a `T`.
+    fn time_shapes_differ(&self, other: &Template) -> bool {
+        fn shape(t: &Template) -> Option<(&str, TimeFunc, &str)> {
+            match t.parts.as_slice() {
+                [Part::Var { func: Some(f), .. }] => Some(("", *f, "")),
+                [Part::Literal(a), Part::Var { func: Some(f), .. }] => Some((a, *f, "")),
+                [Part::Var { func: Some(f), .. }, Part::Literal(b)] => Some(("", *f, b)),
+                [Part::Literal(a), Part::Var { func: Some(f), .. }, Part::Literal(b)] => Some((a, *f, b)),
+                _ => None,
+            }
+        }
+        matches!((shape(self), shape(other)), (Some((a1, f1, b1)), Some((a2, f2, b2))) if a1 == a2 && b1 == b2 && f1 != f2)
     }
 
     /// The literal text before the first variable and after the last.
@@ -348,6 +366,29 @@ fn naive(s: &str) -> Option<NaiveDateTime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlaps() {
+        let t = |a: &str| Template::parse(a).unwrap();
+        let cases = [
+            ("PROFILE", "PROFILE", true),
+            ("PROFILE", "TOTAL", false),
+            ("orders_{status}", "orders_total", true),
+            ("orders_{status}", "orderCount", false),
+            ("orders_{status}", "orders_{kind}", true),
+            ("CUST#{c}", "SALES#{d}", false),
+            ("SALES#{date|day}", "SALES#{date|month}", false),
+            ("SALES#{date|day}", "SALES#{date|hour}", false),
+            ("SALES#{date|day}", "SALES#{other|day}", true),
+            ("SALES#{date|day}", "SALES#{date}", true),
+            ("{a}#{b}", "x#y", true),
+            ("{a}#{b}", "x#y#z", false),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(t(a).may_overlap(&t(b)), want, "{a} / {b}");
+            assert_eq!(t(b).may_overlap(&t(a)), want, "{b} / {a}");
+        }
+    }
 
     fn expand(t: &str, v: VarValue<'_>) -> Result<String, ExpandError> {
         Template::parse(t).unwrap().expand(|_| Some(v))
