@@ -55,17 +55,27 @@ pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms:
 /// child unless the stream was disabled, so past this reconcile stops waiting for one.
 pub const CHILD_LISTING_LAG_MS: u64 = 10 * 60 * 1000;
 
-/// Shards read to their end within [`CHILD_LISTING_LAG_MS`] whose child neither the listing
-/// nor the lease table shows yet: the child may hold records created before the target that
-/// nobody applied, so reconcile waits for it (reported under the parent's id).
+/// How long after a shard was read to its end its children are waited for even when one is
+/// listed: a split has two, and the listing may show one before the other.
+pub const CHILD_SETTLE_MS: u64 = 30 * 1000;
+
+/// Shards read to their end within [`CHILD_SETTLE_MS`], or within [`CHILD_LISTING_LAG_MS`]
+/// while neither the listing nor the lease table shows a child: a child may hold records
+/// created before the target that nobody applied, so reconcile waits (reported under the
+/// parent's id).
 fn awaited_children(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, now_ms: u64) -> Vec<Behind> {
     let has_child =
         |id: &str| listed.iter().any(|s| s.parent.as_deref() == Some(id)) || leases.values().any(|l| l.parent.as_deref() == Some(id));
+    let ended_ago = |l: &Lease| l.at_tip_ms.map(|t| now_ms.saturating_sub(t));
     leases
         .values()
-        .filter(|l| l.finished() && l.at_tip_ms.is_some_and(|t| now_ms.saturating_sub(t) < CHILD_LISTING_LAG_MS))
-        .filter(|l| !has_child(&l.shard_id))
-        .map(|l| Behind { shard_id: format!("{} (its child, not listed yet)", l.shard_id), owner: None })
+        .filter(|l| l.finished())
+        .filter(|l| match ended_ago(l) {
+            Some(ago) if ago < CHILD_SETTLE_MS => true,
+            Some(ago) if ago < CHILD_LISTING_LAG_MS => !has_child(&l.shard_id),
+            _ => false,
+        })
+        .map(|l| Behind { shard_id: format!("{} (its children, not settled in the listing yet)", l.shard_id), owner: None })
         .collect()
 }
 
@@ -156,31 +166,36 @@ mod tests {
     #[test]
     fn a_shard_read_to_its_end_waits_for_its_child_to_be_listed() {
         let now = 10 * DAY;
-        let ended = |l: &mut Lease| {
-            l.checkpoint = Some(Checkpoint::ShardEnd);
-            l.at_tip_ms = Some(now - 1_000);
-        };
-        let leases: BTreeMap<String, Lease> = [
-            lease("p", ended),
-            lease("q", ended),
-            lease("r", ended),
-            lease("s", |l| {
+        let ended = |ago: u64| {
+            move |l: &mut Lease| {
                 l.checkpoint = Some(Checkpoint::ShardEnd);
-                l.at_tip_ms = Some(now - CHILD_LISTING_LAG_MS);
-            }),
+                l.at_tip_ms = Some(now - ago);
+            }
+        };
+        let minute = 60_000;
+        let mut leases: BTreeMap<String, Lease> = [
+            lease("p", ended(minute)),
+            lease("q", ended(minute)),
+            lease("r", ended(minute)),
+            lease("s", ended(CHILD_LISTING_LAG_MS)),
+            lease("t", ended(1_000)),
         ]
         .into();
         // q's child is listed; r's child has a lease already; p's child is not visible yet;
-        // s ended long enough ago that no child is coming (the stream was disabled).
-        let listed = vec![ShardInfo { shard_id: "q1".into(), parent: Some("q".into()), closed: false }];
-        let mut leases = leases;
+        // s ended long enough ago that no child is coming (the stream was disabled); t ended a
+        // second ago: its one listed child may have a sibling the listing does not show yet.
+        let listed = vec![
+            ShardInfo { shard_id: "q1".into(), parent: Some("q".into()), closed: false },
+            ShardInfo { shard_id: "t1".into(), parent: Some("t".into()), closed: false },
+        ];
         leases.insert("r1".into(), Lease::new("r1", Some("r")));
         leases.get_mut("r1").unwrap().at_tip_ms = Some(now);
         let got = behind(&listed, &leases, now - 500, now);
+        let names: Vec<&str> = got.iter().map(|b| b.shard_id.as_str()).collect();
         assert_eq!(
-            got,
-            [Behind { shard_id: "q1".into(), owner: None }, Behind { shard_id: "p (its child, not listed yet)".into(), owner: None }],
-            "q1 is listed without a lease, r1 is at its tip, s is past the lag"
+            names,
+            ["q1", "t1", "p (its children, not settled in the listing yet)", "t (its children, not settled in the listing yet)"],
+            "q1 and t1 are listed without a lease, r1 is at its tip, s is past the lag"
         );
     }
 }
