@@ -27,8 +27,8 @@ use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
 use crate::sink::dynamodb::DynamoDbAggregates;
 use crate::sink::ledger::Ledger;
 use crate::state::dynamodb::DynamoDbLeases;
+use crate::state::Lease;
 use crate::state::LeaseStore;
-use crate::state::{now_ms, Lease};
 use crate::stream::dynamodb::DynamoDbStream;
 use crate::telemetry::names;
 use crate::worker::{Shared, Worker};
@@ -120,9 +120,25 @@ impl Reconciler {
         &self.config
     }
 
+    /// With its own consumer, reconcile needs the state table before it reads anything (a
+    /// backfill before the first `run` may create it): a missing one is found before an
+    /// hours-long scan, not after.
+    async fn prepare_state(&self) -> Result<(), ReconcileError> {
+        if !self.own_consumer {
+            return Ok(());
+        }
+        self.leases.prepare(self.config.state.create_table).await.map_err(|e| match e {
+            crate::state::StateError::TableMissing(_) => ReconcileError::BadInput(e.to_string()),
+            e => ReconcileError::Aws(format!("preparing the state table: {e}")),
+        })
+    }
+
     pub async fn run(&self, opts: &Options) -> Result<Report, ReconcileError> {
         let started = Instant::now();
         let rules = check(&self.config, opts)?;
+        if !opts.dry_run {
+            self.prepare_state().await?;
+        }
         let refused = self.config.engine.rules.iter().filter(|_| opts.rule.is_none()).filter_map(refusal).collect();
         let mut report = Report { refused, ..Report::default() };
         for rule in &rules {
@@ -149,6 +165,9 @@ impl Reconciler {
         }
         let mut report = Report::default();
         if !targets.is_empty() {
+            if !opts.dry_run {
+                self.prepare_state().await?;
+            }
             protocol::reconcile_rule(self, self, self, &rule, Some(targets), opts, &mut report).await?;
         }
         Ok(self.finish(report, started))
@@ -160,9 +179,6 @@ impl Reconciler {
         report.elapsed = started.elapsed();
         let outcome = if report.uncorrected() == 0 { "ok" } else { "drift_remaining" };
         metrics::counter!(names::RECONCILE_RUNS, "outcome" => outcome).increment(1);
-        if outcome == "ok" {
-            crate::telemetry::reconcile_succeeded(now_ms());
-        }
         report
     }
 
@@ -300,13 +316,6 @@ impl Reconciler {
         max: Duration,
         consumer: &mut Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
     ) -> Result<(), ReconcileError> {
-        if self.own_consumer {
-            // A backfill before the first `run`: the state table may not exist yet.
-            self.leases
-                .prepare(self.config.state.create_table)
-                .await
-                .map_err(|e| ReconcileError::Aws(format!("preparing the state table: {e}")))?;
-        }
         let started = Instant::now();
         let mut last_progress = started;
         let mut last_seen: Option<Vec<Lease>> = None;

@@ -81,6 +81,11 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         not_before = tokio::time::Instant::now() + retry_after(failures);
         match result {
             Ok(()) => {
+                // One success per round, over every rule, and a round with nothing to check
+                // is one too (a quiet table is not a failing reconcile).
+                if retry.is_empty() && corrected == drifts {
+                    crate::telemetry::reconcile_succeeded(now_ms());
+                }
                 let seconds = run_started.elapsed().as_secs_f64();
                 info!(all, targets = checked, seconds, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done");
                 // Targets not quiet were not repaired: the request stays for the next run.

@@ -35,6 +35,12 @@ pub fn live_deadline_ms(lease_ms: u64) -> u64 {
 }
 
 impl Health {
+    /// The worker loop made a step (a maintenance round began, or one of its calls returned,
+    /// successful or not).
+    pub fn beat(&self) {
+        self.last_tick_ms.store(crate::state::now_ms(), Ordering::Relaxed);
+    }
+
     /// `/healthz`: the worker loop is turning (before its first round, during start-up, yes).
     pub fn alive(&self, now_ms: u64, deadline_ms: u64) -> bool {
         let last = self.last_tick_ms.load(Ordering::Relaxed);

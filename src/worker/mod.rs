@@ -94,19 +94,24 @@ impl<S, L, A> Shared<S, L, A> {
         }
     }
 
-    /// Never starts at LATEST. Reconcile's own consumer: the checkpoints it leaves are where
-    /// `run` goes on, and one read from LATEST that saw no record leaves none, so `run` would
-    /// start at LATEST again and skip what was written in between. From the horizon every
-    /// record is applied (the ledger drops repeats) before reconcile compares the truth, and a
-    /// shard that had none keeps a TRIM_HORIZON checkpoint for `run`.
+    /// Starts a shard nobody ever read at its trim horizon. Reconcile's own consumer: the
+    /// checkpoints it leaves are where `run` goes on, and one read from LATEST that saw no
+    /// record leaves none, so `run` would start at LATEST again and skip what was written in
+    /// between. From the horizon every record is applied (the ledger drops repeats) before
+    /// reconcile compares the truth, and a shard that had none keeps a TRIM_HORIZON
+    /// checkpoint for `run`.
     pub fn reading_from_the_horizon(mut self) -> Self {
         self.from_horizon = true;
         self
     }
 
-    /// Where a shard without a checkpoint or known parent starts.
-    pub fn start_position(&self) -> crate::config::StartPosition {
-        if self.from_horizon {
+    /// Where `lease` (as listed, before this replica took it) starts when it has neither a
+    /// checkpoint nor a known parent: `start_position`, except a never-taken lease (counter 0)
+    /// for reconcile's own consumer. A lease some reader took before without leaving a
+    /// checkpoint was read from LATEST: the records before that start were skipped on purpose
+    /// (a backfill counted them), so reading it from the horizon would count them twice.
+    pub fn start_position(&self, lease: &Lease) -> crate::config::StartPosition {
+        if self.from_horizon && lease.counter == 0 {
             crate::config::StartPosition::TrimHorizon
         } else {
             self.config.source.start_position
@@ -256,7 +261,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = tick.tick() => {
-                    self.shared.health.last_tick_ms.store(now_ms(), Ordering::Relaxed);
+                    self.shared.health.beat();
                     if let Err(e) = self.maintain().await {
                         warn!(error = %e, "lease maintenance failed; retrying next round");
                     }
@@ -330,7 +335,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         for s in &self.shards {
             if !leases.contains_key(&s.shard_id) {
                 let lease = plan::new_lease(s, &leases);
-                match self.shared.leases.create(&lease).await {
+                let created = self.shared.leases.create(&lease).await;
+                self.shared.health.beat();
+                match created {
                     Ok(_) => {
                         leases.insert(s.shard_id.clone(), lease);
                     }
@@ -351,7 +358,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             .collect();
         let lease_ms = self.lease_ms();
         for l in want {
-            let got = match self.shared.leases.take(&l, &self.shared.owner, now + lease_ms).await {
+            let taken = self.shared.leases.take(&l, &self.shared.owner, now + lease_ms).await;
+            self.shared.health.beat();
+            let got = match taken {
                 Ok(got) => got,
                 Err(e) => {
                     warn!(shard = %l.shard_id, error = %e, "cannot take the lease; next round");
@@ -365,7 +374,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 let start = plan::initial_position(
                     got.checkpoint.as_ref(),
                     plan::parent_known(&got, &leases, &listed),
-                    self.shared.start_position(),
+                    self.shared.start_position(&l),
                 );
                 self.start_reader(got, start, now + lease_ms);
             }
@@ -379,7 +388,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         let shared = &self.shared;
         let until = now + self.lease_ms();
         for (shard, r) in &self.running {
-            match shared.leases.renew(shard, &shared.owner, r.counter, until).await {
+            let renewed = shared.leases.renew(shard, &shared.owner, r.counter, until).await;
+            shared.health.beat();
+            match renewed {
                 Ok(true) => r.valid_until_ms.store(until, Ordering::Relaxed),
                 Ok(false) => {
                     warn!(shard = %shard, "lease taken by another replica");

@@ -977,16 +977,11 @@ async fn an_empty_page_mid_shard_is_not_taken_for_the_tip() {
     r.handle.await.unwrap().unwrap();
 }
 
-/// Reconcile's own consumer on a deployment at `start_position: latest` that never ran: it
-/// reads from the horizon, and a shard that had no record keeps a TRIM_HORIZON checkpoint, so
-/// the first `run` counts what arrives between the two instead of starting at LATEST.
-#[tokio::test]
-async fn a_reader_from_the_horizon_leaves_run_no_gap_at_latest() {
-    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
-    let shard = fakes.0.add_shard(None);
-    let latest = config_with(&[("SOURCE__START_POSITION", "latest")]);
+/// Reconcile's own consumer as a replica that only takes free leases and reads a never-taken
+/// shard from its horizon.
+fn start_own_consumer(fakes: &Fakes, config: Config) -> (CancellationToken, tokio::task::JoinHandle<Result<(), WorkerError>>) {
     let shared = Shared::new(
-        latest.clone(),
+        config,
         ArcSource(fakes.0.clone()),
         ArcLeases(fakes.1.clone()),
         fakes.2.clone(),
@@ -996,7 +991,47 @@ async fn a_reader_from_the_horizon_leaves_run_no_gap_at_latest() {
     .without_balancing()
     .reading_from_the_horizon();
     let cancel = CancellationToken::new();
-    let own = tokio::spawn(Worker::new(shared).run(cancel.clone()));
+    (cancel.clone(), tokio::spawn(Worker::new(shared).run(cancel)))
+}
+
+/// A shard `run` read from LATEST and left without a checkpoint (no record came) is not read
+/// from the horizon by reconcile's own consumer: the records before `run`'s start were skipped
+/// on purpose (a backfill counted them), and applying them now would count them twice.
+#[tokio::test]
+async fn reconciles_consumer_does_not_replay_what_latest_skipped() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    fakes.0.append(&shard, order("c3", 1, "INSERT", "5", "PAID"));
+    let run = start_at_latest(&fakes).await;
+    run.cancel.cancel();
+    run.handle.await.unwrap().unwrap();
+    let lease = fakes.1.snapshot().into_iter().find(|l| l.shard_id == shard).unwrap();
+    assert_eq!((lease.checkpoint.clone(), lease.counter > 0), (None, true), "{lease:?}");
+    let (cancel, own) = start_own_consumer(&fakes, config_with(&[("SOURCE__START_POSITION", "latest")]));
+    for _ in 0..200 {
+        if fakes.1.snapshot().iter().any(|l| l.owner.as_deref() == Some("reconcile-x")) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let later = vec![order("c4", 2, "INSERT", "7", "PAID")];
+    fakes.0.append(&shard, later[0].clone());
+    settle(&fakes, &expected(&later), 0).await;
+    cancel.cancel();
+    own.await.unwrap().unwrap();
+    assert_eq!(fakes.2.numbers(), expected(&later), "the record before run's start stays uncounted");
+}
+
+/// Reconcile's own consumer on a deployment at `start_position: latest` that never ran: it
+/// reads from the horizon, and a shard that had no record keeps a TRIM_HORIZON checkpoint, so
+/// the first `run` counts what arrives between the two instead of starting at LATEST.
+#[tokio::test]
+async fn a_reader_from_the_horizon_leaves_run_no_gap_at_latest() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    let latest = config_with(&[("SOURCE__START_POSITION", "latest")]);
+    let (cancel, own) = start_own_consumer(&fakes, latest.clone());
     for _ in 0..400 {
         if fakes.1.snapshot().iter().any(|l| l.at_tip_ms.is_some()) {
             break;
