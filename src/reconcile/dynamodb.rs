@@ -177,8 +177,8 @@ impl Reconciler {
         report.items_read = self.items_read.load(Ordering::Relaxed);
         report.read_units = self.budget.used();
         report.elapsed = started.elapsed();
-        let outcome = if report.uncorrected() == 0 { "ok" } else { "drift_remaining" };
-        metrics::counter!(names::RECONCILE_RUNS, "outcome" => outcome).increment(1);
+        let outcome = if report.uncorrected() == 0 { names::RunOutcome::Ok } else { names::RunOutcome::DriftRemaining };
+        metrics::counter!(names::RECONCILE_RUNS, "outcome" => outcome.as_str()).increment(1);
         report
     }
 

@@ -96,7 +96,8 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                 }
             }
             Err(e) => {
-                metrics::counter!(crate::telemetry::names::RECONCILE_RUNS, "outcome" => "error").increment(1);
+                metrics::counter!(crate::telemetry::names::RECONCILE_RUNS, "outcome" => crate::telemetry::names::RunOutcome::Error.as_str())
+                    .increment(1);
                 warn!(error = %e, "scheduled reconcile failed; its targets are kept for the next run");
                 let mut t = shared.touched.lock().unwrap_or_else(|e| e.into_inner());
                 for (rule, targets) in touched {

@@ -90,14 +90,17 @@ pub fn init_series(rules: &[String]) {
     ] {
         counter!(name).increment(0);
     }
-    for outcome in ["applied", "stale", "fenced", "rejected", "error"] {
-        counter!(AGGREGATE_WRITES, "outcome" => outcome).increment(0);
+    for outcome in WriteOutcome::ALL {
+        counter!(AGGREGATE_WRITES, "outcome" => outcome.as_str()).increment(0);
     }
-    for outcome in ["ok", "empty", "expired", "throttled", "trimmed", "error"] {
-        counter!(GET_RECORDS, "outcome" => outcome).increment(0);
+    for outcome in ReadOutcome::ALL {
+        counter!(GET_RECORDS, "outcome" => outcome.as_str()).increment(0);
     }
-    for outcome in ["ok", "drift_remaining", "error"] {
-        counter!(RECONCILE_RUNS, "outcome" => outcome).increment(0);
+    for outcome in RunOutcome::ALL {
+        counter!(RECONCILE_RUNS, "outcome" => outcome.as_str()).increment(0);
+    }
+    for state in ShardState::ALL {
+        metrics::gauge!(SHARDS, "state" => state.as_str()).set(0.0);
     }
     for form in crate::sink::dead_letter::Delivery::ALL {
         counter!(DEAD_LETTER_DELIVERIES, "form" => form.as_str()).increment(0);
@@ -112,5 +115,92 @@ pub fn init_series(rules: &[String]) {
         counter!(RECONCILE_DRIFT, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_CORRECTIONS, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_FAILED_TARGETS, "rule" => rule.clone()).increment(0);
+    }
+}
+
+/// Label values: one definition per event, so a dashboard or alert never matches a spelling
+/// that one module types differently.
+macro_rules! label_values {
+    ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {
+            $($(#[$vdoc])* $variant),+
+        }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+    };
+}
+
+label_values! {
+    /// `aggregate_writes_total{outcome}`.
+    WriteOutcome {
+        /// Written.
+        Applied => "applied",
+        /// Already applied (a replayed batch): nothing changed.
+        Stale => "stale",
+        /// Refused by the floor: the shard's entries may be pruned.
+        Fenced => "fenced",
+        /// Refused for good (a ValidationException): the records are dead-lettered.
+        Rejected => "rejected",
+        /// Failed and retried.
+        Error => "error",
+    }
+}
+
+label_values! {
+    /// `get_records_total{outcome}`.
+    ReadOutcome {
+        Ok => "ok",
+        Empty => "empty",
+        Expired => "expired",
+        Throttled => "throttled",
+        Trimmed => "trimmed",
+        Error => "error",
+    }
+}
+
+label_values! {
+    /// `reconcile_runs_total{outcome}`.
+    RunOutcome {
+        Ok => "ok",
+        DriftRemaining => "drift_remaining",
+        Error => "error",
+    }
+}
+
+label_values! {
+    /// `shards{state}`.
+    ShardState {
+        Reading => "reading",
+        Waiting => "waiting",
+        Finished => "finished",
+    }
+}
+
+#[cfg(test)]
+mod label_tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_distinct_snake_case() {
+        let all: Vec<&str> = WriteOutcome::ALL
+            .iter()
+            .map(|v| v.as_str())
+            .chain(ReadOutcome::ALL.iter().map(|v| v.as_str()))
+            .chain(RunOutcome::ALL.iter().map(|v| v.as_str()))
+            .chain(ShardState::ALL.iter().map(|v| v.as_str()))
+            .collect();
+        assert!(all.iter().all(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')), "{all:?}");
+        assert_eq!(WriteOutcome::ALL.len(), 5);
+        assert_eq!(ReadOutcome::ALL.len(), 6);
     }
 }

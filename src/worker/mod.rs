@@ -474,10 +474,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         let plan = crate::sink::ledger::floor_plan(leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()), known_until);
         *shared.floor_plan.lock().unwrap_or_else(|e| e.into_inner()) = plan.map(Arc::new);
         metrics::gauge!(names::LEASES_HELD).set(self.running.len() as f64);
-        metrics::gauge!(names::SHARDS, "state" => "reading").set(ready.len() as f64);
-        metrics::gauge!(names::SHARDS, "state" => "waiting")
+        metrics::gauge!(names::SHARDS, "state" => names::ShardState::Reading.as_str()).set(ready.len() as f64);
+        metrics::gauge!(names::SHARDS, "state" => names::ShardState::Waiting.as_str())
             .set(self.shards.len().saturating_sub(ready.len()).saturating_sub(finished_count) as f64);
-        metrics::gauge!(names::SHARDS, "state" => "finished").set(finished_count as f64);
+        metrics::gauge!(names::SHARDS, "state" => names::ShardState::Finished.as_str()).set(finished_count as f64);
         metrics::gauge!(names::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         shared.health.last_maintenance_ms.store(now_ms(), Ordering::Relaxed);
     }

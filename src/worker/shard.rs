@@ -19,7 +19,7 @@ use crate::sink::dead_letter::{DeadLetter, Reason};
 use crate::sink::{write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
-use crate::telemetry::names;
+use crate::telemetry::names::{self, ReadOutcome, WriteOutcome};
 
 /// Why a shard reader returned.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -195,7 +195,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             Ok(p) => p,
             Err(e) => return self.on_read_error(e, it).await,
         };
-        metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { "empty" } else { "ok" }).increment(1);
+        metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { ReadOutcome::Empty } else { ReadOutcome::Ok }.as_str())
+            .increment(1);
         let got = page.records.len();
         let evidence = tip_evidence(got, self.previous_empty);
         self.previous_empty = (got == 0).then_some(called_at);
@@ -309,7 +310,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             // Throttling or a passing error: the iterator is still good (and for a shard
             // started at LATEST with no checkpoint yet, the only record of where it started),
             // so retry it, keeping what was gathered.
-            metrics::counter!(names::GET_RECORDS, "outcome" => if matches!(e, StreamError::Throttled(_)) { "throttled" } else { "error" })
+            metrics::counter!(names::GET_RECORDS, "outcome" => if matches!(e, StreamError::Throttled(_)) { ReadOutcome::Throttled } else { ReadOutcome::Error }.as_str())
                 .increment(1);
             self.iterator = Some(it);
             self.failures += 1;
@@ -327,12 +328,12 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             persist_request(&self.shared).await;
         }
         let outcome = match &e {
-            StreamError::ExpiredIterator => "expired",
-            StreamError::Throttled(_) => "throttled",
-            StreamError::TrimmedData(_) => "trimmed",
-            _ => "error",
+            StreamError::ExpiredIterator => ReadOutcome::Expired,
+            StreamError::Throttled(_) => ReadOutcome::Throttled,
+            StreamError::TrimmedData(_) => ReadOutcome::Trimmed,
+            _ => ReadOutcome::Error,
         };
-        metrics::counter!(names::GET_RECORDS, "outcome" => outcome).increment(1);
+        metrics::counter!(names::GET_RECORDS, "outcome" => outcome.as_str()).increment(1);
         match e {
             // Resume from the checkpoint with a fresh iterator.
             StreamError::ExpiredIterator => Flow::Continue,
@@ -435,12 +436,12 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                     self.written(key, delta, stats);
                 }
                 Err(SinkError::Invalid(why)) => {
-                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "rejected").increment(1);
+                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Rejected.as_str()).increment(1);
                     warn!(shard = %self.shard(), error = %why, "aggregate write refused; retrying record by record");
                     refused.push((key, delta));
                 }
                 Err(e) => {
-                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "error").increment(1);
+                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Error.as_str()).increment(1);
                     first_error.get_or_insert(e);
                 }
             }
@@ -784,9 +785,10 @@ pub fn by_record(delta: &TargetDelta) -> Vec<TargetDelta> {
 fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {
     // A fenced write is also a failed condition: count it once, as fenced.
     let stale = stats.stale.saturating_sub(u64::from(stats.fenced));
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "fenced").increment(u64::from(stats.fenced));
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "stale").increment(stale);
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => "applied").increment(stats.calls.saturating_sub(stats.stale));
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Fenced.as_str()).increment(u64::from(stats.fenced));
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Stale.as_str()).increment(stale);
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Applied.as_str())
+        .increment(stats.calls.saturating_sub(stats.stale));
     metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
     metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
     shared.capacity_milli.fetch_add((stats.capacity * 1000.0).round() as u64, Ordering::Relaxed);
