@@ -90,9 +90,21 @@ where
 }
 
 /// The SDK configuration from the standard chain (AWS_REGION, AWS_ENDPOINT_URL_*, profiles,
-/// IRSA, ECS task roles).
-pub async fn sdk_config() -> aws_config::SdkConfig {
-    aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await
+/// IRSA, ECS task roles), with the config's timeouts and retries: a call that hangs ends in
+/// an error the caller retries, instead of a reader or reconcile waiting for ever.
+pub async fn sdk_config(settings: &crate::config::AwsSettings) -> aws_config::SdkConfig {
+    let timeouts = aws_config::timeout::TimeoutConfig::builder()
+        .connect_timeout(settings.connect_timeout)
+        .read_timeout(settings.read_timeout)
+        .operation_timeout(settings.operation_timeout)
+        .build();
+    let retries =
+        if settings.adaptive_retries { aws_config::retry::RetryConfig::adaptive() } else { aws_config::retry::RetryConfig::standard() };
+    aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .timeout_config(timeouts)
+        .retry_config(retries.with_max_attempts(settings.max_attempts))
+        .load()
+        .await
 }
 
 /// Typed DynamoDB JSON (`{"S": "x"}`, `{"N": "1"}`, ...) from an SDK attribute value. Total:

@@ -371,7 +371,7 @@ fn reconcile(path: &Path, cli: ReconcileCli) -> anyhow::Result<()> {
     let rt = runtime()?;
     let started = std::time::Instant::now();
     let report = rt.block_on(async move {
-        let sdk = ddb_aggregator::aws::sdk_config().await;
+        let sdk = ddb_aggregator::aws::sdk_config(&config.aws).await;
         let reconciler = Reconciler::new(&sdk, config).await?.with_own_consumer().with_read_capacity(read_capacity);
         reconciler.run(&opts).await
     });
@@ -498,7 +498,7 @@ fn dlq_replay(path: &Path, max: u64, wait: Option<&str>) -> anyhow::Result<()> {
         .ok_or_else(|| bad(format!("{}: no dead_letter.queue_url configured", path.display())))?;
     ddb_aggregator::telemetry::init_logging(false);
     let summary = runtime()?.block_on(async move {
-        let sdk = ddb_aggregator::aws::sdk_config().await;
+        let sdk = ddb_aggregator::aws::sdk_config(&config.aws).await;
         let sqs = aws_sdk_sqs::Client::new(&sdk);
         let reconciler = Reconciler::new(&sdk, config).await?.with_own_consumer();
         replay_dead_letters(&reconciler, &sqs, &queue, max, &Options { wait, ..Options::default() }).await

@@ -132,7 +132,7 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     tokio::spawn(telemetry::serve(listener, handle, health.clone(), cancel.clone()));
 
-    let sdk = crate::aws::sdk_config().await;
+    let sdk = crate::aws::sdk_config(&config.aws).await;
     let ddb = aws_sdk_dynamodb::Client::new(&sdk);
     let mut stream_arn = resolve_stream(&ddb, &config.source.table).await?;
     if config.aggregates_table != config.source.table {

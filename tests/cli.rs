@@ -358,3 +358,53 @@ fn a_config_can_come_from_an_environment_variable() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("not valid YAML"), "{}", stderr(&o));
 }
+
+/// The config's SDK timeouts bound every call: DynamoDB that accepts the connection and never
+/// answers ends `reconcile` with an error (exit 1) instead of a hang.
+#[test]
+fn a_call_that_never_answers_times_out() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    // Accept (bounded) and hold the connections open without a byte in answer.
+    let holder = std::thread::spawn(move || {
+        let _ = silent.set_nonblocking(true);
+        let mut held = Vec::new();
+        for _ in 0..300 {
+            if let Ok((s, _)) = silent.accept() {
+                held.push(s);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(demo()).unwrap() + "aws: { read_timeout: 1s, operation_timeout: 3s, max_attempts: 1 }\n";
+    let config = write(dir.path(), "c.yaml", &text);
+    let mut child = bin()
+        .args(["reconcile", "--config", &config, "--customer", "c1"])
+        .env("AWS_ENDPOINT_URL_DYNAMODB", format!("http://127.0.0.1:{port}"))
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "x")
+        .env("AWS_SECRET_ACCESS_KEY", "x")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A bound, not a speed check: without timeouts the process would never exit.
+    let mut status = None;
+    for _ in 0..600 {
+        if let Some(s) = child.try_wait().unwrap() {
+            status = Some(s);
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let Some(status) = status else {
+        let _ = child.kill();
+        panic!("reconcile still waiting on a silent endpoint after 60 s");
+    };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.to_lowercase().contains("timeout") || err.to_lowercase().contains("timed out"), "{err}");
+    drop(holder);
+}

@@ -70,7 +70,62 @@ pub struct Config {
     /// Where `reconcile` pushes its results (`reconcile.pushgateway`).
     pub reconcile_pushgateway: Option<String>,
     pub metrics_listen: SocketAddr,
+    pub aws: AwsSettings,
     pub engine: Engine,
+}
+
+/// The AWS SDK's timeouts and retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AwsSettings {
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+    pub operation_timeout: Duration,
+    pub max_attempts: u32,
+    pub adaptive_retries: bool,
+}
+
+impl Default for AwsSettings {
+    fn default() -> AwsSettings {
+        AwsSettings {
+            connect_timeout: Duration::from_secs(3),
+            read_timeout: Duration::from_secs(20),
+            operation_timeout: Duration::from_secs(60),
+            max_attempts: 3,
+            adaptive_retries: false,
+        }
+    }
+}
+
+fn aws_settings(raw: Option<&raw::RawAws>) -> Result<AwsSettings, ConfigError> {
+    let d = AwsSettings::default();
+    let Some(raw) = raw else { return Ok(d) };
+    let positive = |path: &str, v: Option<&str>, default: Duration| -> Result<Duration, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(t) => match parse_duration(t).map_err(|m| err(path, m))? {
+                z if z.is_zero() => Err(err(path, "must be more than 0")),
+                ok => Ok(ok),
+            },
+        }
+    };
+    let max_attempts = match raw.max_attempts.as_deref() {
+        None => d.max_attempts,
+        Some(t) => {
+            t.parse::<u32>().ok().filter(|n| (1..=20).contains(n)).ok_or_else(|| err("aws.max_attempts", format!("{t:?}: use 1 to 20")))?
+        }
+    };
+    let adaptive_retries = match raw.retry_mode.as_deref().unwrap_or("standard") {
+        "standard" => false,
+        "adaptive" => true,
+        other => return Err(err("aws.retry_mode", format!("{other:?}: use standard or adaptive"))),
+    };
+    Ok(AwsSettings {
+        connect_timeout: positive("aws.connect_timeout", raw.connect_timeout.as_deref(), d.connect_timeout)?,
+        read_timeout: positive("aws.read_timeout", raw.read_timeout.as_deref(), d.read_timeout)?,
+        operation_timeout: positive("aws.operation_timeout", raw.operation_timeout.as_deref(), d.operation_timeout)?,
+        max_attempts,
+        adaptive_retries,
+    })
 }
 
 /// A configuration error: where and why.
@@ -307,6 +362,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         "all" => true,
         other => return Err(err("reconcile.scope", format!("{other:?}: use touched or all"))),
     };
+    let aws = aws_settings(raw.aws.as_ref())?;
     let listen = raw.metrics.as_ref().and_then(|m| m.listen.as_deref()).unwrap_or("0.0.0.0:9464");
     let metrics_listen: SocketAddr =
         listen.parse().map_err(|_| err("metrics.listen", format!("{listen:?} is not an address like 0.0.0.0:9464")))?;
@@ -354,6 +410,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         reconcile_margin,
         reconcile_pushgateway,
         metrics_listen,
+        aws,
         engine,
     })
 }

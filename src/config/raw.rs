@@ -37,7 +37,30 @@ pub struct RawConfig {
     pub reconcile: Option<RawReconcile>,
     #[serde(default)]
     pub metrics: Option<RawMetrics>,
+    #[serde(default)]
+    pub aws: Option<RawAws>,
     pub rules: Vec<RawRule>,
+}
+
+/// The AWS SDK's timeouts and retries (every client: DynamoDB, Streams, SQS).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAws {
+    /// Default 3s.
+    #[serde(default, deserialize_with = "text")]
+    pub connect_timeout: Option<String>,
+    /// Default 20s: one HTTP response.
+    #[serde(default, deserialize_with = "text")]
+    pub read_timeout: Option<String>,
+    /// Default 60s: one call with its retries.
+    #[serde(default, deserialize_with = "text")]
+    pub operation_timeout: Option<String>,
+    /// Default 3 (the first attempt included).
+    #[serde(default, deserialize_with = "text")]
+    pub max_attempts: Option<String>,
+    /// `standard` (default) or `adaptive` (client-side rate limiting on throttling).
+    #[serde(default, deserialize_with = "text")]
+    pub retry_mode: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

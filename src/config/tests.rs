@@ -236,3 +236,32 @@ fn two_rules_cannot_write_one_attribute_of_one_item() {
         }
     }
 }
+
+#[test]
+fn aws_timeouts_and_retries() {
+    assert_eq!(load(DEMO).unwrap().aws, super::AwsSettings::default());
+    let with = |section: &str| format!("{DEMO}aws: {section}\n");
+    let c =
+        load(&with("{ connect_timeout: 1s, read_timeout: 5s, operation_timeout: 30s, max_attempts: 5, retry_mode: adaptive }")).unwrap();
+    assert_eq!(
+        c.aws,
+        super::AwsSettings {
+            connect_timeout: Duration::from_secs(1),
+            read_timeout: Duration::from_secs(5),
+            operation_timeout: Duration::from_secs(30),
+            max_attempts: 5,
+            adaptive_retries: true,
+        }
+    );
+    for (section, path) in [
+        ("{ read_timeout: 0s }", "aws.read_timeout"),
+        ("{ connect_timeout: soon }", "aws.connect_timeout"),
+        ("{ max_attempts: 0 }", "aws.max_attempts"),
+        ("{ max_attempts: 21 }", "aws.max_attempts"),
+        ("{ retry_mode: fast }", "aws.retry_mode"),
+        ("{ timeout: 1s }", "unknown field `timeout`"),
+    ] {
+        let e = load_err(&with(section));
+        assert!(e.contains(path), "{section}: {e}");
+    }
+}
