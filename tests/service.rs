@@ -47,6 +47,14 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     );
     assert!(writes >= 5000);
     assert!(records >= 5000.0, "every write produced a record that was read: {records}");
+    // Lambda's account of records: every record read is an order (customer-orders matches
+    // every ORDER# record) or filtered out (the aggregate items' own records, same table).
+    let filtered = metric(&m, "ddb_aggregator_records_filtered_total");
+    let orders = metric(&m, "ddb_aggregator_records_matched_total{rule=\"customer-orders\"}");
+    assert!(filtered > 0.0 && orders > 0.0, "filtered {filtered}, orders {orders}");
+    assert_eq!(filtered + orders, records, "read = matched + filtered");
+    assert!(metric(&m, "ddb_aggregator_leases_taken_total") >= 1.0, "{m}");
+    assert_eq!(metric(&m, "ddb_aggregator_leases_lost_total"), 0.0, "one replica loses no lease");
     assert!(calls < folded, "coalescing saved calls");
     let (code, took) = svc.terminate();
     assert_eq!(code, Some(0), "SIGTERM exits 0:\n{}", svc.log_tail());

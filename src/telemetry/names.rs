@@ -5,6 +5,9 @@
 pub const ITERATOR_AGE_SECONDS: &str = "ddb_aggregator_iterator_age_seconds";
 pub const ITERATOR_AGE_MAX_SECONDS: &str = "ddb_aggregator_iterator_age_max_seconds";
 pub const RECORDS_READ: &str = "ddb_aggregator_records_read_total";
+pub const RECORDS_FILTERED: &str = "ddb_aggregator_records_filtered_total";
+pub const LEASES_TAKEN: &str = "ddb_aggregator_leases_taken_total";
+pub const LEASES_LOST: &str = "ddb_aggregator_leases_lost_total";
 pub const RECORDS_MATCHED: &str = "ddb_aggregator_records_matched_total";
 pub const RECORDS_SKIPPED: &str = "ddb_aggregator_records_skipped_total";
 pub const AGGREGATE_WRITES: &str = "ddb_aggregator_aggregate_writes_total";
@@ -41,7 +44,10 @@ pub fn describe() {
         "Age of the newest record read from each shard this replica reads (0 at the tip)."
     );
     describe_gauge!(ITERATOR_AGE_MAX_SECONDS, Unit::Seconds, "Largest iterator age over the shards this replica reads.");
-    describe_counter!(RECORDS_READ, "Stream records read.");
+    describe_counter!(RECORDS_READ, "Stream records read (a batch read again after a failure counts again, as Lambda's PolledEventCount).");
+    describe_counter!(RECORDS_FILTERED, "Records no rule's filter matched (Lambda's FilteredOutEventCount).");
+    describe_counter!(LEASES_TAKEN, "Shard leases this replica took (KCL's TakenLeases).");
+    describe_counter!(LEASES_LOST, "Shard leases this replica lost to another before it was done (KCL's LostLeases).");
     describe_counter!(RECORDS_MATCHED, "Records whose filter matched, per rule.");
     describe_counter!(RECORDS_SKIPPED, "Records not applied, by reason (poison, trimmed, too_old).");
     describe_counter!(AGGREGATE_WRITES, "Aggregate UpdateItem calls, by outcome (applied, stale, error).");
@@ -80,6 +86,9 @@ pub fn init_series(rules: &[String]) {
     use metrics::counter;
     for name in [
         RECORDS_READ,
+        RECORDS_FILTERED,
+        LEASES_TAKEN,
+        LEASES_LOST,
         COALESCED_UPDATES,
         WRITE_CAPACITY_UNITS,
         TRIMMED_DATA,

@@ -277,6 +277,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         match done {
             Ok((shard, exit)) => {
                 info!(shard = %shard, exit = ?exit, "shard reader stopped");
+                if exit == ShardExit::LeaseLost {
+                    metrics::counter!(names::LEASES_LOST).increment(1);
+                }
                 self.running.remove(&shard);
                 if exit == ShardExit::Finished {
                     // Children may be ready now: discover again at the next round.
@@ -368,6 +371,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 }
             };
             if let Some(got) = got {
+                metrics::counter!(names::LEASES_TAKEN).increment(1);
                 if let Some(o) = l.owner.as_deref().filter(|o| *o != self.shared.owner && !l.available(now)) {
                     info!(shard = %got.shard_id, from = %o, "took a lease to balance replicas");
                 }

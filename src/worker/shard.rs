@@ -640,6 +640,9 @@ fn evaluate<'r, S, L, A>(shared: &Shared<S, L, A>, records: &'r [Value], now: u6
             }
         }
         let report = shared.engine.apply(record, &mut batch);
+        if report.matched.is_empty() && report.poisons.is_empty() {
+            metrics::counter!(names::RECORDS_FILTERED).increment(1);
+        }
         for i in &report.matched {
             if let Some(rule) = shared.engine.rules.get(*i) {
                 metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
