@@ -292,6 +292,9 @@ async fn a_shard_whose_writes_all_fail_shows_a_rising_iterator_age() {
         samples += 1;
     }
     assert!(samples >= 7, "{samples} samples");
+    let m = svc.metrics();
+    assert!(metric(&m, "process_resident_memory_bytes") > 1e6, "process metrics are exported\n{m}");
+    assert!(metric(&m, "process_open_fds") >= 3.0, "{m}");
     assert!(proxy.injected.load(std::sync::atomic::Ordering::SeqCst) > 0, "the writes were refused");
     println!("iterator age of {shard} rose to {last:.0} s over 2 minutes of failing writes ({samples} samples)");
 }

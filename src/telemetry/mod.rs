@@ -3,6 +3,7 @@
 
 pub mod names;
 pub mod probe;
+pub mod process;
 pub mod push;
 
 use std::net::SocketAddr;
@@ -67,6 +68,7 @@ pub fn install_metrics(gauge_idle: Duration) -> Result<PrometheusHandle, String>
         .install_recorder()
         .map_err(|e| e.to_string())?;
     names::describe();
+    process::describe();
     metrics::gauge!(names::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     Ok(handle)
 }
@@ -83,6 +85,7 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<
                 _ = upkeep_cancel.cancelled() => return,
                 _ = tick.tick() => {
                     refresh_last_success();
+                    process::export(&process::read());
                     upkeep.run_upkeep();
                 }
             }
