@@ -228,9 +228,20 @@ def live(work, binary, aws_python):
                 body = json.loads(e.read().decode())
             return body
         dash = json.load(open(os.path.join(ROOT, "deploy/grafana/dashboard.json")))
+        # The dashboard's variables as Grafana sends them with "All" selected.
+        variables = {"$__rate_interval": "1m", "$job": ".*", "$namespace": ".*", "$instance": ".*"}
+        names = {v["name"] for v in dash["templating"]["list"]}
+        if not {"job", "namespace", "instance"} <= names:
+            fail(f"dashboard: variables job, namespace and instance expected, found {sorted(names)}")
         for panel in dash["panels"]:
             for t in panel["targets"]:
-                r = query(t["expr"])
+                expr = t["expr"]
+                for k, v in variables.items():
+                    expr = expr.replace(k, v)
+                if "$" in expr:
+                    fail(f"dashboard '{panel['title']}' {t['refId']}: unknown variable in {t['expr']}")
+                    continue
+                r = query(expr)
                 if r.get("status") != "success":
                     fail(f"dashboard '{panel['title']}' {t['refId']}: {r.get('error')}")
                 elif not r["data"]["result"]:
