@@ -132,8 +132,13 @@ impl<S, L, A> Shared<S, L, A> {
     }
 
     /// Remembers a written target for the schedule (bounded: past 100,000 targets the next
-    /// run covers everything instead).
+    /// run covers everything instead). Nothing when no scheduled run would read it (schedule
+    /// off, or scope `all`): the bound would otherwise ask for a full reconcile of a deployment
+    /// that never reconciles on its own.
     pub fn touch(&self, rule: &str, key: &crate::rules::TargetKey) {
+        if self.config.reconcile_interval.is_none() || self.config.reconcile_all {
+            return;
+        }
         let mut t = self.touched.lock().unwrap_or_else(|e| e.into_inner());
         let total: usize = t.values().map(|s| s.len()).sum();
         if total >= 100_000 {

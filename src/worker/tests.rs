@@ -1052,3 +1052,34 @@ async fn a_reader_from_the_horizon_leaves_run_no_gap_at_latest() {
     r.cancel.cancel();
     r.handle.await.unwrap().unwrap();
 }
+
+/// Targets are remembered for the schedule only when a scheduled run will read them; with the
+/// schedule off, 100,000 written targets ask for no reconcile of everything.
+#[test]
+fn written_targets_are_kept_only_for_a_schedule_that_reads_them() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shared = |config: Config| {
+        Shared::new(
+            config,
+            ArcSource(fakes.0.clone()),
+            ArcLeases(fakes.1.clone()),
+            fakes.2.clone(),
+            "r".into(),
+            Arc::new(Health::default()),
+        )
+    };
+    let key = |i: u32| crate::rules::TargetKey(vec![Box::from(format!("CUST#c{i}").as_str()), Box::from("PROFILE")].into_boxed_slice());
+    for (interval, scope, kept) in [("0s", "touched", false), ("1h", "all", false), ("1h", "touched", true)] {
+        let s = shared(config_with(&[("RECONCILE__INTERVAL", interval), ("RECONCILE__SCOPE", scope)]));
+        for i in 0..100_001 {
+            s.touch("customer-orders", &key(i));
+        }
+        let held: usize = s.touched.lock().unwrap().values().map(|t| t.len()).sum();
+        assert_eq!(held > 0, kept, "{interval} {scope}: {held} kept");
+        assert_eq!(
+            s.reconcile_everything.load(Ordering::Relaxed),
+            kept,
+            "{interval} {scope}: the bound asks for everything only with a schedule"
+        );
+    }
+}

@@ -276,7 +276,9 @@ struct World {
     /// The source table as reconcile reads it (the same items as `items`).
     sources: Arc<MemorySources>,
     /// A reconcile round of deployment A running among the replicas, and when the next starts.
-    round: Option<tokio::task::JoinHandle<Result<ddb_aggregator::reconcile::Report, ReconcileError>>>,
+    /// The scheduled round running, and whether data loss was flagged (a reconcile request
+    /// in the state table) before or after it: its corrections are repairs then.
+    round: Option<tokio::task::JoinHandle<(bool, Result<ddb_aggregator::reconcile::Report, ReconcileError>)>>,
     next_round: u64,
     report: Report,
 }
@@ -506,26 +508,37 @@ impl World {
     /// running among the replicas, their faults and the writes.
     fn reconcile_rounds(&mut self, now: u64) {
         if let Some(done) = self.round.take_if(|r| r.is_finished()) {
-            self.count_round(futures::FutureExt::now_or_never(done));
+            let (flagged, done) = split_round(futures::FutureExt::now_or_never(done));
+            self.count_round(done, flagged);
         }
         if self.round.is_none() && now >= self.next_round {
             self.next_round = now + self.p.reconcile_every_hours * HOUR;
             let (aggregates, sources, stream, leases) =
                 (self.aggregates.clone(), self.sources.clone(), self.stream.clone(), self.leases_a.clone());
-            self.round =
-                Some(tokio::spawn(async move { reconcile::reconcile_all(&config_a(), &aggregates, &sources, &stream, &leases).await }));
+            self.round = Some(tokio::spawn(async move {
+                let flagged_before = leases.reconcile_request().await.ok().flatten().is_some();
+                let r = reconcile::reconcile_all(&config_a(), &aggregates, &sources, &stream, &leases).await;
+                let flagged_after = leases.reconcile_request().await.ok().flatten().is_some();
+                (flagged_before || flagged_after, r)
+            }));
         }
     }
 
-    fn count_round(&mut self, done: Option<Result<Result<ddb_aggregator::reconcile::Report, ReconcileError>, tokio::task::JoinError>>) {
+    /// `loss_flagged`: the service had asked for a reconcile of everything (an iterator lost
+    /// before a first checkpoint at LATEST, trimmed data), so corrections may be repairs.
+    fn count_round(
+        &mut self,
+        done: Option<Result<Result<ddb_aggregator::reconcile::Report, ReconcileError>, tokio::task::JoinError>>,
+        loss_flagged: bool,
+    ) {
         match done {
             Some(Ok(Ok(r))) => {
                 self.report.reconcile_rounds += 1;
                 let corrected = r.drifts.iter().filter(|d| d.corrected).count() as u64;
                 self.report.reconcile_corrected += corrected;
-                // Before the outage nothing is lost and nothing drifts: a correction then is
-                // reconcile changing a right value.
-                if corrected > 0 && self.report.outages == 0 {
+                // Before the outage, and with no loss flagged by the service, nothing drifts: a
+                // correction then is reconcile changing a right value.
+                if corrected > 0 && self.report.outages == 0 && !loss_flagged {
                     let d: Vec<String> =
                         r.drifts.iter().take(3).map(|d| format!("{:?}.{} {} -> {}", d.target.0, d.attribute, d.stored, d.truth)).collect();
                     self.report.problems.push(format!("reconcile corrected {corrected} right values before any loss: {}", d.join("; ")));
@@ -756,7 +769,7 @@ impl World {
                 if r.as_ref().is_ok_and(|r| r.not_quiet.is_empty()) {
                     let _ = leases.clear_reconcile_request(u64::MAX).await;
                 }
-                self.count_round(Some(Ok(r)));
+                self.count_round(Some(Ok(r)), true);
             }
             let after = self.aggregates.numbers();
             let still: Vec<String> = truth
@@ -814,8 +827,8 @@ impl World {
 
     async fn finish(&mut self) {
         if let Some(round) = self.round.take() {
-            let done = tokio::time::timeout(Duration::from_secs(12 * 3600), round).await.ok();
-            self.count_round(done);
+            let (flagged, done) = split_round(tokio::time::timeout(Duration::from_secs(12 * 3600), round).await.ok());
+            self.count_round(done, flagged);
         }
         for r in self.replicas.iter().flatten() {
             r.cancel.cancel();
@@ -849,6 +862,19 @@ impl World {
 }
 
 /// An order as the source table holds it (typed DynamoDB JSON).
+type RoundResult = Result<ddb_aggregator::reconcile::Report, ReconcileError>;
+
+/// A finished round's (loss flagged, result), as `count_round` takes them.
+fn split_round(
+    done: Option<Result<(bool, RoundResult), tokio::task::JoinError>>,
+) -> (bool, Option<Result<RoundResult, tokio::task::JoinError>>) {
+    match done {
+        Some(Ok((flagged, r))) => (flagged, Some(Ok(r))),
+        Some(Err(e)) => (false, Some(Err(e))),
+        None => (false, None),
+    }
+}
+
 fn source_item(key: &(u32, String, u64), o: &Order) -> serde_json::Map<String, Value> {
     let total = match o.cents {
         Some(c) => json!({"N": cents_text(c)}),
