@@ -16,6 +16,8 @@ struct LeaseItem {
     parent: Option<String>,
     owner: Option<String>,
     counter: u64,
+    /// Absent on finished leases written by other tools: free (never a wrong type).
+    #[serde(default)]
     expires_at: u64,
     checkpoint: Option<String>,
     /// `TRIM_HORIZON` when a reader started there and applied nothing yet.
