@@ -10,7 +10,8 @@ RUN cargo build --release --locked --bin ddb-aggregator
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /src/target/release/ddb-aggregator /usr/local/bin/ddb-aggregator
 COPY config /etc/ddb-aggregator/examples
-USER nonroot:nonroot
+# 65532 is distroless's nonroot user; numeric, so Kubernetes can check runAsNonRoot.
+USER 65532:65532
 EXPOSE 9464
 ENTRYPOINT ["/usr/local/bin/ddb-aggregator"]
 CMD ["run", "--config", "/etc/ddb-aggregator/config.yaml"]

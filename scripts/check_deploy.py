@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Checks of the deployment files, run by scripts/check-deploy (see there). Subcommands:
-rules (the PrometheusRule and deploy/prometheus/rules.yaml agree), static (CRDs, ECS task
-definition, IAM policy, Dockerfile), live (service + Prometheus on loopback)."""
+rules (the PrometheusRule and deploy/prometheus/rules.yaml agree), k8s (the rendered overlays:
+CRDs, hardening, Pod Security "restricted", one image, the generated ConfigMap; writes the
+non-CRD documents of each overlay for kubernetes-validate), static (ECS task definition, IAM
+policies against the CloudFormation template, Dockerfile), live (service + Prometheus on
+loopback)."""
 import argparse
 import json
 import os
@@ -34,8 +37,11 @@ def load_yaml(path):
         return list(yaml.safe_load_all(f))
 
 
+MONITORING = "k8s/components/monitoring"
+
+
 def rules():
-    crd = load_yaml("k8s/prometheusrule.yaml")[0]
+    crd = load_yaml(f"{MONITORING}/prometheusrule.yaml")[0]
     file = load_yaml("deploy/prometheus/rules.yaml")[0]
     if crd["spec"] != file:
         fail("deploy/prometheus/rules.yaml differs from spec of k8s/prometheusrule.yaml (copy the groups over)")
@@ -58,60 +64,207 @@ def anchor(alert):
     return re.sub(r"(?<!^)([A-Z])", r"-\1", title).lower()
 
 
-def static():
-    # CRDs: required fields.
-    sm = load_yaml("k8s/servicemonitor.yaml")[0]
-    if sm.get("apiVersion") != "monitoring.coreos.com/v1" or sm.get("kind") != "ServiceMonitor" or not sm["spec"].get("endpoints") or not sm["spec"].get("selector"):
-        fail("ServiceMonitor needs apiVersion monitoring.coreos.com/v1, spec.selector and spec.endpoints")
-    else:
-        svc = load_yaml("k8s/service.yaml")[0]
-        ports = {p["name"] for p in svc["spec"]["ports"]}
-        if not all(e.get("port") in ports for e in sm["spec"]["endpoints"]):
-            fail("ServiceMonitor endpoints must name a port of the Service")
-        else:
-            ok("ServiceMonitor: required fields, port matches the Service")
-    pr = load_yaml("k8s/prometheusrule.yaml")[0]
-    if pr.get("kind") != "PrometheusRule" or not all(r.get("alert") and r.get("expr") for g in pr["spec"]["groups"] for r in g["rules"]):
-        fail("PrometheusRule: every rule needs alert and expr")
-    else:
-        ok("PrometheusRule: required fields")
-    # Deployment hardening beyond the schema.
-    dep = load_yaml("k8s/deployment.yaml")[0]
+def k8s(rendered):
+    """Checks of every overlay as kustomize rendered it (one <overlay>.yaml per overlay in
+    `rendered`); writes <overlay>.core.yaml, the documents kubernetes-validate knows."""
+    overlays = sorted(f[:-5] for f in os.listdir(rendered) if f.endswith(".yaml") and not f.endswith(".core.yaml"))
+    expected = sorted(d for d in os.listdir(os.path.join(ROOT, "k8s/overlays")))
+    (ok if overlays == expected else fail)(f"every overlay rendered {overlays}")
+    for name in overlays:
+        docs = [d for d in load_yaml(os.path.join(rendered, f"{name}.yaml")) if d]
+        core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+        with open(os.path.join(rendered, f"{name}.core.yaml"), "w") as f:
+            yaml.safe_dump_all(core, f)
+        k8s_overlay(name, docs)
+
+
+def by_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_specs(docs):
+    """(name, pod spec) of every workload."""
+    for d in docs:
+        if d["kind"] == "Deployment" or d["kind"] == "Job":
+            yield d["metadata"]["name"], d["spec"]["template"]["spec"]
+        elif d["kind"] == "CronJob":
+            yield d["metadata"]["name"], d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+
+
+def restricted(pod):
+    """What Pod Security Standards' "restricted" level asks of a pod, as far as our pods go."""
+    psc = pod.get("securityContext", {})
+    problems = []
+    if psc.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+        problems.append("seccompProfile RuntimeDefault")
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+            problems.append(f"{c['name']}: runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            problems.append(f"{c['name']}: runAsUser 0")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{c['name']}: allowPrivilegeEscalation false")
+        if sc.get("capabilities", {}).get("drop") != ["ALL"] or sc.get("capabilities", {}).get("add"):
+            problems.append(f"{c['name']}: drop ALL capabilities, add none")
+        if sc.get("privileged"):
+            problems.append(f"{c['name']}: privileged")
+    for v in pod.get("volumes", []):
+        if not set(v) - {"name"} <= {"configMap", "secret", "emptyDir", "projected", "downwardAPI", "persistentVolumeClaim", "ephemeral", "csi"}:
+            problems.append(f"volume {v['name']}: type not allowed")
+    if pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"):
+        problems.append("host namespaces")
+    return problems
+
+
+def k8s_overlay(name, docs):
+    kinds = {d["kind"] for d in docs}
+    monitoring = {"ServiceMonitor", "PrometheusRule"} <= kinds
+    (ok if name != "production" or monitoring else fail)(f"{name}: monitoring component (ServiceMonitor, PrometheusRule) {'in' if monitoring else 'not in'} it")
+    (ok if name == "reconcile-customer" or not by_kind(docs, "Job") else fail)(f"{name}: no one-off Job unless asked for")
+    for sm in by_kind(docs, "ServiceMonitor"):
+        svc_ports = {p["name"] for s in by_kind(docs, "Service") for p in s["spec"]["ports"]}
+        good = sm["spec"].get("selector") and sm["spec"].get("endpoints") and all(e.get("port") in svc_ports for e in sm["spec"]["endpoints"])
+        (ok if good else fail)(f"{name}: ServiceMonitor has a selector and endpoints on a port of the Service")
+    for pr in by_kind(docs, "PrometheusRule"):
+        good = all(r.get("alert") and r.get("expr") for g in pr["spec"]["groups"] for r in g["rules"])
+        (ok if good else fail)(f"{name}: PrometheusRule: every rule has alert and expr")
+    for d in by_kind(docs, "ServiceMonitor") + by_kind(docs, "PrometheusRule"):
+        (ok if d["metadata"].get("labels", {}).get("release") else fail)(f"{name}: {d['kind']} carries the release label a kube-prometheus-stack selects")
+    ns = by_kind(docs, "Namespace")[0]
+    (ok if ns["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce") == "restricted" else fail)(f"{name}: namespace enforces Pod Security 'restricted'")
+    images = {c["image"] for _, pod in pod_specs(docs) for c in pod["containers"]}
+    (ok if len(images) == 1 and "/" in next(iter(images)) else fail)(f"{name}: one image, from the base's images: entry {sorted(images)}")
+    cms = [c["metadata"]["name"] for c in by_kind(docs, "ConfigMap")]
+    generated = len(cms) == 1 and re.fullmatch(r"ddb-aggregator-config-[a-z0-9]{10}", cms[0])
+    (ok if generated else fail)(f"{name}: ConfigMap generated with a content hash {cms}")
+    for wname, pod in pod_specs(docs):
+        problems = restricted(pod)
+        (ok if not problems else fail)(f"{name}: {wname} meets Pod Security 'restricted' {problems if problems else ''}")
+        refs = {v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v}
+        (ok if refs == set(cms) else fail)(f"{name}: {wname} mounts the generated ConfigMap {sorted(refs)}")
+        sa = pod.get("serviceAccountName")
+        want = "ddb-aggregator" if wname == "ddb-aggregator" else "ddb-aggregator-operator"
+        (ok if sa == want else fail)(f"{name}: {wname} runs as ServiceAccount {want}")
+    sas = {s["metadata"]["name"]: s for s in by_kind(docs, "ServiceAccount")}
+    for sa in ("ddb-aggregator", "ddb-aggregator-operator"):
+        (ok if "eks.amazonaws.com/role-arn" in sas.get(sa, {}).get("metadata", {}).get("annotations", {}) else fail)(f"{name}: ServiceAccount {sa} annotated for IRSA")
+    dep = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "ddb-aggregator"][0]
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
+    spread = {t["topologyKey"] for t in pod.get("topologySpreadConstraints", [])}
     checks = {
         "2 replicas": dep["spec"]["replicas"] == 2,
-        "runAsNonRoot": pod["securityContext"].get("runAsNonRoot") is True,
-        "readOnlyRootFilesystem": c["securityContext"].get("readOnlyRootFilesystem") is True,
-        "capabilities dropped": c["securityContext"].get("capabilities", {}).get("drop") == ["ALL"],
-        "no privilege escalation": c["securityContext"].get("allowPrivilegeEscalation") is False,
         "liveness on /healthz": c["livenessProbe"]["httpGet"]["path"] == "/healthz",
         "readiness on /readyz": c["readinessProbe"]["httpGet"]["path"] == "/readyz",
+        "read-only root filesystem": c["securityContext"].get("readOnlyRootFilesystem") is True,
         "requests and limits": bool(c["resources"].get("requests")) and bool(c["resources"].get("limits")),
         "grace period above the 10 s drain": pod["terminationGracePeriodSeconds"] > 10,
+        "spread over zones and nodes": {"topology.kubernetes.io/zone", "kubernetes.io/hostname"} <= spread,
     }
-    for name, good in checks.items():
-        (ok if good else fail)(f"Deployment: {name}")
-    sa = load_yaml("k8s/serviceaccount.yaml")[0]
-    (ok if "eks.amazonaws.com/role-arn" in sa["metadata"].get("annotations", {}) else fail)("ServiceAccount annotated for IRSA")
-    kust = load_yaml("k8s/kustomization.yaml")[0]
-    listed = set(kust["resources"])
-    present = {f for f in os.listdir(os.path.join(ROOT, "k8s")) if f.endswith(".yaml") and f != "kustomization.yaml"}
-    (ok if listed == present else fail)(f"kustomization lists every manifest ({sorted(present - listed)} missing)")
-    # IAM: exact actions, no wildcards.
-    pol = json.load(open(os.path.join(ROOT, "deploy/iam/policy.json")))
-    bad = []
-    for st in pol["Statement"]:
+    for what, good in checks.items():
+        (ok if good else fail)(f"{name}: Deployment: {what}")
+    for cj in by_kind(docs, "CronJob"):
+        good = cj["spec"].get("timeZone") and cj["spec"].get("startingDeadlineSeconds") and cj["spec"].get("concurrencyPolicy") == "Forbid"
+        (ok if good else fail)(f"{name}: CronJob {cj['metadata']['name']}: timeZone, startingDeadlineSeconds, concurrencyPolicy Forbid")
+    policies = by_kind(docs, "NetworkPolicy")
+    covered = all(any(set(p["spec"].get("policyTypes", [])) == {"Ingress", "Egress"} and selects(p["spec"]["podSelector"], pod_labels(d)) for p in policies) for d in docs if d["kind"] in ("Deployment", "CronJob", "Job"))
+    (ok if covered else fail)(f"{name}: a NetworkPolicy restricts ingress and egress of every workload")
+
+
+def pod_labels(d):
+    t = d["spec"]["jobTemplate"]["spec"]["template"] if d["kind"] == "CronJob" else d["spec"]["template"]
+    return t.get("metadata", {}).get("labels", {})
+
+
+def selects(selector, labels):
+    if not all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In")
+
+
+SQS_CALLS = {"send_message", "receive_message", "delete_message", "get_queue_attributes", "get_queue_url", "change_message_visibility"}
+DDB_CALLS = {"describe_table", "create_table", "describe_stream", "list_streams", "get_shard_iterator", "get_records", "get_item", "put_item",
+             "update_item", "delete_item", "query", "scan", "batch_get_item", "batch_write_item", "transact_write_items"}
+# Called only with `state.create_table: true`; the CloudFormation template creates the table.
+NOT_GRANTED = {"dynamodb:CreateTable"}
+# Called only by `dlq replay`, which runs with the operator role.
+OPERATOR_ONLY = {"sqs:ReceiveMessage", "sqs:DeleteMessage"}
+
+
+def sdk_calls():
+    """IAM actions of every AWS SDK call in src/ (`.describe_stream()` is dynamodb:DescribeStream)."""
+    calls = set()
+    for d, _, files in os.walk(os.path.join(ROOT, "src")):
+        for f in files:
+            if f.endswith(".rs"):
+                for m in re.findall(r"\.([a-z_]+)\(\)", open(os.path.join(d, f)).read()):
+                    prefix = "sqs" if m in SQS_CALLS else "dynamodb" if m in DDB_CALLS else None
+                    if prefix:
+                        calls.add(f"{prefix}:" + "".join(w.capitalize() for w in m.split("_")))
+    return calls
+
+
+class CfnLoader(yaml.SafeLoader):
+    """YAML with CloudFormation's short tags (!Sub, !Ref, ...) as their long forms."""
+
+
+def _cfn_tag(loader, suffix, node):
+    name = "Ref" if suffix == "Ref" else f"Fn::{suffix}"
+    if isinstance(node, yaml.ScalarNode):
+        value = loader.construct_scalar(node)
+        return {name: value.split(".", 1) if suffix == "GetAtt" else value}
+    if isinstance(node, yaml.SequenceNode):
+        return {name: loader.construct_sequence(node, deep=True)}
+    return {name: loader.construct_mapping(node, deep=True)}
+
+
+CfnLoader.add_multi_constructor("!", _cfn_tag)
+
+
+def statements(doc):
+    """Sid -> sorted actions of a policy document (template statements under Fn::If included)."""
+    out = {}
+    for st in doc["Statement"]:
+        if "Fn::If" in st:
+            st = st["Fn::If"][1]
         acts = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
-        res = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
-        bad += [a for a in acts if "*" in a]
-        bad += [r for r in res if r == "*" or r.endswith(":*") or re.search(r":table/\*", r)]
-        if st.get("Effect") != "Allow" or "NotAction" in st or "NotResource" in st:
-            bad.append(st.get("Sid", "?"))
-    (ok if not bad else fail)(f"IAM policy: exact actions and resources, no wildcards {bad if bad else ''}")
-    needed = {"dynamodb:GetRecords", "dynamodb:GetShardIterator", "dynamodb:DescribeStream", "dynamodb:UpdateItem", "dynamodb:Query", "dynamodb:Scan", "sqs:SendMessage"}
-    have = {a for st in pol["Statement"] for a in (st["Action"] if isinstance(st["Action"], list) else [st["Action"]])}
-    (ok if needed <= have else fail)(f"IAM policy grants what the service calls {sorted(needed - have)}")
+        out[st["Sid"]] = sorted(acts)
+    return out
+
+
+def static():
+    # IAM: exact actions, no wildcards, every action called and none that is not.
+    pols = {name: json.load(open(os.path.join(ROOT, f"deploy/iam/{name}.json"))) for name in ("policy", "operator-policy")}
+    bad = []
+    for pol in pols.values():
+        for st in pol["Statement"]:
+            acts = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+            res = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+            bad += [a for a in acts if "*" in a]
+            bad += [r for r in res if r == "*" or r.endswith(":*") or re.search(r":table/\*", r)]
+            if st.get("Effect") != "Allow" or "NotAction" in st or "NotResource" in st:
+                bad.append(st.get("Sid", "?"))
+    (ok if not bad else fail)(f"IAM policies: exact actions and resources, no wildcards {bad if bad else ''}")
+    granted = {name: {a for acts in statements(pol).values() for a in acts} for name, pol in pols.items()}
+    called = sdk_calls()
+    service_needs = called - NOT_GRANTED - OPERATOR_ONLY
+    (ok if service_needs <= granted["policy"] else fail)(f"service policy grants every call of src/ {sorted(service_needs - granted['policy'])}")
+    (ok if granted["policy"] <= service_needs else fail)(f"service policy grants nothing src/ never calls {sorted(granted['policy'] - service_needs)}")
+    (ok if granted["operator-policy"] == OPERATOR_ONLY & called else fail)(f"operator policy adds exactly what dlq replay calls {sorted(granted['operator-policy'])}")
+    # The CloudFormation template's policies are the same statements.
+    cfn = yaml.load(open(os.path.join(ROOT, "deploy/cloudformation/ddb-aggregator.yaml")), Loader=CfnLoader)
+    res = cfn["Resources"]
+    tpl = {"policy": statements(res["ServicePolicy"]["Properties"]["PolicyDocument"]),
+           "operator-policy": statements(res["OperatorPolicy"]["Properties"]["PolicyDocument"])}
+    tpl["policy"].pop("EncryptDeadLetters", None)
+    for name, pol in pols.items():
+        same = statements(pol) == tpl[name]
+        (ok if same else fail)(f"deploy/iam/{name}.json has the statements of the CloudFormation template")
+    kinds = {r["Type"] for r in res.values()}
+    (ok if {"AWS::DynamoDB::Table", "AWS::SQS::Queue", "AWS::CloudWatch::Alarm"} <= kinds else fail)("CloudFormation: state table, queue, depth alarm")
+    key = res["StateTable"]["Properties"]["KeySchema"]
+    (ok if key == [{"AttributeName": "shard_id", "KeyType": "HASH"}] else fail)("CloudFormation: the state table's key is what the service creates (shard_id)")
     # ECS task definition.
     td = json.load(open(os.path.join(ROOT, "deploy/ecs/task-definition.json")))
     c = td["containerDefinitions"][0]
@@ -275,12 +428,13 @@ def live(work, binary, aws_python):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("command", choices=["rules", "static", "live"])
+    p.add_argument("command", choices=["rules", "k8s", "static", "live"])
+    p.add_argument("--rendered")
     p.add_argument("--work")
     p.add_argument("--binary")
     p.add_argument("--aws-python")
     a = p.parse_args()
-    {"rules": rules, "static": static, "live": lambda: live(a.work, a.binary, a.aws_python)}[a.command]()
+    {"rules": rules, "k8s": lambda: k8s(a.rendered), "static": static, "live": lambda: live(a.work, a.binary, a.aws_python)}[a.command]()
     if FAILURES:
         print(f"check-deploy: {len(FAILURES)} problem(s)")
         sys.exit(1)
