@@ -2,7 +2,8 @@
 """Checks of the deployment files, run by scripts/check-deploy (see there). Subcommands:
 rules (the PrometheusRule and deploy/prometheus/rules.yaml agree), k8s (the rendered overlays:
 CRDs, hardening, Pod Security "restricted", one image, the generated ConfigMap; writes the
-non-CRD documents of each overlay for kubernetes-validate), static (ECS task definition, IAM
+non-CRD documents of each overlay for kubernetes-validate), crds (the ServiceMonitor and
+PrometheusRule of each overlay against the prometheus-operator's API schema), static (ECS task definition, IAM
 policies against the CloudFormation template, Dockerfile), live (service + Prometheus on
 loopback)."""
 import argparse
@@ -76,6 +77,96 @@ def k8s(rendered):
         with open(os.path.join(rendered, f"{name}.core.yaml"), "w") as f:
             yaml.safe_dump_all(core, f)
         k8s_overlay(name, docs)
+
+
+# The prometheus-operator's API, as the npm package @kubernetes-models/prometheus-operator ships
+# it (generated from the operator's Go types): compiled JSON-schema validators (types, enums,
+# required fields, formats) and TypeScript declarations. The validators accept unknown fields,
+# so the declarations are walked as well, and a field they do not declare (a typo such as
+# `interval` spelled `intreval`, which the operator would drop in silence) is an error.
+VALIDATE_JS = """
+import fs from "node:fs";
+import { pathToFileURL } from "node:url";
+const [models, file] = process.argv.slice(2);
+let bad = 0;
+for (const d of JSON.parse(fs.readFileSync(file, "utf8"))) {
+  const [group, version] = d.apiVersion.split("/");
+  const mod = await import(pathToFileURL(`${models}/${group}/${version}/${d.kind}.js`));
+  try { new mod[d.kind](d).validate(); }
+  catch (e) { bad++; console.log(`${d.kind} ${d.metadata?.name}: ${(e.errors ?? [e]).map(x => `${x.instancePath ?? ""} ${x.message}`).join("; ")}`); }
+}
+process.exit(bad ? 1 : 0);
+"""
+
+
+def ts_interface(path, _cache={}):
+    """(properties name -> type, imports name -> .d.ts path) of the interface a .d.ts declares,
+    inherited properties included."""
+    if path in _cache:
+        return _cache[path]
+    text = open(path).read()
+    imports = {}
+    for names, src in re.findall(r'^import \{ ([^}]*) \} from "([^"]+)";', text, re.M):
+        if src.startswith("."):
+            target = os.path.join(os.path.dirname(path), re.sub(r"\.js$", "", src) + ".d.ts")
+        else:
+            target = os.path.join(path.split("/node_modules/")[0], "node_modules", src + ".d.ts")
+        for n in names.split(","):
+            imports[n.strip()] = target
+    m = re.search(r"^export interface \w+(?: extends ([^{]+))? \{\n(.*?)^\}", text, re.M | re.S)
+    props = {}
+    if m:
+        body = re.sub(r"^\s*/?\*.*$\n", "", m.group(2), flags=re.M)
+        props = dict(re.findall(r'^    "([^"]+)"\??: (.+?);?$', body, re.M))
+        for base in (m.group(1) or "").split(","):
+            base = base.strip()
+            if base in imports and os.path.exists(imports[base]):
+                props = {**ts_interface(imports[base])[0], **props}
+    _cache[path] = (props, imports)
+    return _cache[path]
+
+
+def unknown_fields(value, dts, where):
+    if not isinstance(value, dict) or not os.path.exists(dts):
+        return []
+    props, imports = ts_interface(dts)
+    if not props:
+        return []
+    out = []
+    for k, v in value.items():
+        if k not in props:
+            out.append(f"{where}.{k}")
+            continue
+        t = props[k]
+        arr = re.fullmatch(r"Array<(\w+)>", t)
+        if arr and arr.group(1) in imports and isinstance(v, list):
+            for i, item in enumerate(v):
+                out += unknown_fields(item, imports[arr.group(1)], f"{where}.{k}[{i}]")
+        elif t in imports:
+            out += unknown_fields(v, imports[t], f"{where}.{k}")
+    return out
+
+
+def crds(rendered, models):
+    """The monitoring.coreos.com documents of every rendered overlay against the operator's API."""
+    script = os.path.join(rendered, "validate-crds.mjs")
+    open(script, "w").write(VALIDATE_JS)
+    for f in sorted(os.listdir(rendered)):
+        if not f.endswith(".yaml") or f.endswith(".core.yaml"):
+            continue
+        name = f[:-5]
+        docs = [d for d in load_yaml(os.path.join(rendered, f)) if d and d["apiVersion"].startswith("monitoring.coreos.com/")]
+        if not docs:
+            continue
+        js = os.path.join(rendered, f"{name}.crds.json")
+        json.dump(docs, open(js, "w"))
+        r = subprocess.run(["node", script, models, js], capture_output=True, text=True)
+        kinds = sorted(d["kind"] for d in docs)
+        (ok if r.returncode == 0 else fail)(f"{name}: {', '.join(kinds)} valid against the prometheus-operator's schema {r.stdout.strip()}{r.stderr.strip()[-500:]}")
+        for d in docs:
+            group, version = d["apiVersion"].split("/")
+            extra = unknown_fields(d, os.path.join(models, group, version, f"{d['kind']}.d.ts"), d["kind"])
+            (ok if not extra else fail)(f"{name}: {d['kind']}: every field is one the operator knows {extra if extra else ''}")
 
 
 def by_kind(docs, kind):
@@ -428,13 +519,14 @@ def live(work, binary, aws_python):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("command", choices=["rules", "k8s", "static", "live"])
+    p.add_argument("command", choices=["rules", "k8s", "crds", "static", "live"])
+    p.add_argument("--models")
     p.add_argument("--rendered")
     p.add_argument("--work")
     p.add_argument("--binary")
     p.add_argument("--aws-python")
     a = p.parse_args()
-    {"rules": rules, "k8s": lambda: k8s(a.rendered), "static": static, "live": lambda: live(a.work, a.binary, a.aws_python)}[a.command]()
+    {"rules": rules, "k8s": lambda: k8s(a.rendered), "crds": lambda: crds(a.rendered, a.models), "static": static, "live": lambda: live(a.work, a.binary, a.aws_python)}[a.command]()
     if FAILURES:
         print(f"check-deploy: {len(FAILURES)} problem(s)")
         sys.exit(1)
