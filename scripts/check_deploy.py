@@ -377,6 +377,19 @@ def static():
     }
     for name, good in ecs.items():
         (ok if good else fail)(f"ECS task definition: {name}")
+    # Its placeholders are the template's outputs (README.md, "Deploy on ECS" fills them in), and
+    # the execution role the template creates can do what the task definition asks of it.
+    placeholders = {"SERVICE_ROLE_ARN": "ServiceRoleArn", "TASK_EXECUTION_ROLE_ARN": "TaskExecutionRoleArn",
+                    "QUEUE_URL": "QueueUrl", "CONFIG_PARAMETER_ARN": "ConfigParameterArn"}
+    used = {td["taskRoleArn"], td["executionRoleArn"], *(e["value"] for e in c["environment"]), *(x["valueFrom"] for x in c["secrets"])}
+    missing = sorted(p for p, out in placeholders.items() if p not in used or out not in cfn["Outputs"])
+    (ok if not missing else fail)(f"ECS task definition: roles, queue and config parameter are the template's outputs {missing if missing else ''}")
+    exe = res.get("TaskExecutionRole", {}).get("Properties", {})
+    exe_actions = {a for pol in exe.get("Policies", []) for acts in statements(pol["PolicyDocument"]).values() for a in acts}
+    params = cfn["Parameters"]
+    good = ({"ssm:GetParameters", "logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents"} <= exe_actions
+            and c["logConfiguration"]["options"]["awslogs-group"] == params["LogGroupName"]["Default"])
+    (ok if good else fail)("CloudFormation: the ECS execution role reads the config parameter and creates and writes the task's log group")
     # Dockerfile.
     df = open(os.path.join(ROOT, "Dockerfile")).read()
     froms = re.findall(r"^FROM\s+(\S+)", df, re.M)
