@@ -229,7 +229,9 @@ pub struct Worker<S, L, A> {
     shared: Arc<Shared<S, L, A>>,
     running: BTreeMap<String, Running>,
     tasks: FuturesUnordered<JoinHandle<(String, ShardExit)>>,
-    shards: Vec<ShardInfo>,
+    /// The last listing (shared with each round's borrows), and its newest shard's creation.
+    shards: Arc<Vec<ShardInfo>>,
+    newest_listed_ms: u64,
     last_discovery_ms: u64,
     /// When each leased shard was first seen missing from DescribeStream.
     missing_since: BTreeMap<String, u64>,
@@ -241,7 +243,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             shared: Arc::new(shared),
             running: BTreeMap::new(),
             tasks: FuturesUnordered::new(),
-            shards: Vec::new(),
+            shards: Arc::new(Vec::new()),
+            newest_listed_ms: 0,
             last_discovery_ms: 0,
             missing_since: BTreeMap::new(),
         }
@@ -331,16 +334,18 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         // First, so a failing listing below cannot hold a request back.
         self.persist_reconcile_request().await;
         if now.saturating_sub(self.last_discovery_ms) >= self.lease_ms().max(1000) || self.shards.is_empty() {
-            self.shards = self.shared.source.shards().await.map_err(|e| WorkerError::Aws(format!("DescribeStream: {e}")))?;
+            let shards = self.shared.source.shards().await.map_err(|e| WorkerError::Aws(format!("DescribeStream: {e}")))?;
+            self.newest_listed_ms = shards.iter().filter_map(|s| crate::shard_id::created_ms(&s.shard_id)).max().unwrap_or(0);
+            self.shards = Arc::new(shards);
             self.last_discovery_ms = now;
         }
         let mut leases: BTreeMap<String, Lease> =
             self.shared.leases.list().await.map_err(state_error)?.into_iter().map(|l| (l.shard_id.clone(), l)).collect();
-        let listed: BTreeSet<String> = self.shards.iter().map(|s| s.shard_id.clone()).collect();
-        let listed: BTreeSet<&str> = listed.iter().map(String::as_str).collect();
+        let shards = self.shards.clone();
+        let listed: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         // One failed call costs one lease a round, not the round: with hundreds of shards a
         // round must not depend on every call succeeding.
-        for s in &self.shards {
+        for s in shards.iter() {
             if !leases.contains_key(&s.shard_id) {
                 let lease = plan::new_lease(s, &leases);
                 let created = self.shared.leases.create(&lease).await;
@@ -357,7 +362,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         self.finish_lost(&listed, &mut leases, now).await;
         self.delete_finished(&listed, &leases).await;
         let finished = |id: &str| leases.get(id).is_some_and(Lease::finished);
-        let ready: Vec<String> = lineage::ready(&self.shards, &finished).into_iter().map(|s| s.shard_id.clone()).collect();
+        let ready: Vec<String> = lineage::ready(&shards, &finished).into_iter().map(|s| s.shard_id.clone()).collect();
         let running: BTreeSet<String> = self.running.keys().cloned().collect();
         let want: Vec<Lease> = plan::leases_to_take(&ready, &leases, &self.shared.owner, &running, now)
             .into_iter()
@@ -478,8 +483,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         let finished_count = leases.values().filter(|l| l.finished()).count();
         // Every shard this replica has not seen is newer than its last listing: by the local
         // clock less a margin, and by the server's clock, the newest listed shard's creation.
-        let newest_listed = self.shards.iter().filter_map(|s| crate::shard_id::created_ms(&s.shard_id)).max().unwrap_or(0);
-        let known_until = self.last_discovery_ms.saturating_sub(LISTING_MARGIN_MS).min(newest_listed);
+        let known_until = self.last_discovery_ms.saturating_sub(LISTING_MARGIN_MS).min(self.newest_listed_ms);
         let plan = crate::sink::ledger::floor_plan(leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()), known_until);
         *shared.floor_plan.lock().unwrap_or_else(|e| e.into_inner()) = plan.map(Arc::new);
         metrics::gauge!(names::LEASES_HELD).set(self.running.len() as f64);
