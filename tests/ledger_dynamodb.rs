@@ -10,7 +10,7 @@ use ddb_aggregator::rules::{Contribution, TargetDelta, TargetKey};
 use ddb_aggregator::sink::dynamodb::DynamoDbAggregates;
 use std::sync::Arc;
 
-use ddb_aggregator::sink::ledger::{floor_value, FloorPlan, Ledger};
+use ddb_aggregator::sink::ledger::{decode_sequence, floor_value, open_value, pad_sequence, FloorPlan, Ledger};
 use ddb_aggregator::sink::{write_target, write_target_pruning, ShardContext, SinkError};
 
 fn delta(seqs: &[u64], amount: &str) -> TargetDelta {
@@ -49,7 +49,9 @@ async fn ledger_condition_on_dynamodb_local() {
     assert_eq!((s.calls, s.applied_records, s.skipped_records), (2, 2, 3));
     let item = read().await;
     assert_eq!(item["revenue"].as_n().unwrap(), "7.5");
-    assert_eq!(&item[&ledger.entry_name(a)].as_s().unwrap()[..40], format!("{:040}", 5));
+    // The entry is binary (a length byte and the number's bytes): DynamoDB compares it byte by
+    // byte, which is what refused 1..3 above.
+    assert_eq!(decode_sequence(item[&ledger.entry_name(a)].as_b().unwrap().as_ref()), Some(format!("{:040}", 5)));
     // Another deployment (its own namespace) writes the same item from a shard of the same
     // id: its entry is its own, so neither refuses the other.
     let other = ShardContext::new(&Ledger::new("dep2"), a);
@@ -68,7 +70,7 @@ async fn ledger_condition_on_dynamodb_local() {
     let item = read().await;
     assert!(!item.contains_key(&ledger.entry_name(a)), "A's entry was pruned");
     assert_eq!(item[&ledger.floor_attribute()].as_s().unwrap(), &floor_value(1_700_000_000_002));
-    assert_eq!(item[&ledger.open_attribute()].as_s().unwrap(), ",00000001699999999999-cccccccc,");
+    assert_eq!(item[&ledger.open_attribute()].as_s().unwrap(), &open_value(&["00000001699999999999-cccccccc".to_string()]));
     assert!(item.contains_key(&Ledger::new("dep2").entry_name(a)), "the other deployment's entry is untouched");
     assert_eq!(item["revenue"].as_n().unwrap(), "109.5");
     // A stale pruning write (it saw the item before the floor moved): its compare-and-set
@@ -98,4 +100,41 @@ async fn ledger_condition_on_dynamodb_local() {
         .await
         .unwrap();
     assert!(matches!(write_target(&store, &names, &key, &delta(&[13], "1"), &ctx_b).await, Err(SinkError::Invalid(_))));
+}
+
+/// An item written by a version before compact entries holds `_agg:<namespace>:<shard>` as a
+/// padded string: DynamoDB itself refuses what it covers, and applies the rest under the
+/// compact entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_of_the_previous_format_still_refuses_replays_on_dynamodb_local() {
+    let c = client().await;
+    let table = unique("ledger-upgrade");
+    create_source_table(&c, &table).await;
+    let store = DynamoDbAggregates::new(c.clone(), table.clone());
+    let names = vec!["PK".to_string(), "SK".to_string()];
+    let key = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice());
+    let shard = "shardId-00000001700000000001-aaaaaaaa";
+    let ledger = Ledger::new("dep1");
+    // The previous version applied records 1..4 (revenue 4 x 2.5) and kept its string entry.
+    c.update_item()
+        .table_name(&table)
+        .key("PK", AttributeValue::S("CUST#c1".into()))
+        .key("SK", AttributeValue::S("PROFILE".into()))
+        .update_expression("SET revenue = :r, #e = :e")
+        .expression_attribute_names("#e", ledger.named_entry(shard))
+        .expression_attribute_values(":r", AttributeValue::N("10".into()))
+        .expression_attribute_values(":e", AttributeValue::S(format!("{}@1764460800", pad_sequence("4").unwrap())))
+        .send()
+        .await
+        .unwrap();
+    let ctx = ShardContext::new(&ledger, shard);
+    let s = write_target(&store, &names, &key, &delta(&[1, 2, 3, 4, 5, 6], "2.5"), &ctx).await.unwrap();
+    assert_eq!((s.applied_records, s.skipped_records), (2, 4), "{s:?}");
+    let item = get(&c, &table, "CUST#c1", "PROFILE").await;
+    assert_eq!(item["revenue"].as_n().unwrap(), "15");
+    assert_eq!(decode_sequence(item[&ledger.entry_name(shard)].as_b().unwrap().as_ref()), pad_sequence("6"));
+    // A replay of everything changes nothing.
+    let again = write_target(&store, &names, &key, &delta(&[1, 2, 3, 4, 5, 6], "2.5"), &ctx).await.unwrap();
+    assert_eq!(again.applied_records, 0, "{again:?}");
+    assert_eq!(get(&c, &table, "CUST#c1", "PROFILE").await["revenue"].as_n().unwrap(), "15");
 }

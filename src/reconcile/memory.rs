@@ -42,6 +42,7 @@ impl MemoryTargets<'_> {
                     MemValue::Num(n) => Stored::Number(n),
                     MemValue::Str(s) => Stored::Other(s),
                     MemValue::Set(s) => Stored::Other(format!("{s:?}")),
+                    MemValue::Bin(b) => Stored::Other(format!("{b:?}")),
                 };
                 t.values.insert(name, stored);
             }

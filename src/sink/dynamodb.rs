@@ -6,7 +6,7 @@ use aws_sdk_dynamodb::Client;
 
 use super::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
 use crate::aws::{classify, FailureKind};
-use crate::sink::ledger::{entry_prefix_of, expressions, ExprValue, Seen};
+use crate::sink::ledger::{applied_of, expressions, ExprValue, Seen};
 
 pub struct DynamoDbAggregates {
     client: Client,
@@ -24,6 +24,7 @@ fn attribute(v: &ExprValue) -> AttributeValue {
         ExprValue::S(s) => AttributeValue::S(s.clone()),
         ExprValue::N(n) => AttributeValue::N(n.clone()),
         ExprValue::Ss(v) => AttributeValue::Ss(v.clone()),
+        ExprValue::B(b) => AttributeValue::B(aws_sdk_dynamodb::primitives::Blob::new(b.clone())),
     }
 }
 
@@ -53,9 +54,8 @@ impl AggregateStore for DynamoDbAggregates {
             Ok(out) => {
                 let item = out.attributes();
                 let text = |k: &str| item.and_then(|i| i.get(k)).and_then(|v| v.as_s().ok()).cloned();
-                let prefix = entry_prefix_of(&w.entry_name);
                 let mut entries: Vec<String> =
-                    item.map(|a| a.keys().filter(|k| k.starts_with(prefix)).cloned().collect()).unwrap_or_default();
+                    item.map(|a| a.keys().filter(|k| w.ledger.is_entry(k)).cloned().collect()).unwrap_or_default();
                 // In name order, as the memory store gives them (the SDK's map has none).
                 entries.sort_unstable();
                 Ok(WriteOutcome::Applied {
@@ -65,8 +65,13 @@ impl AggregateStore for DynamoDbAggregates {
             }
             Err(e) => {
                 if let Some(UpdateItemError::ConditionalCheckFailedException(c)) = e.as_service_error() {
-                    let text = |k: &str| c.item().and_then(|i| i.get(k)).and_then(|v| v.as_s().ok()).cloned();
-                    let entry = text(&w.entry_name).max(text(&w.legacy_entry));
+                    let get = |k: &str| c.item().and_then(|i| i.get(k));
+                    let text = |k: &str| get(k).and_then(|v| v.as_s().ok()).cloned();
+                    let compact = get(&w.entry_name).and_then(|v| v.as_b().ok()).map(|b| b.as_ref());
+                    let entry = applied_of(
+                        compact,
+                        [get(&w.named_entry), get(&w.legacy_entry)].map(|v| v.and_then(|v| v.as_s().ok()).map(String::as_str)),
+                    );
                     return Ok(WriteOutcome::Stale { entry, floor: text(floor_attr), open: text(open_attr) });
                 }
                 let f = classify(&e);

@@ -1,12 +1,19 @@
 //! The idempotency ledger kept on every target item (pure).
 //!
-//! For each stream shard that has written to an item, the item holds one attribute
-//! `_agg:<namespace>:<shard>` = `<highest applied sequence number, 40 digits>@<newest record
-//! time>`. A write adds the coalesced deltas and advances the entry in one conditional
-//! UpdateItem, on condition that the entry is absent or below the write's first sequence
-//! number; so a replayed record is never applied twice, whichever replica replays it. Sequence
-//! numbers increase within a shard and are at most 40 digits, so zero-padding makes string
-//! order numeric order.
+//! For each stream shard that has written to an item, the item holds one entry: the highest
+//! sequence number applied from that shard. A write adds the coalesced deltas and advances the
+//! entry in one conditional UpdateItem, on condition that the entry is absent or below the
+//! write's first sequence number; so a replayed record is never applied twice, whichever
+//! replica replays it.
+//!
+//! Entries are compact, because a target written from every shard (a global daily total) holds
+//! one per open shard and every byte of the item costs write units: the name is
+//! `_agg<namespace>.<shard>` with the shard id packed into 13 characters (its creation time and
+//! its 8 hex digits), and the value is binary, a length byte and the sequence number's
+//! big-endian bytes, so byte order is numeric order. About 37 bytes an entry: 200 open shards
+//! fit in 8 KB. Items written by earlier versions hold `_agg:<namespace>:<shard>` (and before
+//! namespaces `_agg:<shard>`) with the 40-digit padded number as a string; a write must be past
+//! those too, and pruning removes them like any entry.
 //!
 //! Entries of finished shards are pruned so the item stays small. A stalled former owner of a
 //! pruned shard must then be refused, which is what the fence does: the item keeps a floor
@@ -24,15 +31,25 @@
 use crate::decimal::{Decimal, DecimalError};
 use crate::rules::Contribution;
 
-/// Prefix of ledger entry attributes of every namespace (inside the reserved `_agg` space).
+/// Prefix of the entries earlier versions wrote, of every namespace (`_agg:<namespace>:<shard>`
+/// and `_agg:<shard>`), inside the reserved `_agg` space.
 pub const ENTRY_PREFIX: &str = "_agg:";
+/// Compact entry names start `_agg<namespace>.`; a shard id without the usual form is kept
+/// whole after this mark (`_agg<namespace>.~<shard>`).
+const RAW_SHARD_MARK: char = '~';
+/// Digits of the packed shard ids, in ASCII order.
+const DIGITS: &[u8; 64] = b"-0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz";
 /// DynamoDB Streams sequence numbers are 21 to 40 digits.
 pub const SEQUENCE_WIDTH: usize = 40;
 /// Entries one write removes at most: each costs about 7 bytes of the update expression, and
 /// DynamoDB refuses expressions over 4 KB.
 pub const MAX_PRUNE_PER_WRITE: usize = 100;
-/// Open shards older than the floor that an item admits by name.
-pub const MAX_STRAGGLERS: usize = 8;
+/// Open shards older than the floor that an item admits by creation time. Each costs 8 bytes
+/// of the item and lets the floor pass one more open shard, so the entries of shards that
+/// finished after that one was created (about 33 bytes each) can go. A global total of a
+/// stream with hundreds of shards whose lifetimes vary by an hour, a third of them stalled
+/// behind a dead replica for a while, needs about a hundred.
+pub const MAX_STRAGGLERS: usize = 100;
 /// DynamoDB's limit on one expression string.
 pub const MAX_EXPRESSION_BYTES: usize = 4096;
 
@@ -68,14 +85,20 @@ impl Ledger {
         Ledger { namespace: namespace.to_string() }
     }
 
-    /// `_agg:<namespace>:`
+    /// `_agg<namespace>.`: the prefix of this namespace's entries.
     pub fn entry_prefix(&self) -> String {
-        format!("{ENTRY_PREFIX}{}:", self.namespace)
+        format!("_agg{}.", self.namespace)
     }
 
-    /// `_agg:<namespace>:<shard id without the shardId- prefix>`.
+    /// `_agg<namespace>.<packed shard id>`: this shard's entry.
     pub fn entry_name(&self, shard_id: &str) -> String {
-        format!("{}{}", self.entry_prefix(), crate::shard_id::suffix(shard_id))
+        format!("{}{}", self.entry_prefix(), shard_tag(shard_id))
+    }
+
+    /// `_agg:<namespace>:<shard id without shardId->`: the entry versions before compact
+    /// entries wrote (a write must be past it too).
+    pub fn named_entry(&self, shard_id: &str) -> String {
+        format!("{ENTRY_PREFIX}{}:{}", self.namespace, crate::shard_id::suffix(shard_id))
     }
 
     pub fn floor_attribute(&self) -> String {
@@ -99,20 +122,125 @@ impl Ledger {
         format!("_aggm:{}", self.namespace)
     }
 
-    /// Whether an attribute is one of this namespace's entries.
+    /// Whether an attribute is one of this namespace's entries, compact or older.
     pub fn is_entry(&self, attribute: &str) -> bool {
-        attribute.strip_prefix(ENTRY_PREFIX).and_then(|r| r.strip_prefix(self.namespace.as_str())).is_some_and(|r| r.starts_with(':'))
+        let compact =
+            attribute.strip_prefix("_agg").and_then(|r| r.strip_prefix(self.namespace.as_str())).is_some_and(|r| r.starts_with('.'));
+        let named =
+            attribute.strip_prefix(ENTRY_PREFIX).and_then(|r| r.strip_prefix(self.namespace.as_str())).is_some_and(|r| r.starts_with(':'));
+        compact || named
     }
+}
+
+/// Whether an attribute is a ledger entry of any namespace or version.
+pub fn is_any_entry(attribute: &str) -> bool {
+    attribute.starts_with(ENTRY_PREFIX) || compact_parts(attribute).is_some()
+}
+
+/// (namespace, packed shard) of a compact entry name.
+fn compact_parts(name: &str) -> Option<(&str, &str)> {
+    let (ns, tag) = name.strip_prefix("_agg")?.split_once('.')?;
+    (check_namespace(ns).is_ok() && !tag.is_empty()).then_some((ns, tag))
+}
+
+/// A shard id packed for an entry name: its creation time (7 digits of 6 bits) and its 8 hex
+/// digits (6 digits) when it has the usual form `shardId-<20 digits>-<8 hex>`, else `~` and the
+/// id without `shardId-`.
+pub fn shard_tag(shard_id: &str) -> String {
+    let suffix = crate::shard_id::suffix(shard_id);
+    let packed = suffix.split_once('-').and_then(|(ms, hex)| {
+        let created: u64 = ms.parse().ok().filter(|c| *c < 1 << 42)?;
+        let low = u32::from_str_radix(hex, 16).ok()?;
+        // Only what unpacks to the very same text.
+        (format!("{created:020}-{low:08x}") == suffix).then(|| {
+            let mut tag = digits(created, 7);
+            tag.push_str(&digits(u64::from(low), 6));
+            tag
+        })
+    });
+    packed.unwrap_or_else(|| format!("{RAW_SHARD_MARK}{suffix}"))
+}
+
+/// `n` in `width` digits of [`DIGITS`], most significant first.
+fn digits(n: u64, width: u32) -> String {
+    (0..width).rev().map(|i| char::from(DIGITS[((n >> (6 * i)) & 63) as usize])).collect()
+}
+
+/// The value of digits of [`DIGITS`]; None for any other character.
+fn undigits(text: &str) -> Option<u64> {
+    text.bytes().try_fold(0u64, |n, b| Some((n << 6) | DIGITS.iter().position(|d| *d == b)? as u64))
+}
+
+/// The shard id (without `shardId-`) a packed tag stands for.
+fn untag(tag: &str) -> Option<String> {
+    if let Some(raw) = tag.strip_prefix(RAW_SHARD_MARK) {
+        return Some(raw.to_string());
+    }
+    if tag.len() != 13 || !tag.is_ascii() {
+        return None;
+    }
+    let (created, low) = (undigits(&tag[..7])?, undigits(&tag[7..])?);
+    Some(format!("{created:020}-{low:08x}"))
+}
+
+/// A sequence number (decimal digits, padded or not) as a compact entry value: one length byte,
+/// then its big-endian bytes without leading zeros, so byte order is numeric order. None for
+/// anything but 1 to 40 digits.
+pub fn encode_sequence(seq: &str) -> Option<Vec<u8>> {
+    let padded = pad_sequence(seq)?;
+    let mut decimal: Vec<u32> = padded.bytes().map(|b| u32::from(b - b'0')).skip_while(|d| *d == 0).collect();
+    let mut bytes = Vec::new();
+    while !decimal.is_empty() {
+        let mut rest = 0u32;
+        let mut quotient = Vec::with_capacity(decimal.len());
+        for d in &decimal {
+            let current = rest * 10 + d;
+            if !(quotient.is_empty() && current < 256) {
+                quotient.push(current / 256);
+            }
+            rest = current % 256;
+        }
+        bytes.push(rest as u8);
+        decimal = quotient;
+    }
+    bytes.push(bytes.len() as u8);
+    bytes.reverse();
+    Some(bytes)
+}
+
+/// The padded sequence number of a compact entry value; None if it is not one.
+pub fn decode_sequence(value: &[u8]) -> Option<String> {
+    let (len, bytes) = value.split_first()?;
+    if usize::from(*len) != bytes.len() || bytes.len() > 17 {
+        return None;
+    }
+    let mut decimal: Vec<u32> = vec![0];
+    for b in bytes {
+        let mut carry = u32::from(*b);
+        for d in decimal.iter_mut().rev() {
+            let v = *d * 256 + carry;
+            *d = v % 10;
+            carry = v / 10;
+        }
+        while carry > 0 {
+            decimal.insert(0, carry % 10);
+            carry /= 10;
+        }
+    }
+    let text: String = decimal.iter().filter_map(|d| char::from_digit(*d, 10)).collect();
+    pad_sequence(&text)
+}
+
+/// The highest sequence number an item's entries for one shard say is applied (padded): its
+/// compact entry and the string entries of earlier versions.
+pub fn applied_of<'a>(compact: Option<&[u8]>, older: impl IntoIterator<Item = Option<&'a str>>) -> Option<String> {
+    let older = older.into_iter().flatten().map(|v| entry_sequence(v).to_string());
+    compact.and_then(decode_sequence).into_iter().chain(older).max()
 }
 
 /// A pre-namespace entry name, `_agg:<shard>` (items written before namespaces).
 pub fn entry_name(shard_id: &str) -> String {
     format!("{ENTRY_PREFIX}{}", crate::shard_id::suffix(shard_id))
-}
-
-/// The namespace prefix (`_agg:<namespace>:`) of an entry name.
-pub fn entry_prefix_of(entry_name: &str) -> &str {
-    entry_name.rfind(':').map_or(entry_name, |i| &entry_name[..=i])
 }
 
 /// A sequence number zero-padded to 40 digits; None if it is not 1 to 40 digits.
@@ -124,9 +252,12 @@ pub fn pad_sequence(seq: &str) -> Option<String> {
     (trimmed.len() <= SEQUENCE_WIDTH).then(|| format!("{trimmed:0>SEQUENCE_WIDTH$}"))
 }
 
-/// The shard part of an entry name (after the last `:`).
-pub fn entry_shard(name: &str) -> Option<&str> {
-    name.strip_prefix(ENTRY_PREFIX).map(|r| r.rsplit(':').next().unwrap_or(r))
+/// The shard (id without `shardId-`) an entry name belongs to, compact or older.
+pub fn entry_shard(name: &str) -> Option<String> {
+    if let Some((_, tag)) = compact_parts(name) {
+        return untag(tag);
+    }
+    name.strip_prefix(ENTRY_PREFIX).map(|r| r.rsplit(':').next().unwrap_or(r).to_string())
 }
 
 /// The creation time of the shard an entry belongs to, from its name.
@@ -134,22 +265,9 @@ pub fn entry_created_ms(name: &str) -> Option<u64> {
     crate::shard_id::created_ms(&format!("shardId-{}", entry_shard(name)?))
 }
 
-/// The stored entry: padded last sequence number, then `@` and the newest record time.
-pub fn entry_value(last_padded: &str, newest_created: Option<Decimal>) -> String {
-    match newest_created.and_then(Decimal::trunc_i64) {
-        Some(t) => format!("{last_padded}@{t}"),
-        None => last_padded.to_string(),
-    }
-}
-
-/// The padded sequence number of a stored entry.
+/// The padded sequence number of an older (string) entry: `<40 digits>` or `<40 digits>@<time>`.
 pub fn entry_sequence(value: &str) -> &str {
     value.split('@').next().unwrap_or(value)
-}
-
-/// The record time of a stored entry (epoch seconds).
-pub fn entry_time(value: &str) -> Option<i64> {
-    value.split_once('@').and_then(|(_, t)| t.parse().ok())
 }
 
 /// The floor attribute's value for a shard creation time.
@@ -157,26 +275,40 @@ pub fn floor_value(created_ms: u64) -> String {
     format!("{created_ms:020}")
 }
 
-/// The straggler set's stored form: `,a,b,` (`,` when empty), so `contains(set, ",a,")`
-/// tests membership in an expression of constant size.
+/// The straggler set's stored form for shard suffixes: `,a,b,` (`,` when empty), each the
+/// shard's creation time in 7 digits of 6 bits, so `contains(set, ",a,")` tests membership in
+/// an expression of constant size. Shards created in the same millisecond (a split's children)
+/// share a token: the item admits all of them and keeps all their entries, which is safe,
+/// because entries are pruned only for creation times neither the floor nor the set admits.
 pub fn open_value(stragglers: &[String]) -> String {
+    let tokens: std::collections::BTreeSet<String> = stragglers.iter().map(|x| time_token(x)).collect();
     let mut s = String::from(",");
-    for x in stragglers {
-        s.push_str(x);
+    for t in tokens {
+        s.push_str(&t);
         s.push(',');
     }
     s
 }
 
-/// The token a shard looks itself up with in a straggler set.
-pub fn open_token(shard_id: &str) -> String {
-    format!(",{},", crate::shard_id::suffix(shard_id))
+/// A shard's token in a straggler set (without the commas): its creation time, or its whole
+/// id when that has none that packs.
+fn time_token(shard_id: &str) -> String {
+    match crate::shard_id::created_ms(&format!("shardId-{}", crate::shard_id::suffix(shard_id))).filter(|c| *c < 1 << 42) {
+        Some(c) => digits(c, 7),
+        None => format!("{RAW_SHARD_MARK}{}", crate::shard_id::suffix(shard_id)),
+    }
+}
+
+/// The tokens a shard looks itself up with in a straggler set: its creation time, and its id
+/// as sets written before compact entries held it.
+pub fn open_tokens(shard_id: &str) -> [String; 2] {
+    [format!(",{},", time_token(shard_id)), format!(",{},", crate::shard_id::suffix(shard_id))]
 }
 
 /// Whether an item with this floor and straggler set takes writes from a shard whose floor
-/// value is `mine`.
-pub fn admits(floor: Option<&str>, open: Option<&str>, mine: &str, token: &str) -> bool {
-    floor.is_none_or(|f| f <= mine) || open.is_some_and(|o| o.contains(token))
+/// value is `mine` and whose tokens are `tokens`.
+pub fn admits(floor: Option<&str>, open: Option<&str>, mine: &str, tokens: &[String; 2]) -> bool {
+    floor.is_none_or(|f| f <= mine) || open.is_some_and(|o| tokens.iter().any(|t| o.contains(t.as_str())))
 }
 
 /// Which shards an item may still take writes from, as one replica's lease table shows it.
@@ -200,8 +332,12 @@ pub fn floor_plan<'a>(unfinished: impl IntoIterator<Item = &'a str>, known_until
         open.push((crate::shard_id::created_ms(id)?, id));
     }
     open.sort_unstable();
-    let at = open.len().checked_sub(1)?.min(MAX_STRAGGLERS);
-    let floor_ms = open[at].0.min(known_until_ms);
+    // Stragglers are admitted by creation time, so the floor may pass MAX_STRAGGLERS distinct
+    // times however many shards share them (a stream's first shards are all created at once).
+    let mut times: Vec<u64> = open.iter().map(|(c, _)| *c).collect();
+    times.dedup();
+    let at = times.len().checked_sub(1)?.min(MAX_STRAGGLERS);
+    let floor_ms = times[at].min(known_until_ms);
     let stragglers = open.iter().take_while(|(c, _)| *c < floor_ms).map(|(_, id)| crate::shard_id::suffix(id).to_string()).collect();
     Some(FloorPlan { floor: floor_value(floor_ms), stragglers })
 }
@@ -238,15 +374,16 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     let stragglers: Vec<String> = plan
         .stragglers
         .iter()
-        .filter(|x| admits(seen.floor.as_deref(), seen.open.as_deref(), &plan_floor_of(x), &format!(",{x},")))
+        .filter(|x| admits(seen.floor.as_deref(), seen.open.as_deref(), &plan_floor_of(x), &open_tokens(x)))
         .cloned()
         .collect();
+    // The creation times the new set admits: entries of shards created then stay.
+    let kept: std::collections::BTreeSet<String> = stragglers.iter().map(|x| plan_floor_of(x)).collect();
     let entries: Vec<String> = seen
         .entries
         .iter()
         .filter(|e| e.as_str() != own)
-        .filter(|e| entry_shard(e).is_some_and(|s| !stragglers.iter().any(|x| x == s)))
-        .filter(|e| entry_created_ms(e).is_some_and(|c| floor_value(c) < plan.floor))
+        .filter(|e| entry_created_ms(e).map(floor_value).is_some_and(|c| c < plan.floor && !kept.contains(&c)))
         .take(MAX_PRUNE_PER_WRITE)
         .cloned()
         .collect();
@@ -274,7 +411,6 @@ pub struct WritePlan {
     pub adds: Vec<(String, Decimal)>,
     pub first: String,
     pub last: String,
-    pub newest_created: Option<Decimal>,
     pub records: usize,
 }
 
@@ -293,7 +429,6 @@ pub enum PlanError {
 pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Option<WritePlan>, PlanError> {
     let mut adds: Vec<(String, Decimal)> = Vec::new();
     let (mut first, mut last): (Option<String>, Option<String>) = (None, None);
-    let mut newest: Option<Decimal> = None;
     let mut records = 0;
     for c in contributions {
         let seq = c.sequence.as_deref().and_then(pad_sequence).ok_or(PlanError::NoSequence)?;
@@ -313,16 +448,11 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
         if last.as_ref().is_none_or(|l| seq > *l) {
             last = Some(seq);
         }
-        if let Some(t) = c.created {
-            if newest.is_none_or(|n| t > n) {
-                newest = Some(t);
-            }
-        }
     }
     adds.retain(|(_, v)| !v.is_zero());
     adds.sort_by(|a, b| a.0.cmp(&b.0));
     match (first, last) {
-        (Some(first), Some(last)) => Ok(Some(WritePlan { adds, first, last, newest_created: newest, records })),
+        (Some(first), Some(last)) => Ok(Some(WritePlan { adds, first, last, records })),
         _ => Ok(None),
     }
 }
@@ -333,6 +463,7 @@ pub enum ExprValue {
     /// A string set (never empty: DynamoDB refuses empty sets).
     Ss(Vec<String>),
     S(String),
+    B(Vec<u8>),
     N(String),
 }
 
@@ -352,13 +483,25 @@ impl Expressions {
     }
 }
 
-/// Builds the conditional UpdateItem of a write. The condition: this shard's entry is absent
-/// or below the write's first record; the item admits this shard (floor or straggler set);
-/// and, for a pruning write, the floor and straggler set are still what was seen.
+/// Builds the conditional UpdateItem of a write. The condition: this shard's entries (compact,
+/// and the two older forms) are absent or below the write's first record; the item admits this
+/// shard (floor or straggler set); and, for a pruning write, the floor and straggler set are
+/// still what was seen.
 pub fn expressions(w: &super::LedgerWrite) -> Expressions {
-    let mut names = vec![("#l".to_string(), w.entry_name.clone()), ("#g".to_string(), w.legacy_entry.clone())];
-    let mut values = vec![(":l".to_string(), ExprValue::S(w.entry_value.clone())), (":first".to_string(), ExprValue::S(w.first.clone()))];
-    let mut condition = String::from("(attribute_not_exists(#l) OR #l < :first) AND (attribute_not_exists(#g) OR #g < :first)");
+    let mut names = vec![
+        ("#l".to_string(), w.entry_name.clone()),
+        ("#k".to_string(), w.named_entry.clone()),
+        ("#g".to_string(), w.legacy_entry.clone()),
+    ];
+    let first = encode_sequence(&w.first).unwrap_or_default();
+    let mut values = vec![
+        (":l".to_string(), ExprValue::B(w.entry_value.clone())),
+        (":fb".to_string(), ExprValue::B(first)),
+        (":first".to_string(), ExprValue::S(w.first.clone())),
+    ];
+    let mut condition = String::from(
+        "(attribute_not_exists(#l) OR #l < :fb) AND (attribute_not_exists(#k) OR #k < :first) AND (attribute_not_exists(#g) OR #g < :first)",
+    );
     let mut sets = vec!["#l = :l".to_string()];
     let mut adds = Vec::with_capacity(w.adds.len() + 2);
     for (i, (name, v)) in w.adds.iter().enumerate() {
@@ -378,8 +521,10 @@ pub fn expressions(w: &super::LedgerWrite) -> Expressions {
         names.push(("#f".into(), f.floor_attribute.clone()));
         names.push(("#o".into(), f.open_attribute.clone()));
         values.push((":mine".into(), ExprValue::S(f.mine.clone())));
-        values.push((":me".into(), ExprValue::S(f.token.clone())));
-        condition.push_str(" AND (attribute_not_exists(#f) OR #f <= :mine OR contains(#o, :me))");
+        let [packed, older] = &f.tokens;
+        values.push((":me".into(), ExprValue::S(packed.clone())));
+        values.push((":me0".into(), ExprValue::S(older.clone())));
+        condition.push_str(" AND (attribute_not_exists(#f) OR #f <= :mine OR contains(#o, :me) OR contains(#o, :me0))");
         if let Some(p) = &w.prune {
             match &p.seen_floor {
                 Some(v) => {
@@ -452,10 +597,134 @@ mod tests {
         assert_eq!(rest.adds.iter().map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>(), ["n=1", "rev=-2.5"]);
         assert_eq!(rest.first, pad_sequence("11").unwrap());
         assert_eq!(plan(&cs, Some(&pad_sequence("12").unwrap())).unwrap(), None);
-        let v = entry_value(&all.last, all.newest_created);
-        assert_eq!(entry_sequence(&v), all.last);
-        assert_eq!(entry_time(&v), Some(1_764_460_800));
+        assert_eq!(decode_sequence(&encode_sequence(&all.last).unwrap()), Some(all.last.clone()));
+        assert_eq!(entry_sequence(&format!("{}@1764460800", all.last)), all.last, "an older entry's time is not its number");
         assert_eq!(entry_name("shardId-00000001796001337266-8e340a17"), "_agg:00000001796001337266-8e340a17");
+    }
+
+    #[test]
+    fn compact_values_order_like_the_numbers_they_stand_for() {
+        // Byte order of the encoded values is DynamoDB's order for B attributes.
+        let numbers = ["1", "9", "10", "255", "256", "65535", "65536", "300000000000000499659", "4421584500000000017450439091"];
+        let forty = "9".repeat(40);
+        let mut all: Vec<&str> = numbers.to_vec();
+        all.push(&forty);
+        for w in all.windows(2) {
+            let (a, b) = (encode_sequence(w[0]).unwrap(), encode_sequence(w[1]).unwrap());
+            assert!(a < b, "{} < {}", w[0], w[1]);
+        }
+        for n in &all {
+            assert_eq!(decode_sequence(&encode_sequence(n).unwrap()), pad_sequence(n), "{n}");
+        }
+        assert_eq!(encode_sequence("000000000000000000001"), encode_sequence("1"), "padding does not change the value");
+        assert_eq!(encode_sequence(&forty).unwrap().len(), 18, "40 digits fit 17 bytes");
+        assert_eq!(encode_sequence("4421584500000000017450439091").unwrap().len(), 13, "a 28-digit AWS number: 13 bytes");
+        assert_eq!(encode_sequence(&"9".repeat(41)), None);
+        assert_eq!(encode_sequence("12a"), None);
+        // Random pairs keep their order too.
+        let mut rng = fastrand::Rng::with_seed(7);
+        for _ in 0..2000 {
+            let (a, b) = (rng.u128(..) >> rng.u32(0..127), rng.u128(..) >> rng.u32(0..127));
+            let (ea, eb) = (encode_sequence(&a.to_string()).unwrap(), encode_sequence(&b.to_string()).unwrap());
+            assert_eq!(a.cmp(&b), ea.cmp(&eb), "{a} vs {b}");
+            assert_eq!(decode_sequence(&ea).unwrap().trim_start_matches('0'), a.to_string().trim_start_matches('0'));
+        }
+        assert_eq!(decode_sequence(&[3, 1]), None, "a length that does not match is no value");
+        assert_eq!(decode_sequence(&[]), None);
+    }
+
+    #[test]
+    fn compact_names_pack_a_shard_into_13_characters() {
+        let l = Ledger::new("a1b2c3");
+        let shard = "shardId-00000001796001337266-8e340a17";
+        let name = l.entry_name(shard);
+        assert_eq!(name.len(), "_agga1b2c3.".len() + 13, "{name}");
+        assert!(l.is_entry(&name) && is_any_entry(&name));
+        assert_eq!(entry_shard(&name).as_deref(), Some("00000001796001337266-8e340a17"));
+        assert_eq!(entry_created_ms(&name), Some(1_796_001_337_266));
+        // Older forms are entries of the namespace too, and parse the same.
+        let named = l.named_entry(shard);
+        assert_eq!(named, "_agg:a1b2c3:00000001796001337266-8e340a17");
+        assert!(l.is_entry(&named) && is_any_entry(&named));
+        assert_eq!(entry_shard(&named), entry_shard(&name));
+        // An id of another form is kept whole.
+        for odd in ["shardId-1-ab", "odd", "shardId-00000001796001337266-8E340A17", "shardId-99999999999999999999-00000000"] {
+            let n = l.entry_name(odd);
+            assert!(n.contains('~'), "{n}");
+            assert_eq!(entry_shard(&n).as_deref(), Some(crate::shard_id::suffix(odd)));
+        }
+        // Other namespaces and the ledger's other attributes are not this namespace's entries.
+        let other = Ledger::new("a1b2c");
+        assert!(!other.is_entry(&name) && !l.is_entry(&other.entry_name(shard)));
+        for a in [l.floor_attribute(), l.open_attribute(), l.version_attribute(), l.measures_attribute()] {
+            assert!(!l.is_entry(&a) && !is_any_entry(&a), "{a}");
+        }
+        // Distinct shards, distinct names.
+        let names: std::collections::BTreeSet<String> = (0..500u64)
+            .map(|i| l.entry_name(&format!("shardId-{:020}-{:08x}", 1_796_001_337_266 + i / 7, i * 2_654_435_761 % (1 << 32))))
+            .collect();
+        assert_eq!(names.len(), 500);
+    }
+
+    #[test]
+    fn shards_created_at_once_do_not_hold_the_floor() {
+        // A new stream's 200 first shards share one creation time; 150 of their children are
+        // open, 20 of those already finished. The floor passes the first shards' time.
+        let mut open: Vec<String> = (0..200).map(|i| id(1000, i)).collect();
+        open.extend((0..130).map(|i| id(2000 + i, 1000 + i as u32)));
+        let plan = floor_plan(open.iter().map(String::as_str), u64::MAX).unwrap();
+        assert_eq!(plan.floor, floor_value(2000 + MAX_STRAGGLERS as u64 - 1));
+        assert_eq!(plan.stragglers.len(), 200 + MAX_STRAGGLERS - 1);
+        assert_eq!(open_value(&plan.stragglers).len(), 1 + 8 * MAX_STRAGGLERS, "one token per time");
+        for o in &open {
+            assert!(admits(
+                Some(&plan.floor),
+                Some(&open_value(&plan.stragglers)),
+                &floor_value(crate::shard_id::created_ms(o).unwrap()),
+                &open_tokens(o)
+            ));
+        }
+    }
+
+    #[test]
+    fn split_children_created_in_one_millisecond_share_a_straggler_token_safely() {
+        // Children 7a (finished) and 7b (open) of one split were created at the same time; 7b
+        // is a straggler. The set admits both, so 7a's entry must stay until the time leaves it.
+        let l = Ledger::new("ns");
+        let (a, b, own) = (id(7, 0xa), id(7, 0xb), id(900, 1));
+        let plan = FloorPlan { floor: floor_value(800), stragglers: vec![crate::shard_id::suffix(&b).to_string()] };
+        let seen = Seen { entries: vec![l.entry_name(&a), l.entry_name(&b), l.entry_name(&own)], floor: None, open: None };
+        assert_eq!(prune_for(&plan, &seen, &l.entry_name(&own)), None, "nothing prunable: both children are admitted");
+        let open = open_value(&plan.stragglers);
+        assert_eq!(open.len(), 9, "one 7-digit token: {open}");
+        assert!(admits(Some(&plan.floor), Some(&open), &floor_value(7), &open_tokens(&a)));
+        // 7b finishes: the next plan drops the time, and both entries go with it.
+        let later = FloorPlan { floor: floor_value(850), stragglers: vec![] };
+        let seen = Seen { floor: Some(plan.floor.clone()), open: Some(open), ..seen };
+        let p = prune_for(&later, &seen, &l.entry_name(&own)).unwrap();
+        assert_eq!(p.entries, vec![l.entry_name(&a), l.entry_name(&b)]);
+        assert!(!admits(Some(&p.floor), Some(&p.open), &floor_value(7), &open_tokens(&a)));
+        // A stale plan that still holds 7b cannot bring the time back once the item refuses it.
+        let seen = Seen { entries: vec![l.entry_name(&own)], floor: Some(p.floor.clone()), open: Some(p.open.clone()) };
+        let stale = FloorPlan { floor: floor_value(900), stragglers: vec![crate::shard_id::suffix(&b).to_string()] };
+        assert_eq!(prune_for(&stale, &seen, &l.entry_name(&own)), None);
+        let seen = Seen { entries: vec![l.entry_name(&id(880, 2)), l.entry_name(&own)], ..seen };
+        assert_eq!(prune_for(&stale, &seen, &l.entry_name(&own)).unwrap().open, ",");
+    }
+
+    #[test]
+    fn two_hundred_open_shards_fit_in_8_kb() {
+        // A global daily total written from every shard of a 200-partition stream, with AWS-sized
+        // (28-digit) sequence numbers: the entries alone.
+        let l = Ledger::new(&default_namespace("ddb-aggregator-state"));
+        let bytes: usize = (0..200u64)
+            .map(|i| {
+                let name =
+                    l.entry_name(&format!("shardId-{:020}-{:08x}", 1_796_001_337_266 + i * 72_000, 0x8e34_0a17_u32.wrapping_add(i as u32)));
+                name.len() + encode_sequence(&format!("44215845{:020}", i * 1_000_003)).unwrap().len()
+            })
+            .sum();
+        assert!(bytes <= 7_500, "{bytes} bytes");
     }
 
     #[test]
@@ -481,8 +750,8 @@ mod tests {
         assert_eq!(default_namespace("state-a"), default_namespace("state-a"), "stable across restarts");
         let e = a.entry_name("shardId-0001-aa");
         assert!(a.is_entry(&e) && !b.is_entry(&e));
-        assert_eq!(entry_shard(&e), Some("0001-aa"));
-        assert_eq!(entry_prefix_of(&e), a.entry_prefix());
+        assert_eq!(entry_shard(&e).as_deref(), Some("0001-aa"));
+        assert!(e.starts_with(&a.entry_prefix()));
         assert!(check_namespace("prod-eu_1").is_ok());
         assert!(check_namespace("").is_err() && check_namespace("a:b").is_err() && check_namespace(&"x".repeat(17)).is_err());
     }
@@ -500,9 +769,13 @@ mod tests {
         let open_set = open_value(&plan.stragglers);
         for o in &open {
             let mine = floor_value(crate::shard_id::created_ms(o).unwrap());
-            assert!(admits(Some(&plan.floor), Some(&open_set), &mine, &open_token(o)), "{o}");
+            assert!(admits(Some(&plan.floor), Some(&open_set), &mine, &open_tokens(o)), "{o}");
         }
-        assert!(!admits(Some(&plan.floor), Some(&open_set), &floor_value(500), &open_token(&id(500, 5))));
+        assert!(!admits(Some(&plan.floor), Some(&open_set), &floor_value(500), &open_tokens(&id(500, 5))));
+        // A set written before compact entries still admits its stragglers.
+        let older_set = format!(",{},", crate::shard_id::suffix(&id(10, 999)));
+        assert!(admits(Some(&plan.floor), Some(&older_set), &floor_value(10), &open_tokens(&id(10, 999))));
+        assert!(!admits(Some(&plan.floor), Some(&older_set), &floor_value(11), &open_tokens(&id(11, 998))));
         assert_eq!(floor_plan(["odd-id"], u64::MAX), None, "no creation time: prune nothing");
         assert_eq!(floor_plan(std::iter::empty::<&str>(), u64::MAX), None);
         // A shard this replica has not seen yet was created after its last listing: the floor
@@ -537,17 +810,19 @@ mod tests {
         let w = super::super::LedgerWrite {
             key: vec![("PK".into(), "SALES#2026-11-30".into()), ("SK".into(), "TOTAL".into())],
             adds: (0..20).map(|i| (format!("m{i}"), Decimal::from_i64(1))).collect(),
+            ledger: l.clone(),
             entry_name: own.clone(),
+            named_entry: l.named_entry(&id(5000, 1)),
             legacy_entry: entry_name(&id(5000, 1)),
             version_attribute: l.version_attribute(),
             measures_attribute: l.measures_attribute(),
-            entry_value: entry_value(&pad_sequence("1").unwrap(), None),
+            entry_value: encode_sequence("1").unwrap(),
             first: pad_sequence("1").unwrap(),
             fence: Some(super::super::Fence {
                 floor_attribute: l.floor_attribute(),
                 open_attribute: l.open_attribute(),
                 mine: floor_value(5000),
-                token: open_token(&id(5000, 1)),
+                tokens: open_tokens(&id(5000, 1)),
             }),
             prune: Some(p),
         };

@@ -5,13 +5,14 @@ use std::sync::Mutex;
 
 use super::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
 use crate::decimal::Decimal;
-use crate::sink::ledger::{admits, entry_prefix_of, expressions, Seen, MAX_EXPRESSION_BYTES};
+use crate::sink::ledger::{admits, applied_of, expressions, is_any_entry, Seen, MAX_EXPRESSION_BYTES};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MemValue {
     Num(Decimal),
     Str(String),
     Set(std::collections::BTreeSet<String>),
+    Bin(Vec<u8>),
 }
 
 #[derive(Debug, Default)]
@@ -19,8 +20,11 @@ struct State {
     items: HashMap<Vec<String>, BTreeMap<String, MemValue>>,
     fail_next: u32,
     calls: u64,
-    /// Largest item size written, bytes.
+    /// Largest item size written, bytes, and the ledger entries (of any namespace) it held.
     largest_item: usize,
+    largest_item_entries: usize,
+    /// When (epoch ms, the service's clock) the largest item was written.
+    largest_item_at: u64,
     /// Per item: writes applied and the capacity they consumed.
     usage: HashMap<Vec<String>, (u64, f64)>,
 }
@@ -128,33 +132,45 @@ impl MemoryAggregates {
         true
     }
 
-    /// Ledger entries (attributes starting `_agg:`) of the item holding the most.
+    /// Ledger entries (of any namespace) of the item holding the most.
     pub fn most_entries(&self) -> usize {
         let s = self.lock();
-        s.items.values().map(|i| i.keys().filter(|k| k.starts_with(crate::sink::ledger::ENTRY_PREFIX)).count()).max().unwrap_or(0)
+        s.items.values().map(|i| i.keys().filter(|k| is_any_entry(k)).count()).max().unwrap_or(0)
     }
 
     /// The largest item size any write produced, in bytes.
     pub fn largest_item(&self) -> usize {
         self.lock().largest_item
     }
+
+    /// Forgets the largest item so far (a simulation measures a phase of its own).
+    pub fn reset_largest(&self) {
+        let mut s = self.lock();
+        (s.largest_item, s.largest_item_entries, s.largest_item_at) = (0, 0, 0);
+    }
+
+    /// The ledger entries the largest item held when it was that large, and when that was.
+    pub fn largest_item_entries(&self) -> (usize, u64) {
+        let s = self.lock();
+        (s.largest_item_entries, s.largest_item_at)
+    }
 }
 
 /// DynamoDB's item size: attribute names and values in bytes (numbers about their digits).
 pub fn item_size(key: &[(String, String)], item: &BTreeMap<String, MemValue>) -> usize {
     let keys: usize = key.iter().map(|(n, v)| n.len() + v.len()).sum();
-    let attrs: usize = item
-        .iter()
-        .map(|(n, v)| {
-            n.len()
-                + match v {
-                    MemValue::Num(d) => d.to_string().len() / 2 + 2,
-                    MemValue::Str(s) => s.len(),
-                    MemValue::Set(v) => v.iter().map(String::len).sum(),
-                }
-        })
-        .sum();
-    keys + attrs
+    keys + item.iter().map(|(n, v)| attribute_size(n, v)).sum::<usize>()
+}
+
+/// One attribute's share of the item size: its name and value in bytes.
+fn attribute_size(name: &str, value: &MemValue) -> usize {
+    name.len()
+        + match value {
+            MemValue::Num(d) => d.to_string().len() / 2 + 2,
+            MemValue::Str(s) => s.len(),
+            MemValue::Set(v) => v.iter().map(String::len).sum(),
+            MemValue::Bin(b) => b.len(),
+        }
 }
 
 /// DynamoDB's largest item.
@@ -181,61 +197,83 @@ impl AggregateStore for MemoryAggregates {
             _ => None,
         };
         let (floor_attr, open_attr) = w.fence.as_ref().map(|f| (f.floor_attribute.as_str(), f.open_attribute.as_str())).unwrap_or(("", ""));
-        let entry = text(item.get(&w.entry_name)).max(text(item.get(&w.legacy_entry)));
+        let compact = match item.get(&w.entry_name) {
+            Some(MemValue::Bin(b)) => Some(b.as_slice()),
+            _ => None,
+        };
+        let older = [&w.named_entry, &w.legacy_entry].map(|n| match item.get(n) {
+            Some(MemValue::Str(s)) => Some(s.as_str()),
+            _ => None,
+        });
+        let entry = applied_of(compact, older);
         let floor = text(item.get(floor_attr));
         let open = text(item.get(open_attr));
         let entry_ok = entry.as_ref().is_none_or(|e| *e < w.first);
-        let fence_ok = w.fence.as_ref().is_none_or(|f| admits(floor.as_deref(), open.as_deref(), &f.mine, &f.token));
+        let fence_ok = w.fence.as_ref().is_none_or(|f| admits(floor.as_deref(), open.as_deref(), &f.mine, &f.tokens));
         let cas_ok = w.prune.as_ref().is_none_or(|p| p.seen_floor == floor && p.seen_open == open);
         if !(entry_ok && fence_ok && cas_ok) {
             return Ok(WriteOutcome::Stale { entry, floor, open });
         }
-        let before = item_size(&w.key, item);
-        let mut updated = item.clone();
+        // The changed attributes first (None: removed), so a refused write leaves the item as
+        // it was and the item is not copied (hot items hold hundreds of entries).
+        let mut changes: BTreeMap<String, Option<MemValue>> = BTreeMap::new();
         for (name, v) in &w.adds {
-            let current = match updated.get(name) {
+            let current = match item.get(name) {
                 None => Decimal::ZERO,
                 Some(MemValue::Num(n)) => *n,
-                Some(MemValue::Str(_) | MemValue::Set(_)) => {
+                Some(MemValue::Str(_) | MemValue::Set(_) | MemValue::Bin(_)) => {
                     return Err(SinkError::Invalid(format!("An operand in the update expression has an incorrect data type ({name})")))
                 }
             };
             let sum = current.checked_add(*v).map_err(|e| SinkError::Invalid(e.to_string()))?;
-            updated.insert(name.clone(), MemValue::Num(sum));
+            changes.insert(name.clone(), Some(MemValue::Num(sum)));
         }
-        let version = match updated.get(&w.version_attribute) {
+        let version = match item.get(&w.version_attribute) {
             Some(MemValue::Num(n)) => *n,
             _ => Decimal::ZERO,
         };
-        updated.insert(w.version_attribute.clone(), MemValue::Num(version.checked_add(Decimal::from_i64(1)).unwrap_or(version)));
+        changes.insert(w.version_attribute.clone(), Some(MemValue::Num(version.checked_add(Decimal::from_i64(1)).unwrap_or(version))));
         if !w.adds.is_empty() {
-            let mut written = match updated.remove(&w.measures_attribute) {
-                Some(MemValue::Set(v)) => v,
+            let mut written = match item.get(&w.measures_attribute) {
+                Some(MemValue::Set(v)) => v.clone(),
                 _ => Default::default(),
             };
             written.extend(w.adds.iter().map(|(n, _)| n.clone()));
-            updated.insert(w.measures_attribute.clone(), MemValue::Set(written));
+            changes.insert(w.measures_attribute.clone(), Some(MemValue::Set(written)));
         }
-        updated.insert(w.entry_name.clone(), MemValue::Str(w.entry_value.clone()));
+        changes.insert(w.entry_name.clone(), Some(MemValue::Bin(w.entry_value.clone())));
         if let (Some(p), Some(_)) = (&w.prune, &w.fence) {
             for e in &p.entries {
-                updated.remove(e);
+                changes.entry(e.clone()).or_insert(None);
             }
-            updated.insert(floor_attr.to_string(), MemValue::Str(p.floor.clone()));
-            updated.insert(open_attr.to_string(), MemValue::Str(p.open.clone()));
+            changes.insert(floor_attr.to_string(), Some(MemValue::Str(p.floor.clone())));
+            changes.insert(open_attr.to_string(), Some(MemValue::Str(p.open.clone())));
         }
-        let after = item_size(&w.key, &updated);
+        let before = item_size(&w.key, item);
+        let removed: usize = changes.keys().filter_map(|n| item.get_key_value(n)).map(|(n, v)| attribute_size(n, v)).sum();
+        let added: usize = changes.iter().filter_map(|(n, v)| v.as_ref().map(|v| attribute_size(n, v))).sum();
+        let after = before.saturating_sub(removed) + added;
         if after > MAX_ITEM_BYTES {
             return Err(SinkError::Invalid("ValidationException: Item size has exceeded the maximum allowed size".into()));
         }
-        let prefix = entry_prefix_of(&w.entry_name);
+        for (name, v) in changes {
+            match v {
+                Some(v) => item.insert(name, v),
+                None => item.remove(&name),
+            };
+        }
+        let updated = &*item;
         let seen = Seen {
-            entries: updated.keys().filter(|k| k.starts_with(prefix)).cloned().collect(),
+            entries: updated.keys().filter(|k| w.ledger.is_entry(k)).cloned().collect(),
             floor: text(updated.get(floor_attr)),
             open: text(updated.get(open_attr)),
         };
-        *item = updated;
-        s.largest_item = s.largest_item.max(after);
+        let all_entries = updated.keys().filter(|k| is_any_entry(k)).count();
+        if after > s.largest_item {
+            s.largest_item = after;
+            s.largest_item_entries = all_entries;
+            s.largest_item_at = crate::state::now_ms();
+        }
         // 1 WCU per started KB of the larger of the item before and after.
         let capacity = before.max(after).div_ceil(1024).max(1) as f64;
         let u = s.usage.entry(w.key.iter().map(|(_, v)| v.clone()).collect()).or_default();

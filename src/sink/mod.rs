@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::decimal::Decimal;
 use crate::rules::{TargetDelta, TargetKey};
-use ledger::{admits, entry_sequence, entry_value, plan, FloorPlan, Ledger, Prune, Seen, WritePlan};
+use ledger::{admits, plan, FloorPlan, Ledger, Prune, Seen, WritePlan};
 
 /// How a write proves the item still admits its shard (see [`ledger`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,8 +20,8 @@ pub struct Fence {
     pub open_attribute: String,
     /// This shard's creation time as a floor value.
     pub mine: String,
-    /// `,<shard>,`: this shard in a straggler set.
-    pub token: String,
+    /// `,<shard>,`: this shard in a straggler set (packed, and as older sets hold it).
+    pub tokens: [String; 2],
 }
 
 /// One ledger-guarded write.
@@ -30,13 +30,17 @@ pub struct LedgerWrite {
     /// (attribute, value) of the target's key, partition key first.
     pub key: Vec<(String, String)>,
     pub adds: Vec<(String, Decimal)>,
+    /// The deployment's ledger: which attributes of the item are its entries.
+    pub ledger: Ledger,
+    /// This shard's compact entry, and its new value (the write's last sequence number).
     pub entry_name: String,
-    pub entry_value: String,
-    /// Padded first sequence number of the write: the entry must be below it.
+    pub entry_value: Vec<u8>,
+    /// Padded first sequence number of the write: the entries must be below it.
     pub first: String,
-    /// The entry this shard had before namespaces (`_agg:<shard>`): a write must also be past
-    /// it, so a batch applied by the previous version and replayed after the upgrade is not
-    /// applied twice.
+    /// The entries this shard had before compact entries (`_agg:<namespace>:<shard>`) and
+    /// before namespaces (`_agg:<shard>`): a write must also be past them, so a batch applied
+    /// by an earlier version and replayed after the upgrade is not applied twice.
+    pub named_entry: String,
     pub legacy_entry: String,
     /// The item's write counter, advanced by every write (reconcile's O(1) condition).
     pub version_attribute: String,
@@ -99,7 +103,9 @@ pub struct WriteStats {
 /// The shard a batch comes from, and what the ledger may prune.
 #[derive(Debug, Clone)]
 pub struct ShardContext {
+    pub ledger: Ledger,
     pub entry_name: String,
+    pub named_entry: String,
     pub legacy_entry: String,
     pub version_attribute: String,
     pub measures_attribute: String,
@@ -111,7 +117,9 @@ pub struct ShardContext {
 impl ShardContext {
     pub fn new(ledger: &Ledger, shard_id: &str) -> ShardContext {
         ShardContext {
+            ledger: ledger.clone(),
             entry_name: ledger.entry_name(shard_id),
+            named_entry: ledger.named_entry(shard_id),
             legacy_entry: ledger::entry_name(shard_id),
             version_attribute: ledger.version_attribute(),
             measures_attribute: ledger.measures_attribute(),
@@ -119,7 +127,7 @@ impl ShardContext {
                 floor_attribute: ledger.floor_attribute(),
                 open_attribute: ledger.open_attribute(),
                 mine: ledger::floor_value(c),
-                token: ledger::open_token(shard_id),
+                tokens: ledger::open_tokens(shard_id),
             }),
             plan: None,
         }
@@ -132,7 +140,7 @@ impl ShardContext {
     }
 
     fn admitted(&self, floor: Option<&str>, open: Option<&str>) -> bool {
-        self.fence.as_ref().is_none_or(|f| admits(floor, open, &f.mine, &f.token))
+        self.fence.as_ref().is_none_or(|f| admits(floor, open, &f.mine, &f.tokens))
     }
 }
 
@@ -181,11 +189,14 @@ pub async fn write_target_pruning<S: AggregateStore>(
         let write = LedgerWrite {
             key: key_names.iter().cloned().zip(key.0.iter().map(|v| v.to_string())).collect(),
             adds: p.adds.clone(),
+            ledger: shard.ledger.clone(),
             entry_name: shard.entry_name.clone(),
+            named_entry: shard.named_entry.clone(),
             legacy_entry: shard.legacy_entry.clone(),
             version_attribute: shard.version_attribute.clone(),
             measures_attribute: shard.measures_attribute.clone(),
-            entry_value: entry_value(&p.last, p.newest_created),
+            entry_value: ledger::encode_sequence(&p.last)
+                .ok_or_else(|| SinkError::Fatal(format!("sequence number {} not encodable", p.last)))?,
             first: p.first.clone(),
             fence: shard.fence.clone(),
             prune: prune.clone(),
@@ -244,7 +255,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
                     continue;
                 }
                 match entry {
-                    Some(e) if applied.as_deref().is_none_or(|a| entry_sequence(&e) > a) => applied = Some(entry_sequence(&e).to_string()),
+                    Some(e) if applied.as_deref().is_none_or(|a| e.as_str() > a) => applied = Some(e),
                     // The condition failed but the entry does not explain it: a concurrent
                     // change; read again by retrying.
                     _ => tokio::time::sleep(Duration::from_millis(10)).await,
