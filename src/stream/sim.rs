@@ -76,6 +76,13 @@ impl SimStream {
         id
     }
 
+    /// Sequence numbers from here on start at `first` (real ones are 21 digits or more; the
+    /// ledger's entry sizes depend on it).
+    pub fn start_sequences_at(&self, first: u64) {
+        let mut s = lock(&self.state);
+        s.next_seq = s.next_seq.max(first.saturating_sub(1));
+    }
+
     /// Appends a record (a stream record JSON; its SequenceNumber is set here). Returns the
     /// sequence number.
     pub fn append(&self, shard: &str, record: Value) -> u64 {
