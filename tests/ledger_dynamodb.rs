@@ -60,7 +60,7 @@ async fn ledger_condition_on_dynamodb_local() {
     // Shard B (created later) writes; A is finished, so its entry is prunable. Shard S (older
     // than the floor, still open) stays admitted as a straggler.
     let straggler = "shardId-00000001699999999999-cccccccc";
-    let plan = FloorPlan { floor: floor_value(1_700_000_000_002), stragglers: vec!["00000001699999999999-cccccccc".into()] };
+    let plan = FloorPlan::new(floor_value(1_700_000_000_002), vec!["00000001699999999999-cccccccc".into()]);
     let ctx_b = ShardContext { plan: Some(Arc::new(plan)), ..ShardContext::new(&ledger, b) };
     let s = write_target(&store, &names, &key, &delta(&[10], "1"), &ctx_b).await.unwrap();
     let seen = s.seen.unwrap();

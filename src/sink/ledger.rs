@@ -260,9 +260,26 @@ pub fn entry_shard(name: &str) -> Option<String> {
     name.strip_prefix(ENTRY_PREFIX).map(|r| r.rsplit(':').next().unwrap_or(r).to_string())
 }
 
-/// The creation time of the shard an entry belongs to, from its name.
+/// The creation time of the shard an entry belongs to, from its name (without allocating:
+/// every write's pruning looks at every entry of the item).
 pub fn entry_created_ms(name: &str) -> Option<u64> {
-    crate::shard_id::created_ms(&format!("shardId-{}", entry_shard(name)?))
+    if let Some((_, tag)) = compact_parts(name) {
+        return match tag.strip_prefix(RAW_SHARD_MARK) {
+            Some(raw) => suffix_created_ms(raw),
+            None if tag.len() == 13 && tag.is_ascii() => undigits(&tag[..7]),
+            None => None,
+        };
+    }
+    suffix_created_ms(name.strip_prefix(ENTRY_PREFIX)?.rsplit(':').next()?)
+}
+
+/// The creation time in a shard id without `shardId-` (`<digits>-<hex>`).
+fn suffix_created_ms(suffix: &str) -> Option<u64> {
+    let digits = suffix.split('-').next()?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 /// The padded sequence number of an older (string) entry: `<40 digits>` or `<40 digits>@<time>`.
@@ -293,7 +310,7 @@ pub fn open_value(stragglers: &[String]) -> String {
 /// A shard's token in a straggler set (without the commas): its creation time, or its whole
 /// id when that has none that packs.
 fn time_token(shard_id: &str) -> String {
-    match crate::shard_id::created_ms(&format!("shardId-{}", crate::shard_id::suffix(shard_id))).filter(|c| *c < 1 << 42) {
+    match suffix_created_ms(crate::shard_id::suffix(shard_id)).filter(|c| *c < 1 << 42) {
         Some(c) => digits(c, 7),
         None => format!("{RAW_SHARD_MARK}{}", crate::shard_id::suffix(shard_id)),
     }
@@ -318,6 +335,18 @@ pub struct FloorPlan {
     pub floor: String,
     /// Shard suffixes of the open shards created before the floor.
     pub stragglers: Vec<String>,
+    /// The floor and the stragglers' creation times as numbers (every write's pruning asks).
+    floor_ms: u64,
+    straggler_times: std::collections::BTreeSet<u64>,
+}
+
+impl FloorPlan {
+    /// A plan with this floor value and these stragglers (shard suffixes).
+    pub fn new(floor: String, stragglers: Vec<String>) -> FloorPlan {
+        let floor_ms = floor.parse().unwrap_or(0);
+        let straggler_times = stragglers.iter().map(|x| suffix_created_ms(x).unwrap_or(0)).collect();
+        FloorPlan { floor, stragglers, floor_ms, straggler_times }
+    }
 }
 
 /// The floor plan for the shards not yet finished (ids): the floor as high as
@@ -339,7 +368,7 @@ pub fn floor_plan<'a>(unfinished: impl IntoIterator<Item = &'a str>, known_until
     let at = times.len().checked_sub(1)?.min(MAX_STRAGGLERS);
     let floor_ms = times[at].min(known_until_ms);
     let stragglers = open.iter().take_while(|(c, _)| *c < floor_ms).map(|(_, id)| crate::shard_id::suffix(id).to_string()).collect();
-    Some(FloorPlan { floor: floor_value(floor_ms), stragglers })
+    Some(FloorPlan::new(floor_value(floor_ms), stragglers))
 }
 
 /// What a write learned of an item's ledger (from the item after the write).
@@ -370,20 +399,32 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     if seen.floor.as_ref().is_some_and(|f| *f > plan.floor) {
         return None;
     }
+    let plan_floor = plan.floor_ms;
+    // Most writes have nothing to prune: only entries of shards created before the floor at
+    // times no straggler of the plan holds can go (the new set holds at most those times).
+    let prunable =
+        |e: &&String| e.as_str() != own && entry_created_ms(e).is_some_and(|c| c < plan_floor && !plan.straggler_times.contains(&c));
+    if !seen.entries.iter().any(|e| prunable(&e)) {
+        return None;
+    }
     // Keep only stragglers the item admits now: one it refuses was seen finished by someone.
-    let stragglers: Vec<String> = plan
-        .stragglers
-        .iter()
-        .filter(|x| admits(seen.floor.as_deref(), seen.open.as_deref(), &plan_floor_of(x), &open_tokens(x)))
-        .cloned()
-        .collect();
+    // (What `admits` decides, with the item's set read once: tokens hold no commas, so
+    // `contains(set, ",t,")` is membership.)
+    let seen_tokens: std::collections::HashSet<&str> = seen.open.as_deref().unwrap_or("").split(',').filter(|t| !t.is_empty()).collect();
+    let admitted = |x: &String| {
+        let created = suffix_created_ms(x).unwrap_or(0);
+        seen.floor.as_deref().is_none_or(|f| f <= floor_value(created).as_str())
+            || seen_tokens.contains(time_token(x).as_str())
+            || seen_tokens.contains(x.as_str())
+    };
+    let stragglers: Vec<String> = plan.stragglers.iter().filter(|x| admitted(x)).cloned().collect();
     // The creation times the new set admits: entries of shards created then stay.
-    let kept: std::collections::BTreeSet<String> = stragglers.iter().map(|x| plan_floor_of(x)).collect();
+    let kept: std::collections::HashSet<u64> = stragglers.iter().map(|x| suffix_created_ms(x).unwrap_or(0)).collect();
     let entries: Vec<String> = seen
         .entries
         .iter()
         .filter(|e| e.as_str() != own)
-        .filter(|e| entry_created_ms(e).map(floor_value).is_some_and(|c| c < plan.floor && !kept.contains(&c)))
+        .filter(|e| entry_created_ms(e).is_some_and(|c| c < plan_floor && !kept.contains(&c)))
         .take(MAX_PRUNE_PER_WRITE)
         .cloned()
         .collect();
@@ -397,11 +438,6 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
         floor: plan.floor.clone(),
         open: open_value(&stragglers),
     })
-}
-
-/// A straggler's own floor value (from its suffix); unparseable ids sort first.
-fn plan_floor_of(suffix: &str) -> String {
-    floor_value(crate::shard_id::created_ms(&format!("shardId-{suffix}")).unwrap_or(0))
 }
 
 /// What one conditional write carries.
@@ -692,21 +728,21 @@ mod tests {
         // is a straggler. The set admits both, so 7a's entry must stay until the time leaves it.
         let l = Ledger::new("ns");
         let (a, b, own) = (id(7, 0xa), id(7, 0xb), id(900, 1));
-        let plan = FloorPlan { floor: floor_value(800), stragglers: vec![crate::shard_id::suffix(&b).to_string()] };
+        let plan = FloorPlan::new(floor_value(800), vec![crate::shard_id::suffix(&b).to_string()]);
         let seen = Seen { entries: vec![l.entry_name(&a), l.entry_name(&b), l.entry_name(&own)], floor: None, open: None };
         assert_eq!(prune_for(&plan, &seen, &l.entry_name(&own)), None, "nothing prunable: both children are admitted");
         let open = open_value(&plan.stragglers);
         assert_eq!(open.len(), 9, "one 7-digit token: {open}");
         assert!(admits(Some(&plan.floor), Some(&open), &floor_value(7), &open_tokens(&a)));
         // 7b finishes: the next plan drops the time, and both entries go with it.
-        let later = FloorPlan { floor: floor_value(850), stragglers: vec![] };
+        let later = FloorPlan::new(floor_value(850), vec![]);
         let seen = Seen { floor: Some(plan.floor.clone()), open: Some(open), ..seen };
         let p = prune_for(&later, &seen, &l.entry_name(&own)).unwrap();
         assert_eq!(p.entries, vec![l.entry_name(&a), l.entry_name(&b)]);
         assert!(!admits(Some(&p.floor), Some(&p.open), &floor_value(7), &open_tokens(&a)));
         // A stale plan that still holds 7b cannot bring the time back once the item refuses it.
         let seen = Seen { entries: vec![l.entry_name(&own)], floor: Some(p.floor.clone()), open: Some(p.open.clone()) };
-        let stale = FloorPlan { floor: floor_value(900), stragglers: vec![crate::shard_id::suffix(&b).to_string()] };
+        let stale = FloorPlan::new(floor_value(900), vec![crate::shard_id::suffix(&b).to_string()]);
         assert_eq!(prune_for(&stale, &seen, &l.entry_name(&own)), None);
         let seen = Seen { entries: vec![l.entry_name(&id(880, 2)), l.entry_name(&own)], ..seen };
         assert_eq!(prune_for(&stale, &seen, &l.entry_name(&own)).unwrap().open, ",");
@@ -791,7 +827,7 @@ mod tests {
         let own = l.entry_name(&id(5000, 1));
         let mut entries: Vec<String> = (0..1000).map(|i| l.entry_name(&id(i, i as u32))).collect();
         entries.push(own.clone());
-        let plan = FloorPlan { floor: floor_value(5000), stragglers: vec![crate::shard_id::suffix(&id(3, 3)).to_string()] };
+        let plan = FloorPlan::new(floor_value(5000), vec![crate::shard_id::suffix(&id(3, 3)).to_string()]);
         let seen = Seen { entries, floor: Some(floor_value(2)), open: Some(",".into()) };
         let p = prune_for(&plan, &seen, &own).unwrap();
         assert_eq!(p.entries.len(), MAX_PRUNE_PER_WRITE);
@@ -801,7 +837,7 @@ mod tests {
         assert!(!p.entries.contains(&l.entry_name(&id(3, 3))), "a straggler's entry is kept");
         // Shard 1 is refused by the item (created before its floor 2, not a straggler): a stale
         // view that still thinks it open must not admit it again.
-        let stale = FloorPlan { floor: floor_value(5000), stragglers: vec![crate::shard_id::suffix(&id(1, 1)).to_string()] };
+        let stale = FloorPlan::new(floor_value(5000), vec![crate::shard_id::suffix(&id(1, 1)).to_string()]);
         assert_eq!(prune_for(&stale, &seen, &own).unwrap().open, ",", "a refused shard is not re-admitted");
         // A plan below the item's floor prunes nothing.
         let behind = Seen { floor: Some(floor_value(6000)), ..seen.clone() };
