@@ -31,8 +31,12 @@ const DAY: u64 = 24 * HOUR;
 const EPOCH_MS: u64 = 1_798_761_600_000;
 /// Customers per partition: enough that every partition sees traffic.
 const CUSTOMERS_PER_PARTITION: u32 = 8;
-/// The lease duration of the simulated deployments (maintenance every third of it).
-const LEASE: &str = "300s";
+/// The lease duration of the simulated deployments (maintenance every third of it): 10
+/// minutes (the most the config allows), so months of stream life cost minutes of CPU (each maintenance round lists the
+/// whole lease table and each renewal is a call); still short against a shard's 4 hours.
+const LEASE: &str = "600s";
+/// A pause lasts this long at least: longer than the lease, so it moves while the replica sleeps.
+const PAUSE_MIN_MS: u64 = 700_000;
 
 #[derive(Debug, Clone)]
 pub struct Params {
@@ -61,7 +65,7 @@ impl Default for Params {
             replicas: 3,
             writes_per_hour: 400.0,
             fault_rate: 0.01,
-            idle_poll_secs: 300,
+            idle_poll_secs: 900,
             wall_budget: None,
             reconcile_every_hours: 24,
         }
@@ -360,7 +364,7 @@ impl World {
         )
         .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), "arn:sim".into());
         // Idle shards are polled every few minutes: months of stream life in minutes of CPU.
-        shared.polling = Polling { idle_min: Duration::from_secs(15), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
+        shared.polling = Polling { idle_min: Duration::from_secs(60), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
         let worker = Worker::new(shared);
         let cancel = CancellationToken::new();
         let c = cancel.clone();
@@ -493,7 +497,7 @@ impl World {
         // A pause (GC, SIGSTOP) about every 12 hours, long enough for the lease to move.
         if self.rng.f64() < 1.0 / (12.0 * 60.0) {
             if let Some(r) = self.replicas[self.rng.usize(..slots)].as_ref() {
-                r.fate.paused_until.store(now + self.rng.u64(300_000..1_500_000), Ordering::Relaxed);
+                r.fate.paused_until.store(now + self.rng.u64(PAUSE_MIN_MS..5 * PAUSE_MIN_MS), Ordering::Relaxed);
                 self.report.pauses += 1;
             }
         }
