@@ -273,6 +273,9 @@ pub struct Bugs {
     /// (k) Reconcile does not wait for the checkpoints to cover its truth (`--no-wait` with a
     /// live consumer).
     pub recon_no_wait: bool,
+    /// (l) With [`ProtocolModel::time_tokens`]: pruning keeps the entries of the straggler
+    /// shards only, not of every shard their times admit.
+    pub prune_by_shard: bool,
 }
 
 /// Which shards a pruning replica's view of the lease table lists (and so can count as open).
@@ -312,6 +315,11 @@ pub struct ProtocolModel {
     /// counterexample traces then may swap replica numbers between steps).
     pub symmetry: bool,
     pub listing: Listing,
+    /// The straggler set as the code keeps it since compact entries: creation times, not
+    /// shards; and the split's children C1 and C2 created in the same millisecond (both at 2),
+    /// so one token admits both. Pruning then removes an entry only for a time that neither
+    /// `F'` nor `O'` admits, and `F'` may go above both children (3).
+    pub time_tokens: bool,
     pub bugs: Bugs,
 }
 
@@ -328,6 +336,7 @@ impl Default for ProtocolModel {
             reconcile: false,
             symmetry: false,
             listing: Listing::NotFinishedIsOpen,
+            time_tokens: false,
             bugs: Bugs::default(),
         }
     }
@@ -387,6 +396,31 @@ impl ProtocolModel {
         (0..SHARDS).map(|s| self.weight_sum(s, 1, st.produced[s])).sum()
     }
 
+    /// A shard's creation time in this model (C2 shares C1's with [`ProtocolModel::time_tokens`]).
+    pub fn created_at(&self, s: usize) -> u8 {
+        if self.time_tokens && s == C2 {
+            created(C1)
+        } else {
+            created(s)
+        }
+    }
+
+    /// [`admitted`], with the straggler set read as creation times when tokens are times.
+    pub fn admits(&self, floor: u8, stragglers: Set, s: usize) -> bool {
+        if !self.time_tokens {
+            return admitted(floor, stragglers, s);
+        }
+        self.created_at(s) >= floor || (0..SHARDS).any(|t| has(stragglers, t) && self.created_at(t) == self.created_at(s))
+    }
+
+    /// Whether a pruning write to `F'` with stragglers `keep` still admits shard `t`'s time.
+    fn kept(&self, keep: Set, floor: u8, t: usize) -> bool {
+        if self.bugs.prune_by_shard {
+            return has(keep, t);
+        }
+        self.admits(floor, keep, t)
+    }
+
     /// The pruning writes replica `r` may send for shard `s`.
     ///
     /// The view's finished set is any subset of the shards finished now (never the writer's
@@ -414,7 +448,7 @@ impl ProtocolModel {
                 let unfinished = listed & !view;
                 let floors: Vec<u8> = match self.listing {
                     Listing::NotFinishedIsOpen => (lowest..=created(SHARDS - 1)).collect(),
-                    _ => (0..SHARDS).filter(|&t| has(unfinished, t)).map(created).filter(|&f| f >= lowest).collect(),
+                    _ => (0..SHARDS).filter(|&t| has(unfinished, t)).map(|t| self.created_at(t)).filter(|&f| f >= lowest).collect(),
                 };
                 for new_floor in floors {
                     self.push_prunes(st, (floor, stragglers), view, unfinished, new_floor, out);
@@ -428,8 +462,8 @@ impl ProtocolModel {
     fn push_prunes(&self, st: &State, (floor, stragglers): (u8, Set), view: Set, unfinished: Set, new_floor: u8, out: &mut Vec<Prune>) {
         // Shards the item admits: O' keeps shards from this set only, so no view, however
         // stale, re-admits a shard whose entry is (or may be) pruned.
-        let admitted_now = set_of(|t| admitted(floor, stragglers, t));
-        let below = set_of(|t| created(t) < new_floor);
+        let admitted_now = set_of(|t| self.admits(floor, stragglers, t));
+        let below = set_of(|t| self.created_at(t) < new_floor);
         // Every shard created before F' that is open in the view (and admitted) stays admitted
         // as a straggler: leaving one out would fence an unfinished shard.
         let keep = if self.bugs.stragglers_unconstrained { unfinished & below } else { admitted_now & unfinished & below };
@@ -437,7 +471,7 @@ impl ProtocolModel {
         for drop in (0..=subsets).filter(|d| d & !subsets == 0) {
             let keep = keep & !drop;
             // Skip writes that change nothing beyond a plain write.
-            let pruned = view & below & !keep;
+            let pruned = set_of(|t| has(view & below, t) && !self.kept(keep, new_floor, t));
             let prunes_entry = (0..SHARDS).any(|t| has(pruned, t) && st.item.entry[t] != 0);
             if (new_floor, keep) != (st.item.floor, st.item.stragglers) || prunes_entry {
                 out.push(Prune { view, open: unfinished, floor: new_floor, keep });
@@ -737,7 +771,7 @@ impl ProtocolModel {
         }
         let item = st.item;
         // The floor part: refuses shards whose entries may be pruned.
-        let floor_ok = self.bugs.no_floor_check || admitted(item.floor, item.stragglers, s);
+        let floor_ok = self.bugs.no_floor_check || self.admits(item.floor, item.stragglers, s);
         // The ledger part: no record of the write is applied yet.
         let entry_ok = item.entry[s] < b.first;
         // A pruning write is compare-and-set on the (F, O) it was computed from: if they
@@ -762,7 +796,7 @@ impl ProtocolModel {
                 // Remove entries only of shards finished in the view, created before F', not
                 // kept as stragglers (never the writer's own entry).
                 for t in 0..SHARDS {
-                    if t != s && has(p.view, t) && !has(p.keep, t) && created(t) < p.floor {
+                    if t != s && has(p.view, t) && !self.kept(p.keep, p.floor, t) && self.created_at(t) < p.floor {
                         st.item.entry[t] = 0;
                     }
                 }

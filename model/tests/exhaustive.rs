@@ -73,3 +73,13 @@ fn floor_plan_from_creation_ordered_listing_is_sound() {
     let s = check_all(model.clone(), 2);
     report("listed-prefix", &model, &s);
 }
+
+/// Stragglers by creation time, with the split's children created in the same millisecond
+/// (the code since compact ledger entries): a finished child stays admitted while its open
+/// sibling is a straggler, so its entry must stay too.
+#[test]
+fn stragglers_by_creation_time_with_children_of_one_millisecond_are_exactly_once() {
+    let model = ProtocolModel { shapes: all_shapes(), crashes: 1, expiries: 1, symmetry: true, time_tokens: true, ..Default::default() };
+    let s = check_all(model.clone(), 2);
+    report("time-tokens", &model, &s);
+}

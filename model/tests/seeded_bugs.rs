@@ -115,3 +115,12 @@ fn j_floor_plan_from_a_listing_that_misses_a_lease_fences_an_open_shard() {
     let model = ProtocolModel { listing: Listing::ListedAnySubset, ..ProtocolModel::default() };
     expect_found("j", model, names::FENCED_ONLY_IF_FINISHED);
 }
+
+/// (l) Stragglers by creation time, but pruning by shard: C1 (finished) shares its creation
+/// time with the open straggler C2, so the item still admits C1 after its entry went, and a
+/// stalled former owner of C1 applies its batch again.
+#[test]
+fn l_pruning_by_shard_under_time_tokens_double_counts() {
+    let model = ProtocolModel { time_tokens: true, ..with(Bugs { prune_by_shard: true, ..Bugs::default() }) };
+    expect_found("l", model, names::NO_DOUBLE_APPLY);
+}
