@@ -307,6 +307,17 @@ pub fn open_value(stragglers: &[String]) -> String {
     s
 }
 
+/// [`open_value`] of `by_time`, followed by the whole ids of `by_id` (stragglers a set written
+/// before time tokens admitted by id, kept so).
+fn open_value_with_ids(by_time: &[String], by_id: &[String]) -> String {
+    let mut s = open_value(by_time);
+    for x in by_id {
+        s.push_str(crate::shard_id::suffix(x));
+        s.push(',');
+    }
+    s
+}
+
 /// A shard's token in a straggler set (without the commas): its creation time, or its whole
 /// id when that has none that packs.
 fn time_token(shard_id: &str) -> String {
@@ -411,20 +422,28 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     // (What `admits` decides, with the item's set read once: tokens hold no commas, so
     // `contains(set, ",t,")` is membership.)
     let seen_tokens: std::collections::HashSet<&str> = seen.open.as_deref().unwrap_or("").split(',').filter(|t| !t.is_empty()).collect();
-    let admitted = |x: &String| {
+    // A straggler the item admits by floor or by its time stays in by its time (every shard of
+    // that time is admitted already). One admitted only by its whole id (a set written before
+    // time tokens) stays in by its id: its time could re-admit a sibling of the same
+    // millisecond whose entry the earlier version pruned.
+    let (mut by_time, mut by_id): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
+    for x in &plan.stragglers {
         let created = suffix_created_ms(x).unwrap_or(0);
-        seen.floor.as_deref().is_none_or(|f| f <= floor_value(created).as_str())
-            || seen_tokens.contains(time_token(x).as_str())
-            || seen_tokens.contains(x.as_str())
-    };
-    let stragglers: Vec<String> = plan.stragglers.iter().filter(|x| admitted(x)).cloned().collect();
-    // The creation times the new set admits: entries of shards created then stay.
-    let kept: std::collections::HashSet<u64> = stragglers.iter().map(|x| suffix_created_ms(x).unwrap_or(0)).collect();
+        if seen.floor.as_deref().is_none_or(|f| f <= floor_value(created).as_str()) || seen_tokens.contains(time_token(x).as_str()) {
+            by_time.push(x.clone());
+        } else if seen_tokens.contains(x.as_str()) {
+            by_id.push(x.clone());
+        }
+    }
+    // The creation times the new set admits (entries of shards created then stay), and the
+    // shards it admits by id.
+    let kept: std::collections::HashSet<u64> = by_time.iter().map(|x| suffix_created_ms(x).unwrap_or(0)).collect();
     let entries: Vec<String> = seen
         .entries
         .iter()
         .filter(|e| e.as_str() != own)
         .filter(|e| entry_created_ms(e).is_some_and(|c| c < plan_floor && !kept.contains(&c)))
+        .filter(|e| entry_shard(e).is_none_or(|s| !by_id.contains(&s)))
         .take(MAX_PRUNE_PER_WRITE)
         .cloned()
         .collect();
@@ -436,7 +455,7 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
         seen_floor: seen.floor.clone(),
         seen_open: seen.open.clone(),
         floor: plan.floor.clone(),
-        open: open_value(&stragglers),
+        open: open_value_with_ids(&by_time, &by_id),
     })
 }
 
@@ -746,6 +765,27 @@ mod tests {
         assert_eq!(prune_for(&stale, &seen, &l.entry_name(&own)), None);
         let seen = Seen { entries: vec![l.entry_name(&id(880, 2)), l.entry_name(&own)], ..seen };
         assert_eq!(prune_for(&stale, &seen, &l.entry_name(&own)).unwrap().open, ",");
+    }
+
+    #[test]
+    fn a_straggler_set_of_the_previous_format_never_readmits_a_pruned_sibling() {
+        // Before time tokens: children x (finished, entry pruned) and y (open) of one split were
+        // created at 7; the item kept y by id and refuses x. The first pruning write now must
+        // not turn y into time 7's token, which would admit x again.
+        let l = Ledger::new("ns");
+        let (x, y, own, done) = (id(7, 0xa), id(7, 0xb), id(900, 1), id(20, 2));
+        let older = format!(",{},", crate::shard_id::suffix(&y));
+        assert!(!admits(Some(&floor_value(10)), Some(&older), &floor_value(7), &open_tokens(&x)));
+        let plan = FloorPlan::new(floor_value(800), vec![crate::shard_id::suffix(&y).to_string()]);
+        let seen = Seen {
+            entries: vec![l.entry_name(&done), l.entry_name(&y), l.entry_name(&own)],
+            floor: Some(floor_value(10)),
+            open: Some(older),
+        };
+        let p = prune_for(&plan, &seen, &l.entry_name(&own)).unwrap();
+        assert_eq!(p.entries, vec![l.entry_name(&done)], "y's entry stays");
+        assert!(admits(Some(&p.floor), Some(&p.open), &floor_value(7), &open_tokens(&y)), "y still admitted: {}", p.open);
+        assert!(!admits(Some(&p.floor), Some(&p.open), &floor_value(7), &open_tokens(&x)), "x stays refused: {}", p.open);
     }
 
     #[test]
