@@ -14,7 +14,7 @@ use ddb_aggregator::config::Config;
 use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::reconcile::memory::MemorySources;
 use ddb_aggregator::reconcile::ReconcileError;
-use ddb_aggregator::sink::dead_letter::{DeadLetters, MemoryDeadLetters};
+use ddb_aggregator::sink::dead_letter::{DeadLetters, Delivery, MemoryDeadLetters};
 use ddb_aggregator::sink::memory::MemoryAggregates;
 use ddb_aggregator::state::memory::MemoryLeases;
 use ddb_aggregator::state::{now_ms, simulate_clock, Checkpoint, LeaseStore};
@@ -115,6 +115,8 @@ pub struct Report {
     pub reconcile_failed: u64,
     pub deployment_b_values: u64,
     pub letters: u64,
+    /// Letters the queue refused whole and took in a cut form (scenario g).
+    pub letters_cut: u64,
     pub wall_s: f64,
     pub problems: Vec<String>,
 }
@@ -151,8 +153,15 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, h leases deleted {}",
-            self.children_started, self.shards_lost, self.reconcile_requests, self.repairs, self.deployment_b_values, self.most_entries, self.leases_deleted
+            "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, g letters refused and sent cut {}, h leases deleted {}",
+            self.children_started,
+            self.shards_lost,
+            self.reconcile_requests,
+            self.repairs,
+            self.deployment_b_values,
+            self.most_entries,
+            self.letters_cut,
+            self.leases_deleted
         )?;
         writeln!(
             f,
@@ -333,7 +342,11 @@ impl World {
             aggregates: Arc::new(MemoryAggregates::new()),
             leases_a: Arc::new(MemoryLeases::new()),
             leases_b: Arc::new(MemoryLeases::new()),
-            dlq: Arc::new(MemoryDeadLetters::default()),
+            dlq: {
+                let dlq = MemoryDeadLetters::default();
+                dlq.refuse_containing(SQS_REFUSES);
+                Arc::new(dlq)
+            },
             generation: 0,
             items: BTreeMap::new(),
             next_order: 0,
@@ -869,6 +882,7 @@ impl World {
         }
         let letters: std::collections::BTreeSet<String> = self.dlq.letters().into_iter().map(|l| l.sequence_number).collect();
         self.report.letters = letters.len() as u64;
+        self.report.letters_cut = self.dlq.sent().iter().filter(|s| s.form != Delivery::Full).count() as u64;
         for (seq, at) in &self.poison {
             let lossy = self.loss_window.is_some_and(|(from, to)| (from..to).contains(at));
             if !lossy && !letters.contains(&format!("{seq:021}")) {
@@ -912,10 +926,19 @@ fn source_item(key: &(u32, String, u64), o: &Order) -> serde_json::Map<String, V
         Some(c) => json!({"N": cents_text(c)}),
         None => json!({"S": "n/a"}),
     };
-    let item = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#{}#o{}", key.1, key.2)},
+    let mut item = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#{}#o{}", key.1, key.2)},
                       "status": {"S": o.status}, "total": total});
+    // Every fourth poison order holds what the simulated SQS refuses (scenario g): a U+FFFF,
+    // which the letter escapes, and a text the queue refuses for good, so the letter goes
+    // out with its images cut.
+    if o.cents.is_none() && key.2.is_multiple_of(4) {
+        item["note"] = json!({"S": format!("{SQS_REFUSES} \u{FFFF}")});
+    }
     item.as_object().cloned().unwrap_or_default()
 }
+
+/// A text the simulated queue refuses in any letter body.
+const SQS_REFUSES: &str = "sqs-refuses-this";
 
 /// Cents as a decimal text (`12345` -> `123.45`).
 fn cents_text(c: i64) -> String {
