@@ -206,7 +206,7 @@ source: {{ table: sim-source, start_position: latest, batch_size: 200 }}
 state: {{ table: {state}, lease_duration: {LEASE} }}
 aggregates: {{ table: sim-aggregates }}
 dead_letter: {{ queue_url: "http://127.0.0.1:1/sim-dlq", max_attempts: 1 }}
-reconcile: {{ interval: 0s }}
+reconcile: {{ interval: 0s, wait: 30m }}
 rules:
 {rules}"#
     );
