@@ -4,8 +4,12 @@
 /// The creation time embedded in a DynamoDB Streams shard id
 /// (`shardId-00000001796001337266-8e340a17`: epoch milliseconds), if it has one.
 pub fn created_ms(shard_id: &str) -> Option<u64> {
-    let rest = shard_id.strip_prefix("shardId-")?;
-    let digits = rest.split('-').next()?;
+    suffix_created_ms(shard_id.strip_prefix("shardId-")?)
+}
+
+/// [`created_ms`] of a shard id without its `shardId-` prefix (`<digits>-<hex>`).
+pub fn suffix_created_ms(suffix: &str) -> Option<u64> {
+    let digits = suffix.split('-').next()?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }

@@ -30,6 +30,7 @@
 
 use crate::decimal::{Decimal, DecimalError};
 use crate::rules::Contribution;
+use crate::shard_id::suffix_created_ms;
 
 /// Prefix of the entries earlier versions wrote, of every namespace (`_agg:<namespace>:<shard>`
 /// and `_agg:<shard>`), inside the reserved `_agg` space.
@@ -271,15 +272,6 @@ pub fn entry_created_ms(name: &str) -> Option<u64> {
         };
     }
     suffix_created_ms(name.strip_prefix(ENTRY_PREFIX)?.rsplit(':').next()?)
-}
-
-/// The creation time in a shard id without `shardId-` (`<digits>-<hex>`).
-fn suffix_created_ms(suffix: &str) -> Option<u64> {
-    let digits = suffix.split('-').next()?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
 }
 
 /// The padded sequence number of an older (string) entry: `<40 digits>` or `<40 digits>@<time>`.

@@ -191,6 +191,7 @@ impl AggregateStore for MemoryAggregates {
             )));
         }
         let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
+        let largest = s.largest_item;
         let item = s.items.entry(key).or_default();
         let text = |v: Option<&MemValue>| match v {
             Some(MemValue::Str(s)) => Some(s.clone()),
@@ -268,10 +269,11 @@ impl AggregateStore for MemoryAggregates {
             floor: text(updated.get(floor_attr)),
             open: text(updated.get(open_attr)),
         };
-        let all_entries = updated.keys().filter(|k| is_any_entry(k)).count();
-        if after > s.largest_item {
+        // Counted only for a new largest item (the simulation's report), not on every write.
+        let largest_entries = (after > largest).then(|| updated.keys().filter(|k| is_any_entry(k)).count());
+        if let Some(entries) = largest_entries {
             s.largest_item = after;
-            s.largest_item_entries = all_entries;
+            s.largest_item_entries = entries;
             s.largest_item_at = crate::state::now_ms();
         }
         // 1 WCU per started KB of the larger of the item before and after.
