@@ -16,6 +16,11 @@
 
 mod sim;
 
+/// The allocator the service runs with (src/main.rs): the simulation spends much of its time
+/// allocating, as the service does.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use sim::{run, Params};
 
 /// A short run for every `scripts/test`: 4 partitions, 6 simulated days (an outage included).
@@ -27,9 +32,9 @@ fn six_days_of_a_small_stream_stay_exact() {
     report.assert_sound();
 }
 
-/// The scale run: `SIM_BUDGET_SECONDS` of seeds, each a simulated stretch of a large stream
-/// (`SIM_PARTITIONS`, `SIM_DAYS`, cut short when the budget runs out); ignored unless asked
-/// for (scripts/simulate-scale).
+/// The scale run: `SIM_BUDGET_SECONDS` of seeds (at most `SIM_RUNS`), each a simulated
+/// stretch of a large stream (`SIM_PARTITIONS`, `SIM_DAYS`, cut short when the budget runs
+/// out); ignored unless asked for (scripts/simulate-scale).
 #[test]
 #[ignore]
 fn scale() {
@@ -38,11 +43,13 @@ fn scale() {
     let started = std::time::Instant::now();
     let mut seed = env("SIM_SEED", 1);
     let mut runs = 0;
-    while runs == 0 || started.elapsed() < budget {
+    let max_runs = env("SIM_RUNS", u64::MAX);
+    while runs == 0 || (started.elapsed() < budget && runs < max_runs) {
         let params = Params {
             seed,
             partitions: env("SIM_PARTITIONS", 200) as usize,
             days: env("SIM_DAYS", 365),
+            progress: true,
             // The first run gets the whole budget (it stops early, drains and checks).
             wall_budget: Some(budget.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1))),
             ..Params::default()

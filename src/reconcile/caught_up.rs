@@ -7,7 +7,7 @@
 //! tip (pages stop at 1 MB), and a shard DescribeStream lists without a lease has applied
 //! nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use super::ReconcileError;
 use crate::state::{Lease, LeaseStore};
@@ -40,7 +40,9 @@ pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms:
         })
         .collect();
     out.extend(awaited_children(listed, leases, now_ms));
-    let unlisted = leases.values().filter(|l| !caught_up(l, target_ms) && !listed.iter().any(|s| s.shard_id == l.shard_id));
+    // Sets, not scans: a stream of hundreds of partitions lists and leases thousands of shards.
+    let listed_ids: HashSet<&str> = listed.iter().map(|s| s.shard_id.as_str()).collect();
+    let unlisted = leases.values().filter(|l| !caught_up(l, target_ms) && !listed_ids.contains(l.shard_id.as_str()));
     for l in unlisted {
         let lost = crate::shard_id::created_ms(&l.shard_id).is_some_and(|c| now_ms.saturating_sub(c) > crate::worker::plan::RETENTION_MS);
         if !lost {
@@ -64,8 +66,9 @@ pub const CHILD_SETTLE_MS: u64 = 30 * 1000;
 /// created before the target that nobody applied, so reconcile waits (reported under the
 /// parent's id).
 fn awaited_children(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, now_ms: u64) -> Vec<Behind> {
-    let has_child =
-        |id: &str| listed.iter().any(|s| s.parent.as_deref() == Some(id)) || leases.values().any(|l| l.parent.as_deref() == Some(id));
+    let parents: HashSet<&str> =
+        listed.iter().filter_map(|s| s.parent.as_deref()).chain(leases.values().filter_map(|l| l.parent.as_deref())).collect();
+    let has_child = |id: &str| parents.contains(id);
     let ended_ago = |l: &Lease| l.at_tip_ms.map(|t| now_ms.saturating_sub(t));
     leases
         .values()

@@ -35,6 +35,9 @@ const CUSTOMERS_PER_PARTITION: u32 = 8;
 /// minutes (the most the config allows), so months of stream life cost minutes of CPU (each maintenance round lists the
 /// whole lease table and each renewal is a call); still short against a shard's 4 hours.
 const LEASE: &str = "600s";
+/// Orders older than this are deleted from the source table (their REMOVE records stream like
+/// any other): a year's reconciles and checks then read a table of bounded size.
+const ORDER_LIFETIME_MS: u64 = 30 * DAY;
 /// A pause lasts this long at least: longer than the lease, so it moves while the replica sleeps.
 const PAUSE_MIN_MS: u64 = 700_000;
 
@@ -54,6 +57,8 @@ pub struct Params {
     pub wall_budget: Option<std::time::Duration>,
     /// Simulated hours between deployment A's scheduled reconciles of everything.
     pub reconcile_every_hours: u64,
+    /// Print a line per simulated day (real time so far, lease table, source items).
+    pub progress: bool,
 }
 
 impl Default for Params {
@@ -68,6 +73,7 @@ impl Default for Params {
             idle_poll_secs: 900,
             wall_budget: None,
             reconcile_every_hours: 24,
+            progress: false,
         }
     }
 }
@@ -113,10 +119,14 @@ pub struct Report {
     pub reconcile_rounds: u64,
     pub reconcile_corrected: u64,
     pub reconcile_failed: u64,
+    /// Why the first round that gave up did.
+    pub reconcile_first_failure: Option<String>,
     pub deployment_b_values: u64,
     pub letters: u64,
     /// Letters the queue refused whole and took in a cut form (scenario g).
     pub letters_cut: u64,
+    /// Orders deleted for their age.
+    pub archived: u64,
     pub wall_s: f64,
     pub problems: Vec<String>,
 }
@@ -126,8 +136,8 @@ impl std::fmt::Display for Report {
         writeln!(f, "simulation seed {}: {} partitions, {} simulated days in {:.1} s", self.seed, self.partitions, self.days, self.wall_s)?;
         writeln!(
             f,
-            "  shards {} (splits {}), records {} ({} poison), dead letters {}",
-            self.shards, self.splits, self.records, self.poison, self.letters
+            "  shards {} (splits {}), records {} ({} poison, {} orders archived at 30 days), dead letters {}",
+            self.shards, self.splits, self.records, self.poison, self.archived, self.letters
         )?;
         writeln!(
             f,
@@ -168,6 +178,9 @@ impl std::fmt::Display for Report {
             "  reconcile: {} rounds among the faults ({} attributes corrected, {} rounds gave up)",
             self.reconcile_rounds, self.reconcile_corrected, self.reconcile_failed
         )?;
+        if let Some(why) = &self.reconcile_first_failure {
+            writeln!(f, "    the first that gave up: {}", why.chars().take(300).collect::<String>())?;
+        }
         if self.problems.is_empty() {
             write!(f, "  sound: every aggregate exact at every quiescent point")
         } else {
@@ -298,6 +311,10 @@ struct World {
     generation: u64,
     items: BTreeMap<(u32, String, u64), Order>,
     next_order: u64,
+    /// Orders in the order they were placed, with the time: the oldest are archived (deleted
+    /// from the source table, as a retention job or a TTL would), so the table stays the size
+    /// of [`ORDER_LIFETIME_MS`] of orders however long the run.
+    placed: std::collections::VecDeque<(u64, (u32, String, u64))>,
     leaves: Vec<Leaf>,
     events: Vec<(u64, Event)>,
     /// Poison records' sequence numbers, with their append time.
@@ -350,6 +367,7 @@ impl World {
             generation: 0,
             items: BTreeMap::new(),
             next_order: 0,
+            placed: std::collections::VecDeque::new(),
             leaves,
             events: Vec::new(),
             poison: Vec::new(),
@@ -412,8 +430,19 @@ impl World {
         // so a run cut short by its time budget still has one).
         let outage_at = (self.p.days >= 4).then(|| start + (self.p.days * DAY / 3).min(4 * DAY) + self.rng.u64(0..HOUR * 6));
         let wall = std::time::Instant::now();
+        let mut next_progress = start + DAY;
         while now_ms() < end && self.p.wall_budget.is_none_or(|b| wall.elapsed() < b) {
             let now = now_ms();
+            if self.p.progress && now >= next_progress {
+                next_progress += DAY;
+                eprintln!(
+                    "  day {}: {:.0} s, {} leases, {} source items",
+                    (now - start) / DAY,
+                    wall.elapsed().as_secs_f64(),
+                    self.leases_a.snapshot().len(),
+                    self.items.len()
+                );
+            }
             self.due_events(now);
             // `latest` starts a root shard at its tip: a replica that dies before its first
             // checkpoint there skips what came in between (as Lambda and the KCL do). The
@@ -586,7 +615,17 @@ impl World {
                     self.report.problems.push(format!("reconcile corrected {corrected} right values before any loss: {}", d.join("; ")));
                 }
             }
-            _ => self.report.reconcile_failed += 1,
+            other => {
+                self.report.reconcile_failed += 1;
+                if self.report.reconcile_first_failure.is_none() {
+                    let why = match other {
+                        Some(Ok(Err(e))) => e.to_string(),
+                        Some(Err(e)) => format!("the round's task: {e}"),
+                        _ => "unfinished".to_string(),
+                    };
+                    self.report.reconcile_first_failure = Some(format!("day {}: {why}", now_ms().saturating_sub(EPOCH_MS) / DAY));
+                }
+            }
         }
     }
 
@@ -655,6 +694,25 @@ impl World {
         for _ in 0..n {
             self.write_one();
         }
+        self.archive();
+    }
+
+    /// Deletes orders placed more than [`ORDER_LIFETIME_MS`] ago (poison orders are never
+    /// placed here: they never change), a bounded number a step.
+    fn archive(&mut self) {
+        let cutoff = now_ms().saturating_sub(ORDER_LIFETIME_MS);
+        for _ in 0..100 {
+            let Some((placed, _)) = self.placed.front() else { break };
+            if *placed >= cutoff {
+                break;
+            }
+            let Some((_, key)) = self.placed.pop_front() else { break };
+            let Some(old) = self.items.get(&key).cloned() else { continue };
+            self.emit("REMOVE", &key, Some(&old), None);
+            self.sources.delete(&[format!("CUST#c{}", key.0), format!("ORDER#{}#o{}", key.1, key.2)]);
+            self.items.remove(&key);
+            self.report.archived += 1;
+        }
     }
 
     /// One item change, as the source table would stream it.
@@ -692,6 +750,7 @@ impl World {
                 let key = (customer, day, self.next_order);
                 self.emit("INSERT", &key, None, Some(&order));
                 self.sources.put(source_item(&key, &order));
+                self.placed.push_back((now, key.clone()));
                 self.items.insert(key, order);
             }
             Some(key) => {
