@@ -83,6 +83,11 @@ impl SimStream {
         s.next_seq = s.next_seq.max(first.saturating_sub(1));
     }
 
+    /// The sequence number the next record gets.
+    pub fn next_sequence(&self) -> u64 {
+        lock(&self.state).next_seq + 1
+    }
+
     /// Appends a record (a stream record JSON; its SequenceNumber is set here). Returns the
     /// sequence number.
     pub fn append(&self, shard: &str, record: Value) -> u64 {

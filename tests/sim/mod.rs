@@ -132,6 +132,10 @@ pub struct Report {
     pub letters_cut: u64,
     /// Orders deleted for their age.
     pub archived: u64,
+    /// Streams followed after the table's stream was disabled and enabled again (scenario i),
+    /// and the changes made while it was off (never streamed).
+    pub streams_followed: u64,
+    pub unstreamed: u64,
     /// Records the table refused (scenario c), and their dead letters.
     pub refused: u64,
     pub refused_letters: u64,
@@ -171,7 +175,7 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, g letters refused and sent cut {}, h leases deleted {}, c records the table refused {} (dead-lettered {})",
+            "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, g letters refused and sent cut {}, h leases deleted {}, c records the table refused {} (dead-lettered {}), i streams followed {} ({} changes never streamed)",
             self.children_started,
             self.shards_lost,
             self.reconcile_requests,
@@ -181,7 +185,9 @@ impl std::fmt::Display for Report {
             self.letters_cut,
             self.leases_deleted,
             self.refused,
-            self.refused_letters
+            self.refused_letters,
+            self.streams_followed,
+            self.unstreamed
         )?;
         writeln!(
             f,
@@ -340,7 +346,14 @@ struct World {
     /// Orders moved to HELD: they never change again (each change would be refused too).
     held: std::collections::BTreeSet<(u32, String, u64)>,
     /// Records appended within this window may be lost to the outage.
-    loss_window: Option<(u64, u64)>,
+    loss_windows: Vec<(u64, u64)>,
+    /// The source table's stream is disabled (scenario i): changes are not streamed.
+    disabled: bool,
+    disabled_at: u64,
+    /// The stream's ARN (a new one each time it is enabled again).
+    stream_arn: String,
+    /// Lease tables of streams no longer followed (their figures still count).
+    retired_leases: Vec<Arc<MemoryLeases>>,
     /// The source table as reconcile reads it (the same items as `items`).
     sources: Arc<MemorySources>,
     /// A reconcile round of deployment A running among the replicas, and when the next starts.
@@ -400,7 +413,11 @@ impl World {
             poison: Vec::new(),
             refused: Vec::new(),
             held: std::collections::BTreeSet::new(),
-            loss_window: None,
+            loss_windows: Vec::new(),
+            disabled: false,
+            disabled_at: 0,
+            stream_arn: "arn:sim:stream/1".into(),
+            retired_leases: Vec::new(),
             sources: Arc::new(MemorySources::new(vec!["PK".into(), "SK".into()])),
             round: None,
             next_round: now + first_round,
@@ -422,7 +439,7 @@ impl World {
             format!("replica-{slot}-{}", self.generation),
             Arc::new(Health::default()),
         )
-        .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), "arn:sim".into());
+        .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), self.stream_arn.clone());
         // Idle shards are polled every few minutes: months of stream life in minutes of CPU.
         shared.polling = Polling { idle_min: Duration::from_secs(60), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
         let worker = Worker::new(shared);
@@ -458,6 +475,10 @@ impl World {
         // One outage longer than the retention, a third of the way in (by day 4 at the latest,
         // so a run cut short by its time budget still has one).
         let outage_at = (self.p.days >= 4).then(|| start + (self.p.days * DAY / 3).min(4 * DAY) + self.rng.u64(0..HOUR * 6));
+        // The table's stream disabled and enabled again, two thirds of the way in (by day 8
+        // at the latest), off for 20 to 90 minutes (scenario i).
+        let disable_at = (self.p.days >= 6).then(|| start + (self.p.days * DAY * 2 / 3).min(8 * DAY) + self.rng.u64(0..HOUR * 6));
+        let mut enable_at: Option<u64> = None;
         let wall = std::time::Instant::now();
         let mut next_progress = start + DAY;
         while now_ms() < end && self.p.wall_budget.is_none_or(|b| wall.elapsed() < b) {
@@ -489,6 +510,14 @@ impl World {
                 self.outage(now);
                 draining_since = None;
                 next_check = now + 28 * HOUR;
+            }
+            if disable_at.is_some_and(|t| now >= t) && !self.disabled && self.report.streams_followed == 0 {
+                self.disable_stream(now);
+                enable_at = Some(now + self.rng.u64(20 * 60_000..90 * 60_000));
+            }
+            if enable_at.is_some_and(|t| now >= t) {
+                enable_at = None;
+                self.enable_stream(now).await;
             }
             self.rollovers(now);
             self.reconcile_rounds(now);
@@ -584,6 +613,57 @@ impl World {
         }
     }
 
+    /// The source table's stream disabled: every shard closes (no children), and changes are
+    /// no longer streamed; the replicas read what is left.
+    fn disable_stream(&mut self, now: u64) {
+        self.disabled = true;
+        self.disabled_at = now;
+        for leaf in &self.leaves {
+            self.stream.reshard_at(&leaf.shard, 0, now);
+        }
+    }
+
+    /// Enabled again: a new stream with a new ARN and new shards. What each deployment's
+    /// stream watcher does (service.rs): the real decision sees a new stream; a reconcile of
+    /// everything is requested in the state table (before anything else); the worker stops and
+    /// starts again on the new stream, whose lease set starts empty.
+    async fn enable_stream(&mut self, now: u64) {
+        let stream = Arc::new(SimStream::new());
+        stream.quiet();
+        // Letters are matched by sequence number: the new stream's continue past the old one's.
+        stream.start_sequences_at(self.stream.next_sequence());
+        for leaf in &mut self.leaves {
+            leaf.shard = stream.add_shard_at(None, now);
+            leaf.rollover_at = now + self.rng.u64(HOUR..4 * HOUR);
+        }
+        self.report.shards += self.leaves.len() as u64;
+        let old_arn = std::mem::replace(&mut self.stream_arn, format!("arn:sim:stream/{}", self.report.streams_followed + 2));
+        match ddb_aggregator::service::stream_change(&old_arn, true, Some(&self.stream_arn)) {
+            ddb_aggregator::service::StreamChange::New(_) => {}
+            other => self.report.problems.push(format!("a re-enabled stream was not seen as new: {other:?}")),
+        }
+        let (a, b) = (Arc::new(MemoryLeases::new()), Arc::new(MemoryLeases::new()));
+        for leases in [&a, &b] {
+            if leases.request_reconcile(now).await.is_err() {
+                self.report.problems.push("cannot request the reconcile of a stream's gap".into());
+            }
+        }
+        self.retired_leases.push(std::mem::replace(&mut self.leases_a, a));
+        self.retired_leases.push(std::mem::replace(&mut self.leases_b, b));
+        self.stream = stream;
+        self.disabled = false;
+        self.report.streams_followed += 1;
+        // Changes made while the stream was off, and those the old stream held that nobody
+        // read before the replicas moved on, reach the aggregates only through reconcile.
+        self.loss_windows.push((self.disabled_at.saturating_sub(2 * HOUR), now + 2 * HOUR));
+        for slot in 0..=self.p.replicas {
+            if let Some(r) = self.replicas[slot].take() {
+                r.cancel.cancel();
+                self.events.push((now + 60_000 * (slot as u64 + 1), Event::Restart(slot)));
+            }
+        }
+    }
+
     /// Every replica of both deployments down for 26 hours: records are trimmed and closed
     /// shards leave the listing before anyone reads them.
     fn outage(&mut self, now: u64) {
@@ -598,7 +678,7 @@ impl World {
         for slot in 0..=self.p.replicas {
             self.events.push((back + slot as u64 * 60_000, Event::Restart(slot)));
         }
-        self.loss_window = Some((now.saturating_sub(25 * HOUR), back + HOUR));
+        self.loss_windows.push((now.saturating_sub(25 * HOUR), back + HOUR));
         // Shards unowned during the outage are the outage, not the lease protocol.
         self.leases_a.measure_unowned_from(back);
         self.leases_b.measure_unowned_from(back);
@@ -663,6 +743,9 @@ impl World {
     }
 
     fn rollovers(&mut self, now: u64) {
+        if self.disabled {
+            return;
+        }
         let max_leaves = self.p.partitions + self.p.partitions / 2 + 1;
         let mut i = 0;
         while i < self.leaves.len() {
@@ -831,6 +914,10 @@ impl World {
             ddb["NewImage"] = Value::Object(source_item(key, o));
         }
         let record: Value = json!({"eventName": event, "dynamodb": ddb});
+        if self.disabled {
+            self.report.unstreamed += 1;
+            return 0; // never streamed: only a reconcile brings it in
+        }
         self.report.records += 1;
         let shard = self.leaf_for(key.0).to_string();
         self.stream.append_at(&shard, record, now_ms())
@@ -996,13 +1083,13 @@ impl World {
         self.report.letters = letters.len() as u64;
         self.report.letters_cut = self.dlq.sent().iter().filter(|s| s.form != Delivery::Full).count() as u64;
         for (seq, at) in &self.poison {
-            let lossy = self.loss_window.is_some_and(|(from, to)| (from..to).contains(at));
+            let lossy = self.loss_windows.iter().any(|&(from, to)| (from..to).contains(at));
             if !lossy && !letters.contains(&format!("{seq:021}")) {
                 self.report.problems.push(format!("poison record {seq} has no dead letter"));
             }
         }
         for (seq, at) in &self.refused {
-            let lossy = self.loss_window.is_some_and(|(from, to)| (from..to).contains(at));
+            let lossy = self.loss_windows.iter().any(|&(from, to)| (from..to).contains(at));
             if letters.contains(&format!("{seq:021}")) {
                 self.report.refused_letters += 1;
             } else if !lossy {
@@ -1027,9 +1114,13 @@ impl World {
             self.report.hottest_writes = writes;
             self.report.hottest_wcu = wcu;
         }
-        self.report.lease_table_max = self.leases_a.largest_table();
-        self.report.leases_deleted = self.report.shards.saturating_sub(self.leases_a.snapshot().len() as u64);
-        self.report.longest_unowned_s = self.leases_a.longest_unowned_ms().max(self.leases_b.longest_unowned_ms()) / 1000;
+        let a_tables: Vec<&Arc<MemoryLeases>> =
+            std::iter::once(&self.leases_a).chain(self.retired_leases.iter().step_by(2)).collect();
+        let all_tables = std::iter::once(&self.leases_a).chain(std::iter::once(&self.leases_b)).chain(&self.retired_leases);
+        self.report.lease_table_max = a_tables.iter().map(|l| l.largest_table()).max().unwrap_or(0);
+        let left: usize = a_tables.iter().map(|l| l.snapshot().len()).sum();
+        self.report.leases_deleted = self.report.shards.saturating_sub(left as u64);
+        self.report.longest_unowned_s = all_tables.map(|l| l.longest_unowned_ms()).max().unwrap_or(0) / 1000;
         self.report.children_started = self.report.shards - self.p.partitions as u64;
     }
 }
