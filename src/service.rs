@@ -100,6 +100,7 @@ async fn watch_stream(
     let table = &config.source.table;
     loop {
         tokio::select! {
+            biased;
             _ = follow.cancelled() => return None,
             _ = tokio::time::sleep(every) => {}
         }

@@ -30,6 +30,7 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     let mut not_before = tokio::time::Instant::now();
     loop {
         tokio::select! {
+            biased; // deterministic: a simulation's seed replays exactly
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(check) => {}
         }
@@ -144,6 +145,7 @@ async fn renewing<S, L: crate::state::LeaseStore, A, T>(shared: &Shared<S, L, A>
     tick.tick().await;
     loop {
         tokio::select! {
+            biased;
             out = &mut work => return out,
             _ = tick.tick() => {
                 if !hold(shared, HOLD).await {

@@ -266,15 +266,19 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         let mut tick = tokio::time::interval(period.max(Duration::from_millis(100)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
+            // Biased (in this order), not random: a stop first, a finished reader before the
+            // round that may give its shard's children out, and the same order on every run,
+            // so a simulation's seed replays exactly.
             tokio::select! {
+                biased;
                 _ = cancel.cancelled() => break,
+                Some(done) = self.tasks.next(), if !self.tasks.is_empty() => self.reap(done),
                 _ = tick.tick() => {
                     self.shared.health.beat();
                     if let Err(e) = self.maintain().await {
                         warn!(error = %e, "lease maintenance failed; retrying next round");
                     }
                 }
-                Some(done) = self.tasks.next(), if !self.tasks.is_empty() => self.reap(done),
             }
         }
         self.drain().await;

@@ -60,6 +60,7 @@ pub const IDLE_MAX: Duration = Duration::from_millis(250);
 /// Sleeps unless cancelled; returns false when cancelled.
 async fn pause(d: Duration, stop: &CancellationToken) -> bool {
     tokio::select! {
+        biased; // the stop first, and the same choice on every run (a simulation replays)
         _ = stop.cancelled() => false,
         _ = tokio::time::sleep(d) => true,
     }
@@ -188,6 +189,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let batch_size = self.shared.config.source.batch_size as usize;
         let limit = u32::try_from(batch_size.saturating_sub(self.pending.len())).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
         let page = tokio::select! {
+            biased;
             _ = self.stop.cancelled() => return Flow::Exit(ShardExit::Stopped),
             p = self.shared.source.records(&it, limit) => p,
         };
