@@ -25,6 +25,8 @@ struct State {
     largest_item_entries: usize,
     /// When (epoch ms, the service's clock) the largest item was written.
     largest_item_at: u64,
+    /// The largest item as that write left it (a simulation explains its entries).
+    largest_item_copy: BTreeMap<String, MemValue>,
     /// Per item: writes applied and the capacity they consumed.
     usage: HashMap<Vec<String>, (u64, f64)>,
 }
@@ -149,6 +151,11 @@ impl MemoryAggregates {
         (s.largest_item, s.largest_item_entries, s.largest_item_at) = (0, 0, 0);
     }
 
+    /// The largest item as its largest write left it.
+    pub fn largest_item_copy(&self) -> BTreeMap<String, MemValue> {
+        self.lock().largest_item_copy.clone()
+    }
+
     /// The ledger entries the largest item held when it was that large, and when that was.
     pub fn largest_item_entries(&self) -> (usize, u64) {
         let s = self.lock();
@@ -271,6 +278,10 @@ impl AggregateStore for MemoryAggregates {
         };
         // Counted only for a new largest item (the simulation's report), not on every write.
         let largest_entries = (after > largest).then(|| updated.keys().filter(|k| is_any_entry(k)).count());
+        let copy = largest_entries.map(|_| updated.clone());
+        if let Some(copy) = copy {
+            s.largest_item_copy = copy;
+        }
         if let Some(entries) = largest_entries {
             s.largest_item = after;
             s.largest_item_entries = entries;

@@ -111,6 +111,9 @@ pub struct Report {
     /// entries stay until then (the rest of the run is measured apart).
     pub largest_item_first_hours: usize,
     pub most_entries: usize,
+    /// Why the largest item's entries were there when it was largest.
+    pub largest_item_why: String,
+    pub largest_item_first_why: String,
     pub hottest_writes: u64,
     pub hottest_wcu: f64,
     pub lease_table_max: usize,
@@ -194,6 +197,12 @@ impl std::fmt::Display for Report {
             "  reconcile: {} rounds among the faults ({} attributes corrected, {} rounds gave up)",
             self.reconcile_rounds, self.reconcile_corrected, self.reconcile_failed
         )?;
+        if !self.largest_item_why.is_empty() {
+            writeln!(f, "  the largest item's entries: {}", self.largest_item_why)?;
+        }
+        if !self.largest_item_first_why.is_empty() {
+            writeln!(f, "  in the first 8 hours: {}", self.largest_item_first_why)?;
+        }
         if let Some(why) = &self.reconcile_first_failure {
             writeln!(f, "    the first that gave up: {}", why.chars().take(300).collect::<String>())?;
         }
@@ -354,6 +363,8 @@ struct World {
     stream_arn: String,
     /// Lease tables of streams no longer followed (their figures still count).
     retired_leases: Vec<Arc<MemoryLeases>>,
+    /// The largest item size explained so far.
+    explained: usize,
     /// The source table as reconcile reads it (the same items as `items`).
     sources: Arc<MemorySources>,
     /// A reconcile round of deployment A running among the replicas, and when the next starts.
@@ -418,6 +429,7 @@ impl World {
             disabled_at: 0,
             stream_arn: "arn:sim:stream/1".into(),
             retired_leases: Vec::new(),
+            explained: 0,
             sources: Arc::new(MemorySources::new(vec!["PK".into(), "SK".into()])),
             round: None,
             next_round: now + first_round,
@@ -502,6 +514,8 @@ impl World {
             if now >= start + 8 * HOUR && self.report.largest_item_first_hours == 0 {
                 self.report.largest_item_first_hours = self.aggregates.largest_item().max(1);
                 self.aggregates.reset_largest();
+                self.report.largest_item_first_why = std::mem::take(&mut self.report.largest_item_why);
+                self.explained = 0;
             }
             if roots_done {
                 self.maybe_disturb(now);
@@ -521,6 +535,7 @@ impl World {
             }
             self.rollovers(now);
             self.reconcile_rounds(now);
+            self.explain_largest(now);
             if now >= next_retention {
                 self.retention(now);
                 next_retention = now + 10 * 60_000;
@@ -662,6 +677,62 @@ impl World {
                 self.events.push((now + 60_000 * (slot as u64 + 1), Event::Restart(slot)));
             }
         }
+    }
+
+    /// When the largest item grew: what its ledger entries (deployment A's) were, by the lease
+    /// table of the moment (within a simulated minute of the write).
+    fn explain_largest(&mut self, now: u64) {
+        use ddb_aggregator::sink::ledger::{entry_created_ms, entry_shard, is_any_entry, open_tokens, Ledger};
+        let size = self.aggregates.largest_item();
+        if size <= self.explained {
+            return;
+        }
+        self.explained = size;
+        let item = self.aggregates.largest_item_copy();
+        let ledger = Ledger::new(&config_a().ledger_namespace);
+        let text = |a: &str| match item.get(a) {
+            Some(MemValue::Str(t)) => Some(t.clone()),
+            _ => None,
+        };
+        let floor = text(&ledger.floor_attribute()).and_then(|f| f.parse::<u64>().ok());
+        let open = text(&ledger.open_attribute()).unwrap_or_default();
+        let snapshot = self.leases_a.snapshot();
+        let leases: std::collections::HashMap<String, bool> = snapshot.iter().map(|l| (l.shard_id.clone(), l.finished())).collect();
+        // Ages (minutes) of the unfinished shards, oldest first; and how many never started.
+        let mut ages: Vec<u64> = snapshot
+            .iter()
+            .filter(|l| !l.finished())
+            .filter_map(|l| ddb_aggregator::shard_id::created_ms(&l.shard_id))
+            .map(|c| now.saturating_sub(c) / 60_000)
+            .collect();
+        ages.sort_unstable_by(|a, b| b.cmp(a));
+        let unstarted = snapshot.iter().filter(|l| !l.finished() && l.checkpoint.is_none()).count();
+        let (mut unfinished, mut after_floor, mut by_time, mut prunable, mut others) = (0, 0, 0, 0, 0);
+        for name in item.keys() {
+            if !ledger.is_entry(name) {
+                others += usize::from(is_any_entry(name));
+                continue;
+            }
+            let shard = entry_shard(name).map(|s| format!("shardId-{s}")).unwrap_or_default();
+            let created = entry_created_ms(name).unwrap_or(0);
+            if !leases.get(&shard).copied().unwrap_or(true) {
+                unfinished += 1;
+            } else if floor.is_none_or(|f| created >= f) {
+                after_floor += 1;
+            } else if open_tokens(&shard).iter().any(|t| open.contains(t.as_str())) {
+                by_time += 1;
+            } else {
+                prunable += 1;
+            }
+        }
+        let open_leases = leases.values().filter(|f| !**f).count();
+        self.report.largest_item_why = format!(
+            "{unfinished} of unfinished shards, {after_floor} of finished shards created after its floor (a creation time {} min before), {by_time} finished but admitted by a straggler's creation time, {prunable} prunable not pruned yet, {others} of deployment B; {} stragglers in its set; {open_leases} unfinished leases then ({unstarted} without a checkpoint; ages in minutes: oldest {:?}, 101st oldest {:?})",
+            floor.map_or(0, |f| now.saturating_sub(f) / 60_000),
+            open.matches(',').count().saturating_sub(1),
+            ages.first(),
+            ages.get(100),
+        );
     }
 
     /// Every replica of both deployments down for 26 hours: records are trimmed and closed
@@ -1114,8 +1185,7 @@ impl World {
             self.report.hottest_writes = writes;
             self.report.hottest_wcu = wcu;
         }
-        let a_tables: Vec<&Arc<MemoryLeases>> =
-            std::iter::once(&self.leases_a).chain(self.retired_leases.iter().step_by(2)).collect();
+        let a_tables: Vec<&Arc<MemoryLeases>> = std::iter::once(&self.leases_a).chain(self.retired_leases.iter().step_by(2)).collect();
         let all_tables = std::iter::once(&self.leases_a).chain(std::iter::once(&self.leases_b)).chain(&self.retired_leases);
         self.report.lease_table_max = a_tables.iter().map(|l| l.largest_table()).max().unwrap_or(0);
         let left: usize = a_tables.iter().map(|l| l.snapshot().len()).sum();
