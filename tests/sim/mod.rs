@@ -826,7 +826,11 @@ impl World {
             }
             let leaf = self.leaves[i].clone();
             let split = self.leaves.len() < max_leaves && leaf.hi - leaf.lo > 2 && self.rng.f64() < 0.05;
-            let children = self.stream.reshard_at(&leaf.shard, if split { 2 } else { 1 }, now);
+            // Within the minute step, at a millisecond of its own (a split's two children share
+            // one, as they do in DynamoDB): shards rolled over in one step do not share a
+            // creation time, which the ledger's straggler set admits shards by.
+            let at = now.saturating_sub(self.rng.u64(0..60_000)).max(created(&leaf.shard) + 1);
+            let children = self.stream.reshard_at(&leaf.shard, if split { 2 } else { 1 }, at);
             self.report.shards += children.len() as u64;
             let next = |rng: &mut fastrand::Rng| now + rng.u64(7 * HOUR / 2..9 * HOUR / 2);
             if split {
@@ -1206,6 +1210,11 @@ type RoundResult = Result<ddb_aggregator::reconcile::Report, ReconcileError>;
 fn held_count(key: &[String], attribute: &str) -> bool {
     attribute.starts_with("orders_")
         && key.first().and_then(|pk| pk.strip_prefix("CUST#c")).and_then(|n| n.parse::<u32>().ok()).is_some_and(|c| c % 8 == REFUSING)
+}
+
+/// A shard's creation time (epoch ms), from its id.
+fn created(shard: &str) -> u64 {
+    ddb_aggregator::shard_id::created_ms(shard).unwrap_or(0)
 }
 
 fn split_round(
