@@ -5,7 +5,7 @@
 //! lease is finished, or its reader got an empty GetRecords page from a call made at or after
 //! `target_ms`, or it applied a record created at or after `target_ms`. A short page is not the
 //! tip (pages stop at 1 MB), and a shard DescribeStream lists without a lease has applied
-//! nothing.
+//! nothing. A shard created at or after `target_ms` (its id says when) has nothing to apply.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -31,8 +31,13 @@ pub fn caught_up(lease: &Lease, target_ms: u64) -> bool {
 /// listing can lag; an older one is lost, its records are gone, and the worker counts it).
 pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms: u64, now_ms: u64) -> Vec<Behind> {
     let owner = |l: &Lease| l.owner.clone().filter(|_| !l.available(now_ms));
+    // A shard created at or after the target holds no record created before it: with hundreds
+    // of partitions a child is created every minute or so, and waiting for each new one to be
+    // leased made reconcile give up.
+    let younger = |id: &str| crate::shard_id::created_ms(id).is_some_and(|c| c >= target_ms);
     let mut out: Vec<Behind> = listed
         .iter()
+        .filter(|s| !younger(&s.shard_id))
         .filter_map(|s| match leases.get(&s.shard_id) {
             None => Some(Behind { shard_id: s.shard_id.clone(), owner: None }),
             Some(l) if caught_up(l, target_ms) => None,
@@ -42,7 +47,8 @@ pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms:
     out.extend(awaited_children(listed, leases, now_ms));
     // Sets, not scans: a stream of hundreds of partitions lists and leases thousands of shards.
     let listed_ids: HashSet<&str> = listed.iter().map(|s| s.shard_id.as_str()).collect();
-    let unlisted = leases.values().filter(|l| !caught_up(l, target_ms) && !listed_ids.contains(l.shard_id.as_str()));
+    let unlisted =
+        leases.values().filter(|l| !caught_up(l, target_ms) && !younger(&l.shard_id) && !listed_ids.contains(l.shard_id.as_str()));
     for l in unlisted {
         let lost = crate::shard_id::created_ms(&l.shard_id).is_some_and(|c| now_ms.saturating_sub(c) > crate::worker::plan::RETENTION_MS);
         if !lost {
@@ -154,6 +160,18 @@ mod tests {
         );
         assert!(needs_a_consumer(&got));
         assert!(!needs_a_consumer(&got[1..2]), "a live owner is waited for");
+    }
+
+    #[test]
+    fn a_shard_created_after_the_target_is_not_waited_for() {
+        let now = 10 * DAY;
+        let target = now - 60_000;
+        let older = format!("shardId-{:020}-0000000a", target - 1);
+        let younger = format!("shardId-{:020}-0000000b", target);
+        let listed: Vec<ShardInfo> = [older.as_str(), younger.as_str()].map(shard).into();
+        let leases: BTreeMap<String, Lease> = [lease(&younger, |_| {})].into();
+        let got = behind(&listed, &leases, target, now);
+        assert_eq!(got, [Behind { shard_id: older, owner: None }], "a younger shard holds nothing created before the target");
     }
 
     #[test]
