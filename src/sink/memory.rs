@@ -277,15 +277,12 @@ impl AggregateStore for MemoryAggregates {
             open: text(updated.get(open_attr)),
         };
         // Counted only for a new largest item (the simulation's report), not on every write.
-        let largest_entries = (after > largest).then(|| updated.keys().filter(|k| is_any_entry(k)).count());
-        let copy = largest_entries.map(|_| updated.clone());
-        if let Some(copy) = copy {
-            s.largest_item_copy = copy;
-        }
-        if let Some(entries) = largest_entries {
+        let grew = (after > largest).then(|| (updated.keys().filter(|k| is_any_entry(k)).count(), updated.clone()));
+        if let Some((entries, copy)) = grew {
             s.largest_item = after;
             s.largest_item_entries = entries;
             s.largest_item_at = crate::state::now_ms();
+            s.largest_item_copy = copy;
         }
         // 1 WCU per started KB of the larger of the item before and after.
         let capacity = before.max(after).div_ceil(1024).max(1) as f64;
