@@ -358,6 +358,9 @@ fn reconcile(path: &Path, cli: ReconcileCli) -> anyhow::Result<()> {
         no_wait: cli.no_wait,
         attempts: cli.rounds,
         progress: true,
+        // Drifted targets are fenced by their correction; the service's requested repair
+        // fences the rest (a nightly --all CronJob would rewrite every quiet item).
+        fence_all: false,
     };
     // Bad input is refused before any request.
     ddb_aggregator::reconcile::check(&config, &opts).map_err(|e| bad(e.to_string()))?;

@@ -329,10 +329,10 @@ impl SourceItems for Harness {
 impl Consumer for Harness {
     /// The consumer catches up on every record created up to `after_ms` (and the world may
     /// move on meanwhile).
-    async fn applied_before(&self, after_ms: u64, _wait: Duration) -> Result<(), ReconcileError> {
+    async fn applied_before(&self, after_ms: u64, _wait: Duration) -> Result<Option<u64>, ReconcileError> {
         self.step().await?;
         self.batch(usize::MAX, None, after_ms).await;
-        Ok(())
+        Ok(None)
     }
 }
 

@@ -207,7 +207,7 @@ async fn replicas_take_over_killed_and_stopped_owners() {
 /// repaired by the reconcile of everything it requests, with the schedule off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled() {
-    use aws_sdk_dynamodb::types::{StreamSpecification, StreamViewType};
+    use aws_sdk_dynamodb::types::{AttributeValue, StreamSpecification, StreamViewType};
     let _serial = SERIAL.lock().await;
     let c = client().await;
     let dir = test_dir();
@@ -216,6 +216,17 @@ async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled(
     let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
     let svc = Service::start(&config, dir.path(), "svc", &[("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s")]);
     workload(&c, &table, 300, 20, 4, 11).await;
+    // A customer the rest of the test never touches: nothing but the repair writes its item
+    // after the switch.
+    c.put_item()
+        .table_name(&table)
+        .item("PK", AttributeValue::S("CUST#quiet".into()))
+        .item("SK", AttributeValue::S("ORDER#2026-11-02#q1".into()))
+        .item("status", AttributeValue::S("PAID".into()))
+        .item("total", AttributeValue::N("7".into()))
+        .send()
+        .await
+        .unwrap();
     wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
     let arn = |c: aws_sdk_dynamodb::Client, t: String| async move {
         c.describe_table().table_name(t).send().await.unwrap().table().and_then(|t| t.latest_stream_arn().map(str::to_string))
@@ -233,6 +244,25 @@ async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled(
     workload(&c, &table, 200, 20, 4, 13).await;
     wait_exact_or(&c, &table, Duration::from_secs(150), || svc.log_tail()).await;
     assert!(metric(&svc.metrics(), "ddb_aggregator_reconcile_runs_total") >= 1.0, "the gap was reconciled");
+    // The repair fenced every target against the old stream's shards, the quiet customer's
+    // too (it had no drift): a paused reader of the old stream that wakes now is refused.
+    let old_shards: Vec<String> = scan(&c, &format!("{table}-state"))
+        .await
+        .iter()
+        .filter(|l| l.get("stream_arn").and_then(|a| a.as_s().ok()) == old.as_ref())
+        .filter_map(|l| l.get("shard_id").and_then(|a| a.as_s().ok()).cloned())
+        .collect();
+    assert!(!old_shards.is_empty(), "the old stream's leases are in the state table");
+    let newest_old = old_shards.iter().filter_map(|id| ddb_aggregator::shard_id::created_ms(id)).max().expect("shard ids carry times");
+    for item in scan(&c, &table).await.iter().filter(|i| i.keys().any(|a| a.starts_with("_aggv"))) {
+        let floor = item.iter().find(|(a, _)| a.starts_with("_aggfloor:")).and_then(|(_, v)| v.as_s().ok());
+        assert!(
+            floor.is_some_and(|f| *f > ddb_aggregator::sink::ledger::floor_value(newest_old)),
+            "{:?} {:?}: floor {floor:?} still admits the old stream's shards (newest created {newest_old})",
+            item.get("PK"),
+            item.get("SK")
+        );
+    }
 }
 
 /// One sample of a gauge's series: label text (`shard="..."`) -> value.

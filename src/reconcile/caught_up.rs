@@ -58,6 +58,25 @@ pub fn behind(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms:
     out
 }
 
+/// The fence: the oldest creation time among the shards this deployment may still apply
+/// (listed without a finished lease, or leased and unfinished). Every shard created before it
+/// is finished, lost, or of a stream no longer followed (the table's stream was disabled and
+/// enabled again), so a target item's floor may rise to it: a reader still on the old stream
+/// (a paused process, a watcher that has not ticked yet) is then refused instead of applying a
+/// record a correction already counted. A child not listed yet was created after a listed
+/// shard (closed shards stay listed for 24 hours). None when no shard qualifies or an id
+/// carries no creation time.
+pub fn fence_ms(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>) -> Option<u64> {
+    let open_listed = listed.iter().filter(|s| leases.get(&s.shard_id).is_none_or(|l| !l.finished())).map(|s| s.shard_id.as_str());
+    let open_leased = leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str());
+    let mut fence: Option<u64> = None;
+    for id in open_listed.chain(open_leased) {
+        let created = crate::shard_id::created_ms(id)?;
+        fence = Some(fence.map_or(created, |f| f.min(created)));
+    }
+    fence
+}
+
 /// How long after a shard was read to its end its children may still be missing from
 /// DescribeStream (eventually consistent; seconds in practice). A closed shard always has a
 /// child unless the stream was disabled, so past this reconcile stops waiting for one.
@@ -88,13 +107,20 @@ fn awaited_children(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, now_
         .collect()
 }
 
-/// Reads the stream's listing and the lease table, and returns the shards still behind
-/// `target_ms` with the leases as read.
-pub async fn standing<S: StreamSource, L: LeaseStore>(
-    stream: &S,
-    leases: &L,
-    target_ms: u64,
-) -> Result<(Vec<Behind>, BTreeMap<String, Lease>), ReconcileError> {
+/// What one look at the stream's listing and the lease table shows.
+#[derive(Debug, Clone, Default)]
+pub struct Standing {
+    /// The shards still behind the target.
+    pub behind: Vec<Behind>,
+    /// The leases as read.
+    pub leases: BTreeMap<String, Lease>,
+    /// [`fence_ms`] of this look.
+    pub fence_ms: Option<u64>,
+}
+
+/// Reads the stream's listing and the lease table: the shards still behind `target_ms`, the
+/// leases as read, and the fence.
+pub async fn standing<S: StreamSource, L: LeaseStore>(stream: &S, leases: &L, target_ms: u64) -> Result<Standing, ReconcileError> {
     let listed = stream.shards().await.map_err(|e| ReconcileError::Aws(format!("listing the stream's shards: {e}")))?;
     let leases: BTreeMap<String, Lease> = leases
         .list()
@@ -103,7 +129,9 @@ pub async fn standing<S: StreamSource, L: LeaseStore>(
         .into_iter()
         .map(|l| (l.shard_id.clone(), l))
         .collect();
-    Ok((behind(&listed, &leases, target_ms, crate::state::now_ms()), leases))
+    let behind = behind(&listed, &leases, target_ms, crate::state::now_ms());
+    let fence_ms = fence_ms(&listed, &leases);
+    Ok(Standing { behind, leases, fence_ms })
 }
 
 /// Whether reconcile must read some shards itself: one is behind and nobody holds it.
@@ -172,6 +200,23 @@ mod tests {
         let leases: BTreeMap<String, Lease> = [lease(&younger, |_| {})].into();
         let got = behind(&listed, &leases, target, now);
         assert_eq!(got, [Behind { shard_id: older, owner: None }], "a younger shard holds nothing created before the target");
+    }
+
+    #[test]
+    fn the_fence_is_the_oldest_shard_that_may_still_write() {
+        let id = |t: u64, n: u32| format!("shardId-{t:020}-{n:08x}");
+        let finished = |l: &mut Lease| l.checkpoint = Some(Checkpoint::ShardEnd);
+        let (done, open, unleased, unlisted) = (id(100, 1), id(200, 2), id(300, 3), id(150, 4));
+        let listed: Vec<ShardInfo> = [done.as_str(), open.as_str(), unleased.as_str()].map(shard).into();
+        let mut leases: BTreeMap<String, Lease> = [lease(&done, finished), lease(&open, |_| {})].into();
+        assert_eq!(fence_ms(&listed, &leases), Some(200), "a finished shard no longer writes: the fence passes it");
+        leases.extend([lease(&unlisted, |_| {})]);
+        assert_eq!(fence_ms(&listed, &leases), Some(150), "an unfinished lease the listing misses still writes");
+        leases.clear();
+        assert_eq!(fence_ms(&listed, &leases), Some(100), "a listed shard nobody leased yet will be read");
+        assert_eq!(fence_ms(&[], &BTreeMap::new()), None, "nothing known: no fence");
+        let odd: Vec<ShardInfo> = vec![shard("shard-without-a-time")];
+        assert_eq!(fence_ms(&odd, &BTreeMap::new()), None, "an id without a creation time: no fence");
     }
 
     #[test]

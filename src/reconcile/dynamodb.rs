@@ -193,6 +193,7 @@ impl Reconciler {
         if let Some(AttributeValue::Ss(names)) = item.get(&self.ledger.measures_attribute()) {
             t.written = names.iter().cloned().collect();
         }
+        t.floor = item.get(&self.ledger.floor_attribute()).and_then(|v| v.as_s().ok()).cloned();
         let keys = &self.config.engine.key_names;
         for (k, v) in item.iter().filter(|(k, _)| !k.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) && !keys.contains(k)) {
             let stored = match v {
@@ -298,7 +299,7 @@ impl Reconciler {
     /// Waits until every shard has applied the records created before `after_ms` plus the
     /// margin ([`super::caught_up`]). Shards nobody owns are read by a consumer of our own, when
     /// allowed; a live owner is waited for up to `max` without progress.
-    async fn wait_for_consumer(&self, after_ms: u64, max: Duration) -> Result<(), ReconcileError> {
+    async fn wait_for_consumer(&self, after_ms: u64, max: Duration) -> Result<Option<u64>, ReconcileError> {
         let target = after_ms + u64::try_from(self.config.reconcile_margin.as_millis()).unwrap_or(u64::MAX / 4);
         let mut consumer: Option<(CancellationToken, tokio::task::JoinHandle<()>)> = None;
         let result = self.wait_for_evidence(target, max, &mut consumer).await;
@@ -315,14 +316,14 @@ impl Reconciler {
         target: u64,
         max: Duration,
         consumer: &mut Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
-    ) -> Result<(), ReconcileError> {
+    ) -> Result<Option<u64>, ReconcileError> {
         let started = Instant::now();
         let mut last_progress = started;
         let mut last_seen: Option<Vec<Lease>> = None;
         loop {
-            let (behind, leases) = caught_up::standing(&self.stream, &self.leases, target).await?;
+            let caught_up::Standing { behind, leases, fence_ms } = caught_up::standing(&self.stream, &self.leases, target).await?;
             if behind.is_empty() {
-                return Ok(());
+                return Ok(fence_ms);
             }
             if consumer.is_none() && self.own_consumer && caught_up::needs_a_consumer(&behind) {
                 info!(shards = behind.iter().filter(|b| b.owner.is_none()).count(), "no live owner for some shards; reading them");
@@ -492,16 +493,32 @@ impl TargetStore for Reconciler {
                 .expression_attribute_names(format!("#a{i}"), name)
                 .expression_attribute_values(format!(":a{i}"), AttributeValue::N(value.to_string()));
         }
+        if let Some(fence) = &c.fence {
+            // The straggler set empties: every straggler was created before the old floor.
+            sets.push("#f = :f, #o = :o".to_string());
+            req = req
+                .expression_attribute_names("#f", self.ledger.floor_attribute())
+                .expression_attribute_names("#o", self.ledger.open_attribute())
+                .expression_attribute_values(":f", AttributeValue::S(fence.clone()))
+                .expression_attribute_values(":o", AttributeValue::S(",".into()));
+        }
+        let mut adds = vec!["#v :one"];
         req = req
             .expression_attribute_names("#v", self.ledger.version_attribute())
-            .expression_attribute_names("#w", self.ledger.measures_attribute())
-            .expression_attribute_values(":one", AttributeValue::N("1".into()))
-            .expression_attribute_values(":w", AttributeValue::Ss(c.set.iter().map(|(n, _)| n.clone()).collect()));
+            .expression_attribute_values(":one", AttributeValue::N("1".into()));
+        if !c.set.is_empty() {
+            // A string set cannot be empty: a fence alone adds no measure names.
+            adds.push("#w :w");
+            req = req
+                .expression_attribute_names("#w", self.ledger.measures_attribute())
+                .expression_attribute_values(":w", AttributeValue::Ss(c.set.iter().map(|(n, _)| n.clone()).collect()));
+        }
         req = match &c.seen_version {
             Some(v) => req.condition_expression("#v = :seen").expression_attribute_values(":seen", AttributeValue::N(v.clone())),
             None => req.condition_expression("attribute_not_exists(#v)"),
         };
-        match req.update_expression(format!("SET {} ADD #v :one, #w :w", sets.join(", "))).send().await {
+        let set = if sets.is_empty() { String::new() } else { format!("SET {} ", sets.join(", ")) };
+        match req.update_expression(format!("{set}ADD {}", adds.join(", "))).send().await {
             Ok(_) => Ok(true),
             Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
             Err(e) => Err(ReconcileError::Aws(format!("correcting {:?}: {}", key.0, classify(&e)))),
@@ -556,7 +573,7 @@ impl SourceItems for Reconciler {
 }
 
 impl Consumer for Reconciler {
-    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<(), ReconcileError> {
+    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<Option<u64>, ReconcileError> {
         self.wait_for_consumer(after_ms, wait).await
     }
 }

@@ -37,6 +37,10 @@ impl MemoryTargets<'_> {
                 if let MemValue::Set(names) = v {
                     t.written = names;
                 }
+            } else if name == self.ledger.floor_attribute() {
+                if let MemValue::Str(f) = v {
+                    t.floor = Some(f);
+                }
             } else if !name.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) {
                 let stored = match v {
                     MemValue::Num(n) => Stored::Number(n),
@@ -69,7 +73,15 @@ impl TargetStore for MemoryTargets<'_> {
 
     async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
         let (version, measures) = (self.ledger.version_attribute(), self.ledger.measures_attribute());
-        Ok(self.store.correct_if(&key_of(key), &version, &measures, c.seen_version.as_deref(), &c.set))
+        let fence = c.fence.as_ref().map(|f| [(self.ledger.floor_attribute(), f.clone()), (self.ledger.open_attribute(), ",".to_string())]);
+        Ok(self.store.correct_if(
+            &key_of(key),
+            &version,
+            &measures,
+            c.seen_version.as_deref(),
+            &c.set,
+            fence.as_ref().map_or(&[][..], |f| &f[..]),
+        ))
     }
 }
 

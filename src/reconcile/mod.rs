@@ -78,6 +78,10 @@ pub struct Options {
     /// Rounds for a target whose ledger keeps changing.
     pub attempts: u32,
     pub progress: bool,
+    /// Fence every target compared, drifted or not (a requested repair: the stream may have
+    /// changed, and a reader of the old one may still write). Drifted targets are fenced by
+    /// their correction either way.
+    pub fence_all: bool,
 }
 
 impl Default for Options {
@@ -93,6 +97,7 @@ impl Default for Options {
             no_wait: false,
             attempts: 3,
             progress: false,
+            fence_all: false,
         }
     }
 }

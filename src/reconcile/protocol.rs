@@ -38,6 +38,8 @@ pub struct TargetItem {
     pub version: Option<String>,
     /// The measure attributes this deployment wrote on the item.
     pub written: BTreeSet<String>,
+    /// This deployment's ledger floor on the item (`_aggfloor:<namespace>`), if any.
+    pub floor: Option<String>,
 }
 
 /// A conditional write that sets attributes to the truth.
@@ -46,6 +48,9 @@ pub struct Correction {
     /// The item's write counter as read: the write applies only if it is unchanged.
     pub seen_version: Option<String>,
     pub set: Vec<(String, Decimal)>,
+    /// A floor value to raise the item's ledger floor to (its straggler set emptied): every
+    /// shard created before it no longer writes (see [`fence_for`]).
+    pub fence: Option<String>,
 }
 
 /// The aggregates table.
@@ -77,9 +82,10 @@ pub trait SourceItems: Sync {
 
 /// The stream consumer, as far as reconcile needs it.
 pub trait Consumer: Sync {
-    /// Returns once every record created before `after_ms` has been applied (or dead-lettered);
-    /// gives up after `wait` without progress.
-    fn applied_before(&self, after_ms: u64, wait: Duration) -> impl Future<Output = Result<(), ReconcileError>> + Send;
+    /// Returns once every record created before `after_ms` has been applied (or dead-lettered),
+    /// with the fence seen then: the oldest creation time among the shards that may still
+    /// write (`caught_up::fence_ms`; None: unknown). Gives up after `wait` without progress.
+    fn applied_before(&self, after_ms: u64, wait: Duration) -> impl Future<Output = Result<Option<u64>, ReconcileError>> + Send;
 }
 
 /// A partition and an optional sort-key prefix.
@@ -135,17 +141,30 @@ pub const MAX_SET_PER_CORRECTION: usize = 100;
 /// written by someone else: reported, never overwritten), at most
 /// [`MAX_SET_PER_CORRECTION`] attributes each. Each is conditioned on the counter the one
 /// before leaves (every correction advances it by one). Empty: nothing to write.
-pub fn corrections(drifts: &[Drift], item: &TargetItem) -> Vec<Correction> {
+/// The first one also raises the item's floor to `fence`, when given.
+pub fn corrections(drifts: &[Drift], item: &TargetItem, fence: Option<&str>) -> Vec<Correction> {
     let set: Vec<(String, Decimal)> =
         drifts.iter().filter(|d| !matches!(d.stored, Stored::Other(_))).map(|d| (d.attribute.clone(), d.truth)).collect();
     let mut seen = item.version.clone();
     let mut out = Vec::new();
-    for chunk in set.chunks(MAX_SET_PER_CORRECTION) {
-        out.push(Correction { seen_version: seen.clone(), set: chunk.to_vec() });
+    for (i, chunk) in set.chunks(MAX_SET_PER_CORRECTION).enumerate() {
+        let fence = fence.filter(|_| i == 0).map(str::to_string);
+        out.push(Correction { seen_version: seen.clone(), set: chunk.to_vec(), fence });
         let before = seen.as_deref().and_then(|v| Decimal::parse(v).ok()).unwrap_or(Decimal::ZERO);
         seen = before.checked_add(Decimal::from_i64(1)).ok().map(|v| v.to_string());
     }
     out
+}
+
+/// The floor value a correction of `item` raises its floor to, if it should: the fence (the
+/// oldest creation time among the shards that may still write) when it is above the item's
+/// floor. A target corrected to the truth must refuse a record the truth saw that a reader of
+/// a stream no longer followed (disabled and enabled again) has not applied yet: that reader
+/// may be a paused process that wakes after the correction. Shards of the stream followed are
+/// all created at or after the fence, so none is refused.
+pub fn fence_for(item: &TargetItem, fence_ms: Option<u64>) -> Option<String> {
+    let fence = crate::sink::ledger::floor_value(fence_ms?);
+    item.floor.as_ref().is_none_or(|f| *f < fence).then_some(fence)
 }
 
 /// What happened to one target in a round.
@@ -172,9 +191,7 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
         let truth = read_truth(sources, rule, pending.as_ref(), opts).await?;
         let truth_done_at = now_ms();
         report.poisons += truth.poisons.len() as u64;
-        if !opts.dry_run && !opts.no_wait {
-            consumer.applied_before(truth_done_at, opts.wait).await?;
-        }
+        let fence_ms = if !opts.dry_run && !opts.no_wait { consumer.applied_before(truth_done_at, opts.wait).await? } else { None };
         let mut keys: BTreeSet<TargetKey> = before.keys().cloned().collect();
         keys.extend(truth.values.keys().cloned());
         if let Some(p) = &pending {
@@ -187,7 +204,7 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
                 let seen = before.get(&key).cloned().unwrap_or_default();
                 let want = truth.values.get(&key).unwrap_or(&empty);
                 async move {
-                    let outcome = compare_and_correct(targets, rule, &key, &seen, want, opts).await;
+                    let outcome = compare_and_correct(targets, rule, &key, &seen, want, fence_ms, opts).await;
                     (key, outcome)
                 }
             })
@@ -282,6 +299,7 @@ async fn compare_and_correct<T: TargetStore>(
     key: &TargetKey,
     before: &TargetItem,
     want: &BTreeMap<String, Decimal>,
+    fence_ms: Option<u64>,
     opts: &Options,
 ) -> Result<Outcome, ReconcileError> {
     let now = targets.read(key).await?;
@@ -289,11 +307,20 @@ async fn compare_and_correct<T: TargetStore>(
         return Ok(Outcome::Changed);
     }
     let mut found = drifts(rule, key, want, &now);
+    let fence = fence_for(&now, fence_ms);
     if found.is_empty() {
+        // A repair (data was lost, or the stream changed) fences every target it compared,
+        // so a record of the old stream cannot land on a value the truth already holds.
+        if let Some(fence) = fence.filter(|_| opts.fence_all && now.exists && !opts.dry_run) {
+            let c = Correction { seen_version: now.version.clone(), set: Vec::new(), fence: Some(fence) };
+            if !targets.correct(key, &c).await? {
+                return Ok(Outcome::Changed);
+            }
+        }
         return Ok(Outcome::Done(found));
     }
     metrics::counter!(names::RECONCILE_DRIFT, "rule" => rule.name.to_string()).increment(found.len() as u64);
-    let writes = corrections(&found, &now);
+    let writes = corrections(&found, &now, fence.as_deref());
     if opts.dry_run || writes.is_empty() {
         return Ok(Outcome::Done(found));
     }
@@ -354,6 +381,7 @@ mod tests {
             .into(),
             version: Some("41".into()),
             written: ["orders_PAID".to_string()].into(),
+            floor: None,
         };
         let want: BTreeMap<String, Decimal> =
             [("orderCount", "3"), ("revenue", "12.5"), ("orders_SHIPPED", "1")].iter().map(|(a, v)| (a.to_string(), d(v))).collect();
@@ -362,11 +390,11 @@ mod tests {
         // orders_PAID: written by the service, no item feeds it any more: zero. orders_cap: a
         // user's. openOrders/openRevenue: absent and zero in truth, no drift.
         assert_eq!(shown, ["orders_PAID: 9 -> 0", "orders_SHIPPED: \"many\" -> 1", "revenue: 10 -> 12.5"]);
-        let c = corrections(&found, &item);
+        let c = corrections(&found, &item, None);
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].seen_version.as_deref(), Some("41"));
         assert_eq!(c[0].set, [("orders_PAID".to_string(), d("0")), ("revenue".to_string(), d("12.5"))], "never the string");
-        assert!(corrections(&found[1..2], &item).is_empty(), "only a string drifted: nothing to write");
+        assert!(corrections(&found[1..2], &item, None).is_empty(), "only a string drifted: nothing to write");
     }
 
     #[test]
@@ -382,11 +410,69 @@ mod tests {
         };
         let found: Vec<Drift> = (0..250).map(drift).collect();
         let fresh = TargetItem { exists: true, ..TargetItem::default() };
-        let c = corrections(&found, &fresh);
+        let c = corrections(&found, &fresh, None);
         let shape: Vec<(Option<&str>, usize)> = c.iter().map(|w| (w.seen_version.as_deref(), w.set.len())).collect();
         assert_eq!(shape, [(None, 100), (Some("1"), 100), (Some("2"), 50)], "each write expects the counter the one before left");
         let seen = TargetItem { version: Some("41".into()), ..fresh };
-        assert_eq!(corrections(&found, &seen)[2].seen_version.as_deref(), Some("43"));
+        assert_eq!(corrections(&found, &seen, None)[2].seen_version.as_deref(), Some("43"));
+    }
+
+    #[test]
+    fn a_correction_raises_the_floor_only_below_the_fence() {
+        let at = |floor: Option<u64>| TargetItem { floor: floor.map(crate::sink::ledger::floor_value), ..TargetItem::default() };
+        let fence = crate::sink::ledger::floor_value(500);
+        assert_eq!(fence_for(&at(None), Some(500)), Some(fence.clone()), "no floor yet: every shard admitted, the old stream's too");
+        assert_eq!(fence_for(&at(Some(499)), Some(500)), Some(fence));
+        assert_eq!(fence_for(&at(Some(500)), Some(500)), None, "already there");
+        assert_eq!(fence_for(&at(Some(900)), Some(500)), None, "never lowered: writers saw further");
+        assert_eq!(fence_for(&at(Some(1)), None), None, "no fence known");
+    }
+
+    /// After a stream change, a requested repair fences the targets it compares: a paused
+    /// reader of the old stream that wakes later is refused by the floor, not counted twice.
+    #[tokio::test]
+    async fn a_requested_repair_fences_every_target_against_older_shards() {
+        use crate::sink::ledger::{admits, floor_value, open_tokens, Ledger};
+        use crate::sink::memory::{MemValue, MemoryAggregates};
+        let rule = rules().into_iter().find(|r| r.name.as_ref() == "customer-orders").unwrap();
+        let sources = super::super::memory::MemorySources::new(vec!["PK".into(), "SK".into()]);
+        let store = MemoryAggregates::new();
+        let ledger = Ledger::new("t");
+        for c in ["c1", "c2"] {
+            let order = serde_json::json!({"PK": {"S": format!("CUST#{c}")}, "SK": {"S": "ORDER#2026-11-30#o1"}, "status": {"S": "PAID"}, "total": {"N": "5"}});
+            sources.put(order.as_object().unwrap().clone());
+            store.put(&[&format!("CUST#{c}"), "PROFILE"], &ledger.floor_attribute(), MemValue::Str(floor_value(100)));
+            store.put(&[&format!("CUST#{c}"), "PROFILE"], &ledger.open_attribute(), MemValue::Str(",1gg,".into()));
+        }
+        let targets = super::super::memory::MemoryTargets { store: &store, ledger: ledger.clone() };
+        // Both right (no fence known), then c2 drifts.
+        let all = Options { all: true, ..Options::default() };
+        reconcile_rule(&targets, &sources, &Quiet(None), &rule, None, &all, &mut Report::default()).await.unwrap();
+        store.put(&["CUST#c2", "PROFILE"], "orderCount", MemValue::Num(d("7")));
+        let (old, new) = ("shardId-00000000000000000400-0000000a", "shardId-00000000000000000500-0000000b");
+        for fence_all in [false, true] {
+            let opts = Options { all: true, fence_all, ..Options::default() };
+            reconcile_rule(&targets, &sources, &Quiet(Some(500)), &rule, None, &opts, &mut Report::default()).await.unwrap();
+            let fenced: Vec<(&str, bool, bool)> = ["c1", "c2"]
+                .iter()
+                .map(|c| {
+                    let item = store.item(&[&format!("CUST#{c}"), "PROFILE"]).unwrap();
+                    let text = |a: String| match item.get(&a) {
+                        Some(MemValue::Str(t)) => Some(t.clone()),
+                        _ => None,
+                    };
+                    let (floor, open) = (text(ledger.floor_attribute()), text(ledger.open_attribute()));
+                    let admitted = |id: &str| {
+                        admits(floor.as_deref(), open.as_deref(), &floor_value(crate::shard_id::created_ms(id).unwrap()), &open_tokens(id))
+                    };
+                    (*c, admitted(old), admitted(new))
+                })
+                .collect();
+            // c2 drifted (7, truth 1): its correction fences. c1 was right: fenced only by a repair.
+            let c1_fenced = fence_all;
+            assert_eq!(fenced, [("c1", !c1_fenced, true), ("c2", false, true)], "fence_all {fence_all}");
+        }
+        assert_eq!(store.item(&["CUST#c2", "PROFILE"]).unwrap()["orderCount"], MemValue::Num(d("1")));
     }
 
     /// The memory fakes, with one target whose corrections DynamoDB refuses.
@@ -410,11 +496,12 @@ mod tests {
         }
     }
 
-    struct Quiet;
+    /// A consumer that is always caught up, with this fence.
+    struct Quiet(Option<u64>);
 
     impl Consumer for Quiet {
-        async fn applied_before(&self, _after_ms: u64, _wait: Duration) -> Result<(), ReconcileError> {
-            Ok(())
+        async fn applied_before(&self, _after_ms: u64, _wait: Duration) -> Result<Option<u64>, ReconcileError> {
+            Ok(self.0)
         }
     }
 
@@ -435,7 +522,7 @@ mod tests {
         };
         let mut report = Report::default();
         let opts = Options { all: true, ..Options::default() };
-        reconcile_rule(&targets, &sources, &Quiet, &rule, None, &opts, &mut report).await.unwrap();
+        reconcile_rule(&targets, &sources, &Quiet(None), &rule, None, &opts, &mut report).await.unwrap();
         for c in ["c1", "c3"] {
             assert_eq!(store.item(&[&format!("CUST#{c}"), "PROFILE"]).unwrap()["orderCount"], MemValue::Num(d("1")), "{c} corrected");
         }

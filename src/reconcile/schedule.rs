@@ -58,7 +58,9 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         let run_started = std::time::Instant::now();
         let run = async {
             if all {
-                let r = reconciler.run(&Options { all: true, ..opts.clone() }).await?;
+                // A requested repair also fences the targets it finds right: the request may
+                // come from a stream change, with a reader of the old stream still writing.
+                let r = reconciler.run(&Options { all: true, fence_all: requested.is_some(), ..opts.clone() }).await?;
                 checked += r.targets_checked;
                 drifts += r.drifts.len();
                 corrected += r.drifts.iter().filter(|d| d.corrected).count();

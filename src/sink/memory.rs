@@ -102,7 +102,8 @@ impl MemoryAggregates {
     }
 
     /// Reconcile's correction: sets `set` and advances the counter `version_attribute`, if the
-    /// counter still is `seen` (None: absent); adds the names to `measures_attribute`.
+    /// counter still is `seen` (None: absent); adds the names to `measures_attribute`; sets
+    /// the string attributes `texts` (a fence: the ledger's floor and straggler set).
     pub fn correct_if(
         &self,
         key: &[String],
@@ -110,6 +111,7 @@ impl MemoryAggregates {
         measures_attribute: &str,
         seen: Option<&str>,
         set: &[(String, Decimal)],
+        texts: &[(String, String)],
     ) -> bool {
         let mut s = self.lock();
         let item = s.items.entry(key.to_vec()).or_default();
@@ -122,6 +124,9 @@ impl MemoryAggregates {
         }
         for (name, v) in set {
             item.insert(name.clone(), MemValue::Num(*v));
+        }
+        for (name, v) in texts {
+            item.insert(name.clone(), MemValue::Str(v.clone()));
         }
         let next = version.unwrap_or(Decimal::ZERO).checked_add(Decimal::from_i64(1)).unwrap_or(Decimal::ZERO);
         item.insert(version_attribute.to_string(), MemValue::Num(next));

@@ -52,13 +52,13 @@ pub struct SimConsumer {
 }
 
 impl Consumer for SimConsumer {
-    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<(), ReconcileError> {
+    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<Option<u64>, ReconcileError> {
         let target = after_ms + self.margin_ms;
         let started = now_ms();
         loop {
-            let (behind, _) = caught_up::standing(&*self.stream, &*self.leases, target).await?;
+            let caught_up::Standing { behind, fence_ms, .. } = caught_up::standing(&*self.stream, &*self.leases, target).await?;
             if behind.is_empty() {
-                return Ok(());
+                return Ok(fence_ms);
             }
             if now_ms().saturating_sub(started) > u64::try_from(wait.as_millis()).unwrap_or(u64::MAX) {
                 return Err(ReconcileError::NotCaughtUp(format!("{} shards behind, e.g. {:?}", behind.len(), behind.first())));
