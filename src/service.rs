@@ -42,6 +42,11 @@ pub async fn resolve_stream(client: &aws_sdk_dynamodb::Client, table: &str) -> R
     let t = desc.table().ok_or_else(|| ServiceError::Runtime(format!("DescribeTable {table} returned no table")))?;
     let spec = t.stream_specification();
     match spec {
+        // Disabled with a stream still readable (24 hours): read what is left of it; the
+        // watcher follows a new one when the stream is enabled again.
+        _ if spec.is_none_or(|s| !s.stream_enabled()) && t.latest_stream_arn().is_some() => {
+            warn!(table, "the source table's stream is disabled: reading what is left of it");
+        }
         Some(s) if s.stream_enabled() => match s.stream_view_type() {
             Some(StreamViewType::NewAndOldImages) => {}
             other => {
@@ -153,14 +158,18 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     });
     info!(metrics = %local, rules = config.engine.rules.len(), ledger_namespace = %config.ledger_namespace, "starting");
     let every = (config.state.lease_duration * 3).clamp(Duration::from_secs(10), Duration::from_secs(60));
+    let mut followed = false;
     loop {
         let follow = cancel.child_token();
         let watcher = tokio::spawn(watch_stream(ddb.clone(), config.clone(), stream_arn.clone(), every, follow.clone()));
-        let result = run_stream(&config, &sdk, &ddb, &stream_arn, health.clone(), follow.clone()).await;
+        let result = run_stream(&config, &sdk, &ddb, &stream_arn, followed, health.clone(), follow.clone()).await;
         follow.cancel();
         let next = watcher.await.ok().flatten();
         match next {
-            Some(arn) if !cancel.is_cancelled() && result.is_ok() => stream_arn = arn,
+            Some(arn) if !cancel.is_cancelled() && result.is_ok() => {
+                stream_arn = arn;
+                followed = true;
+            }
             _ => {
                 cancel.cancel();
                 return result;
@@ -169,12 +178,26 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     }
 }
 
-/// Reads one stream until `stop`: the worker and the reconcile schedule.
+/// Where the shards of a stream without known ancestry start (pure): `start_position`, except
+/// on a stream that follows one this deployment read before (the table's stream was disabled
+/// and enabled again): every record of it comes after the gap the requested reconcile
+/// repairs, so `latest` would skip what was written before each replica's first read.
+pub fn start_of(configured: crate::config::StartPosition, follows_another: bool) -> crate::config::StartPosition {
+    if follows_another {
+        crate::config::StartPosition::TrimHorizon
+    } else {
+        configured
+    }
+}
+
+/// Reads one stream until `stop`: the worker and the reconcile schedule. `followed`: the
+/// watcher moved to this stream from another.
 async fn run_stream(
     config: &Config,
     sdk: &aws_config::SdkConfig,
     ddb: &aws_sdk_dynamodb::Client,
     stream_arn: &str,
+    followed: bool,
     health: Arc<Health>,
     stop: CancellationToken,
 ) -> Result<(), ServiceError> {
@@ -183,6 +206,13 @@ async fn run_stream(
         crate::state::StateError::TableMissing(_) => ServiceError::Setup(e.to_string()),
         e => ServiceError::Runtime(e.to_string()),
     })?;
+    // A replica started after the switch learns it from the state table.
+    let follows = followed || leases.follows_another_stream().await.map_err(|e| ServiceError::Runtime(e.to_string()))?;
+    let mut config = config.clone();
+    if follows && config.source.start_position != crate::config::StartPosition::TrimHorizon {
+        info!(stream = %stream_arn, "this stream follows one read before (disabled and enabled again): its shards start at TRIM_HORIZON, not LATEST");
+    }
+    config.source.start_position = start_of(config.source.start_position, follows);
     let sink = Arc::new(DynamoDbAggregates::new(ddb.clone(), config.aggregates_table.clone()));
     let owner = replica_id();
     info!(owner = %owner, stream = %stream_arn, "reading stream");
@@ -232,6 +262,14 @@ async fn wait_for_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_followed_stream_starts_at_its_horizon() {
+        use crate::config::StartPosition::{Latest, TrimHorizon};
+        assert_eq!(start_of(Latest, false), Latest, "the first stream: as configured");
+        assert_eq!(start_of(Latest, true), TrimHorizon, "after the gap: every record of the new stream counts");
+        assert_eq!(start_of(TrimHorizon, true), TrimHorizon);
+    }
 
     #[test]
     fn a_new_stream_is_followed_a_disabled_one_read_to_its_end() {

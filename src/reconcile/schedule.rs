@@ -28,6 +28,9 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     // Runs that failed or left a requested repair unfinished, in a row: the next waits longer.
     let mut failures: u32 = 0;
     let mut not_before = tokio::time::Instant::now();
+    // When the full run of a requested repair started that left targets not quiet (written
+    // all through it): only those are retried, as targets, until every one was compared.
+    let mut partial: Option<u64> = None;
     loop {
         tokio::select! {
             biased; // deterministic: a simulation's seed replays exactly
@@ -50,17 +53,17 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
             continue;
         }
         let started_ms = now_ms();
-        let all = shared.config.reconcile_all || requested.is_some();
+        let all = covers_all(shared.config.reconcile_all, requested.is_some(), partial);
         let touched = std::mem::take(&mut *shared.touched.lock().unwrap_or_else(|e| e.into_inner()));
-        let opts = Options { wait: shared.config.reconcile_wait, ..Options::default() };
+        // A requested repair also fences the targets it finds right: the request may come
+        // from a stream change, with a reader of the old stream still writing.
+        let opts = Options { wait: shared.config.reconcile_wait, fence_all: requested.is_some(), ..Options::default() };
         let mut retry: Vec<(String, crate::rules::TargetKey)> = Vec::new();
         let (mut drifts, mut corrected, mut checked) = (0, 0, 0);
         let run_started = std::time::Instant::now();
         let run = async {
             if all {
-                // A requested repair also fences the targets it finds right: the request may
-                // come from a stream change, with a reader of the old stream still writing.
-                let r = reconciler.run(&Options { all: true, fence_all: requested.is_some(), ..opts.clone() }).await?;
+                let r = reconciler.run(&Options { all: true, ..opts.clone() }).await?;
                 checked += r.targets_checked;
                 drifts += r.drifts.len();
                 corrected += r.drifts.iter().filter(|d| d.corrected).count();
@@ -91,11 +94,15 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                 }
                 let seconds = run_started.elapsed().as_secs_f64();
                 info!(all, targets = checked, seconds, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done");
-                // Targets not quiet were not repaired: the request stays for the next run.
+                // Targets not quiet were not repaired: the request stays (a restart runs it
+                // whole again), and the next runs retry only them.
                 if requested.is_some() && retry.is_empty() {
-                    if let Err(e) = shared.leases.clear_reconcile_request(started_ms).await {
+                    if let Err(e) = shared.leases.clear_reconcile_request(partial.unwrap_or(started_ms)).await {
                         warn!(error = %e, "cannot clear the reconcile request; the next round runs it again");
                     }
+                    partial = None;
+                } else if requested.is_some() && all {
+                    partial = Some(started_ms);
                 }
             }
             Err(e) => {
@@ -116,6 +123,15 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         }
         let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
     }
+}
+
+/// Whether a scheduled run reconciles everything (pure): when so configured, or for a pending
+/// request to repair everything, unless that request's full run is done (`partial`: when it
+/// started) and left only targets that were written all through it, which the next runs
+/// retry alone. A hot target (today's global total) is never quiet while writes flow, and a
+/// full scan every few minutes until it cools down repaired nothing more.
+pub fn covers_all(reconcile_all: bool, requested: bool, partial: Option<u64>) -> bool {
+    reconcile_all || (requested && partial.is_none())
 }
 
 /// How long the schedule waits after `failures` unfinished runs in a row before the next: 0
@@ -161,6 +177,14 @@ async fn renewing<S, L: crate::state::LeaseStore, A, T>(shared: &Shared<S, L, A>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_requested_repair_scans_once_then_retries_only_what_was_not_quiet() {
+        assert!(!covers_all(false, false, None), "touched targets only");
+        assert!(covers_all(false, true, None), "a request: everything");
+        assert!(!covers_all(false, true, Some(5)), "its full run is done: only the targets not quiet then");
+        assert!(covers_all(true, false, Some(5)), "configured to reconcile everything");
+    }
 
     #[test]
     fn unfinished_runs_back_off_to_fifteen_minutes() {

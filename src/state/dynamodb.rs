@@ -24,6 +24,41 @@ impl DynamoDbLeases {
         DynamoDbLeases { client, table, stream_arn }
     }
 
+    /// Whether the state table holds a lease of another stream: this deployment read the
+    /// table's stream before it was disabled and enabled again, so the stream it reads now
+    /// follows that one (every record of it comes after the gap) and is read from its trim
+    /// horizon whatever `start_position` says. Stops at the first such lease.
+    pub async fn follows_another_stream(&self) -> Result<bool, StateError> {
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        for _ in 0..100_000 {
+            let resp = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .filter_expression("attribute_exists(stream_arn) AND stream_arn <> :arn")
+                .expression_attribute_values(":arn", s(&self.stream_arn))
+                .projection_expression("shard_id")
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await;
+            let resp = match resp {
+                Ok(r) => r,
+                Err(e) => {
+                    map_err(e, &self.table)?;
+                    return Err(StateError::Transient("scan condition failed".into()));
+                }
+            };
+            if !resp.items().is_empty() {
+                return Ok(true);
+            }
+            match resp.last_evaluated_key() {
+                Some(k) if !k.is_empty() => start = Some(k.clone()),
+                _ => return Ok(false),
+            }
+        }
+        Err(StateError::Fatal("state table scan did not finish".into()))
+    }
+
     /// The state-table item of the pending "reconcile everything" request. It has no
     /// `stream_arn`, so it is never listed as a lease; it outlives the stream (a re-enabled
     /// stream's gap is covered by the same request).

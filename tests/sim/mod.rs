@@ -127,8 +127,9 @@ pub struct Report {
     pub reconcile_rounds: u64,
     pub reconcile_corrected: u64,
     pub reconcile_failed: u64,
-    /// Why the first round that gave up did.
-    pub reconcile_first_failure: Option<String>,
+    /// Why rounds gave up: the first reason of each kind (its text before any shard id), with
+    /// the day and how many rounds gave up for it.
+    pub reconcile_failures: Vec<(String, u64)>,
     pub deployment_b_values: u64,
     pub letters: u64,
     /// Letters the queue refused whole and took in a cut form (scenario g).
@@ -139,6 +140,9 @@ pub struct Report {
     /// and the changes made while it was off (never streamed).
     pub streams_followed: u64,
     pub unstreamed: u64,
+    /// Shards of the old stream whose checkpoint moved after the new stream appeared: a
+    /// paused replica read them late (the fence keeps that from counting twice).
+    pub old_stream_read_late: u64,
     /// Records the table refused (scenario c), and their dead letters.
     pub refused: u64,
     pub refused_letters: u64,
@@ -178,7 +182,7 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, g letters refused and sent cut {}, h leases deleted {}, c records the table refused {} (dead-lettered {}), i streams followed {} ({} changes never streamed)",
+            "  scenarios: a children started {}, b shards lost {}, j reconcile requests {} (repaired {}), d second deployment values {}, e/f most entries {}, g letters refused and sent cut {}, h leases deleted {}, c records the table refused {} (dead-lettered {}), i streams followed {} ({} changes never streamed, {} old-stream shards read after the switch)",
             self.children_started,
             self.shards_lost,
             self.reconcile_requests,
@@ -190,7 +194,8 @@ impl std::fmt::Display for Report {
             self.refused,
             self.refused_letters,
             self.streams_followed,
-            self.unstreamed
+            self.unstreamed,
+            self.old_stream_read_late
         )?;
         writeln!(
             f,
@@ -203,8 +208,8 @@ impl std::fmt::Display for Report {
         if !self.largest_item_first_why.is_empty() {
             writeln!(f, "  in the first 8 hours: {}", self.largest_item_first_why)?;
         }
-        if let Some(why) = &self.reconcile_first_failure {
-            writeln!(f, "    the first that gave up: {}", why.chars().take(300).collect::<String>())?;
+        for (why, n) in &self.reconcile_failures {
+            writeln!(f, "    {n} gave up, the first: {}", why.chars().take(300).collect::<String>())?;
         }
         if self.problems.is_empty() {
             write!(f, "  sound: every aggregate exact at every quiescent point")
@@ -326,6 +331,8 @@ struct Replica {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Restart(usize),
+    /// The replica's stream watcher sees the new stream: it stops and starts again on it.
+    Switch(usize),
 }
 
 struct World {
@@ -374,11 +381,21 @@ struct World {
     explained: usize,
     /// The source table as reconcile reads it (the same items as `items`).
     sources: Arc<MemorySources>,
-    /// A reconcile round of deployment A running among the replicas, and when the next starts.
-    /// The scheduled round running, and whether data loss was flagged (a reconcile request
-    /// in the state table) before or after it: its corrections are repairs then.
-    round: Option<tokio::task::JoinHandle<(bool, Result<ddb_aggregator::reconcile::Report, ReconcileError>)>>,
+    /// Each deployment's reconcile round running among the replicas (A's scheduled or
+    /// requested, B's requested), with whether data loss was flagged (a reconcile request in
+    /// the state table) before or after it: its corrections are repairs then. When A's next
+    /// scheduled round starts.
+    rounds: [Option<tokio::task::JoinHandle<(bool, RoundResult)>>; 2],
+    /// Per deployment, a requested repair whose full run left targets not quiet: when it
+    /// started, and those targets (retried alone, as the service's schedule does).
+    partial: [Option<(u64, reconcile::Retry)>; 2],
     next_round: u64,
+    /// When each deployment may run a requested repair again (after one that gave up).
+    requested_not_before: [u64; 2],
+    /// When each deployment's running round started.
+    round_started: [u64; 2],
+    /// The old stream's checkpoints when the new stream appeared (scenario i).
+    old_stream_at_switch: BTreeMap<(usize, String), Option<ddb_aggregator::state::Checkpoint>>,
     report: Report,
 }
 
@@ -440,8 +457,12 @@ impl World {
             retired_leases: Vec::new(),
             explained: 0,
             sources: Arc::new(MemorySources::new(vec!["PK".into(), "SK".into()])),
-            round: None,
+            rounds: [None, None],
+            partial: [None, None],
             next_round: now + first_round,
+            requested_not_before: [0, 0],
+            round_started: [0, 0],
+            old_stream_at_switch: Default::default(),
             report,
         }
     }
@@ -450,7 +471,10 @@ impl World {
         self.generation += 1;
         let b = slot == self.p.replicas;
         let fate = Arc::new(Fate::default());
-        let config = if b { config_b() } else { config_a() };
+        let mut config = if b { config_b() } else { config_a() };
+        // What `run_stream` does on a stream that follows another (service.rs).
+        let follows = self.report.streams_followed > 0;
+        config.source.start_position = ddb_aggregator::service::start_of(config.source.start_position, follows);
         let leases = if b { self.leases_b.clone() } else { self.leases_a.clone() };
         let mut shared = Shared::new(
             config,
@@ -497,7 +521,8 @@ impl World {
         // so a run cut short by its time budget still has one).
         let outage_at = (self.p.days >= 4).then(|| start + (self.p.days * DAY / 3).min(4 * DAY) + self.rng.u64(0..HOUR * 6));
         // The table's stream disabled and enabled again, two thirds of the way in (by day 8
-        // at the latest), off for 20 to 90 minutes (scenario i).
+        // at the latest), off for 1 to 3 minutes (scenario i): the old stream still holds
+        // records nobody read when the new one appears.
         let disable_at = (self.p.days >= 6).then(|| start + (self.p.days * DAY * 2 / 3).min(8 * DAY) + self.rng.u64(0..HOUR * 6));
         let mut enable_at: Option<u64> = None;
         let wall = std::time::Instant::now();
@@ -536,11 +561,14 @@ impl World {
             }
             if disable_at.is_some_and(|t| now >= t) && !self.disabled && self.report.streams_followed == 0 {
                 self.disable_stream(now);
-                enable_at = Some(now + self.rng.u64(20 * 60_000..90 * 60_000));
+                enable_at = Some(now + self.rng.u64(60_000..3 * 60_000));
             }
             if enable_at.is_some_and(|t| now >= t) {
                 enable_at = None;
                 self.enable_stream(now).await;
+                // A check soon after (before the next scheduled reconcile could hide a record
+                // counted twice by a reader left on the old stream).
+                next_check = next_check.min(now + 2 * HOUR);
             }
             self.rollovers(now);
             self.reconcile_rounds(now);
@@ -601,8 +629,16 @@ impl World {
     fn due_events(&mut self, now: u64) {
         let (due, later): (Vec<_>, Vec<_>) = self.events.drain(..).partition(|(t, _)| *t <= now);
         self.events = later;
-        for (_, Event::Restart(slot)) in due {
-            self.start(slot);
+        for (_, event) in due {
+            match event {
+                Event::Restart(slot) => self.start(slot),
+                Event::Switch(slot) => {
+                    if let Some(r) = self.replicas[slot].take() {
+                        r.cancel.cancel();
+                        self.start(slot);
+                    }
+                }
+            }
         }
     }
 
@@ -645,6 +681,15 @@ impl World {
         for leaf in &self.leaves {
             self.stream.reshard_at(&leaf.shard, 0, now);
         }
+        // A replica of A paused from now until after the new stream appears (GC, SIGSTOP),
+        // longer than its lease: it wakes on the old stream, often after the requested
+        // repair, and while its watcher cannot see the new stream (below) it takes the old
+        // stream's expired leases again and applies what they still hold.
+        if let Some(r) = self.replicas[0].as_ref() {
+            let until = now + self.rng.u64(PAUSE_MIN_MS..2 * PAUSE_MIN_MS);
+            r.fate.paused_until.fetch_max(until, Ordering::Relaxed);
+            self.report.pauses += 1;
+        }
     }
 
     /// Enabled again: a new stream with a new ARN and new shards. What each deployment's
@@ -680,12 +725,23 @@ impl World {
         // Changes made while the stream was off, and those the old stream held that nobody
         // read before the replicas moved on, reach the aggregates only through reconcile.
         self.loss_windows.push((self.disabled_at.saturating_sub(2 * HOUR), now + 2 * HOUR));
+        // Each replica's watcher ticks on its own (every 10 to 60 s); a paused one only once
+        // it wakes, and until then it reads the old stream. Replica 0's DescribeTable calls
+        // fail for 5 to 15 minutes after it wakes.
         for slot in 0..=self.p.replicas {
-            if let Some(r) = self.replicas[slot].take() {
-                r.cancel.cancel();
-                self.events.push((now + 60_000 * (slot as u64 + 1), Event::Restart(slot)));
+            if let Some(r) = self.replicas[slot].as_ref() {
+                let awake = r.fate.paused_until.load(Ordering::Relaxed).max(now);
+                let blind = if slot == 0 { self.rng.u64(5 * 60_000..15 * 60_000) } else { 0 };
+                self.events.push((awake + blind + self.rng.u64(10_000..60_000), Event::Switch(slot)));
             }
         }
+        self.old_stream_at_switch = self.old_checkpoints();
+    }
+
+    /// Checkpoints of the streams no longer followed, by (lease table, shard).
+    fn old_checkpoints(&self) -> BTreeMap<(usize, String), Option<ddb_aggregator::state::Checkpoint>> {
+        let leases = self.retired_leases.iter().enumerate().flat_map(|(i, l)| l.snapshot().into_iter().map(move |l| (i, l)));
+        leases.map(|(i, l)| ((i, l.shard_id), l.checkpoint)).collect()
     }
 
     /// When the largest item grew: what its ledger entries (deployment A's) were, by the lease
@@ -754,7 +810,7 @@ impl World {
                 r.fate.dead.store(true, Ordering::Relaxed);
             }
         }
-        self.events.retain(|(_, e)| !matches!(e, Event::Restart(_)));
+        self.events.retain(|(_, e)| !matches!(e, Event::Restart(_) | Event::Switch(_)));
         for slot in 0..=self.p.replicas {
             self.events.push((back + slot as u64 * 60_000, Event::Restart(slot)));
         }
@@ -764,24 +820,66 @@ impl World {
         self.leases_b.measure_unowned_from(back);
     }
 
-    /// Deployment A's schedule: a reconcile of everything every `reconcile_every_hours`,
-    /// running among the replicas, their faults and the writes.
+    /// What the service's reconcile schedule does, running among the replicas, their faults
+    /// and the writes: A's reconcile of everything every `reconcile_every_hours`, and for each
+    /// deployment a requested repair within a minute of the request (it fences every target
+    /// it compares, and clears the request when every target was quiet). A repair that gave
+    /// up runs again 30 minutes later.
     fn reconcile_rounds(&mut self, now: u64) {
-        if let Some(done) = self.round.take_if(|r| r.is_finished()) {
-            let (flagged, done) = split_round(futures::FutureExt::now_or_never(done));
-            self.count_round(done, flagged);
-        }
-        if self.round.is_none() && now >= self.next_round {
-            self.next_round = now + self.p.reconcile_every_hours * HOUR;
-            let (aggregates, sources, stream, leases) =
-                (self.aggregates.clone(), self.sources.clone(), self.stream.clone(), self.leases_a.clone());
-            self.round = Some(tokio::spawn(async move {
-                let flagged_before = leases.reconcile_request().await.ok().flatten().is_some();
-                let r = reconcile::reconcile_all(&config_a(), &aggregates, &sources, &stream, &leases).await;
+        for d in 0..2 {
+            if let Some(done) = self.rounds[d].take_if(|r| r.is_finished()) {
+                let (flagged, done) = split_round(futures::FutureExt::now_or_never(done));
+                if !matches!(done, Some(Ok(Ok(_)))) {
+                    self.requested_not_before[d] = now + 30 * 60_000;
+                }
+                if let Some(Ok(Ok(r))) = &done {
+                    let mut left = reconcile::Retry::new();
+                    let unrepaired = r.not_quiet.iter().map(|(rule, k)| (rule, k)).chain(r.failed.iter().map(|(rule, k, _)| (rule, k)));
+                    for (rule, k) in unrepaired {
+                        left.entry(rule.clone()).or_default().insert(k.clone());
+                    }
+                    self.update_partial(d, flagged, left);
+                }
+                self.count_round(done, flagged);
+            }
+            let leases = if d == 0 { self.leases_a.clone() } else { self.leases_b.clone() };
+            let requested = futures::FutureExt::now_or_never(leases.reconcile_request()).and_then(|r| r.ok().flatten()).is_some();
+            let scheduled = d == 0 && now >= self.next_round;
+            if self.rounds[d].is_some() || !(scheduled || (requested && now >= self.requested_not_before[d])) {
+                continue;
+            }
+            if scheduled {
+                self.next_round = now + self.p.reconcile_every_hours * HOUR;
+            }
+            let (aggregates, sources, stream) = (self.aggregates.clone(), self.sources.clone(), self.stream.clone());
+            let config = if d == 0 { config_a() } else { config_b() };
+            // What the service's schedule does (`schedule::covers_all`).
+            let all = ddb_aggregator::reconcile::schedule::covers_all(scheduled, requested, self.partial[d].as_ref().map(|p| p.0));
+            let partial = if all { None } else { self.partial[d].clone() };
+            self.rounds[d] = Some(tokio::spawn(async move {
+                let started = now_ms();
+                let requested = leases.reconcile_request().await.ok().flatten().is_some();
+                let only = partial.as_ref().map(|p| &p.1);
+                let r = reconcile::reconcile_all(&config, &aggregates, &sources, &stream, &leases, requested, only).await;
+                if requested && r.as_ref().is_ok_and(|r| r.not_quiet.is_empty() && r.failed.is_empty()) {
+                    let _ = leases.clear_reconcile_request(partial.map_or(started, |p| p.0)).await;
+                }
                 let flagged_after = leases.reconcile_request().await.ok().flatten().is_some();
-                (flagged_before || flagged_after, r)
+                (requested || flagged_after, r)
             }));
+            self.round_started[d] = now;
         }
+    }
+
+    /// After a round with a request pending: nothing left, the repair is done; targets left
+    /// after a full run, only those are retried next; after a retry, what is still left.
+    fn update_partial(&mut self, d: usize, requested: bool, left: reconcile::Retry) {
+        if !requested || left.is_empty() {
+            self.partial[d] = None;
+            return;
+        }
+        let started = self.partial[d].as_ref().map_or(self.round_started[d], |p| p.0);
+        self.partial[d] = Some((started, left));
     }
 
     /// `loss_flagged`: the service had asked for a reconcile of everything (an iterator lost
@@ -811,13 +909,19 @@ impl World {
             }
             other => {
                 self.report.reconcile_failed += 1;
-                if self.report.reconcile_first_failure.is_none() {
-                    let why = match other {
-                        Some(Ok(Err(e))) => e.to_string(),
-                        Some(Err(e)) => format!("the round's task: {e}"),
-                        _ => "unfinished".to_string(),
-                    };
-                    self.report.reconcile_first_failure = Some(format!("day {}: {why}", now_ms().saturating_sub(EPOCH_MS) / DAY));
+                let why = match other {
+                    Some(Ok(Err(e))) => e.to_string(),
+                    Some(Err(e)) => format!("the round's task: {e}"),
+                    _ => "unfinished".to_string(),
+                };
+                let kind = |w: &str| {
+                    w.split("shardId-").next().unwrap_or_default().chars().filter(|c| !c.is_ascii_digit()).take(60).collect::<String>()
+                };
+                let day = now_ms().saturating_sub(EPOCH_MS) / DAY;
+                let failures = &mut self.report.reconcile_failures;
+                match failures.iter_mut().find(|(w, _)| kind(w.split_once(": ").map_or("", |x| x.1)) == kind(&why)) {
+                    Some((_, n)) => *n += 1,
+                    None => failures.push((format!("day {day}: {why}"), 1)),
                 }
             }
         }
@@ -1067,6 +1171,8 @@ impl World {
     /// it (the real reconcile needs DynamoDB) and sets the truth.
     async fn check(&mut self) {
         self.report.checks += 1;
+        let late = self.old_checkpoints().into_iter().filter(|(k, c)| self.old_stream_at_switch.get(k) != Some(c)).count();
+        self.report.old_stream_read_late = self.report.old_stream_read_late.max(late as u64);
         let truth = self.truth();
         let stored = self.aggregates.numbers();
         let requested = self.leases_a.reconcile_request().await.ok().flatten().is_some();
@@ -1094,7 +1200,7 @@ impl World {
                 if !wanted {
                     continue;
                 }
-                let r = reconcile::reconcile_all(&config, &self.aggregates, &self.sources, &self.stream, &leases).await;
+                let r = reconcile::reconcile_all(&config, &self.aggregates, &self.sources, &self.stream, &leases, true, None).await;
                 if r.as_ref().is_ok_and(|r| r.not_quiet.is_empty()) {
                     let _ = leases.clear_reconcile_request(u64::MAX).await;
                 }
@@ -1157,7 +1263,7 @@ impl World {
     }
 
     async fn finish(&mut self) {
-        if let Some(round) = self.round.take() {
+        for round in self.rounds.iter_mut().filter_map(Option::take).collect::<Vec<_>>() {
             let (flagged, done) = split_round(tokio::time::timeout(Duration::from_secs(12 * 3600), round).await.ok());
             self.count_round(done, flagged);
         }

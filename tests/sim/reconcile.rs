@@ -70,13 +70,21 @@ impl Consumer for SimConsumer {
     }
 }
 
-/// Reconciles every target of every rule of `config` once (the schedule's `--all`).
+/// The targets a requested repair's full run found not quiet, by rule: the schedule retries
+/// only those next (`schedule::covers_all`).
+pub type Retry = BTreeMap<String, std::collections::BTreeSet<TargetKey>>;
+
+/// Reconciles every target of every rule of `config` once (the schedule's `--all`), or only
+/// the targets of `only`; `fence_all`: a requested repair, which fences every target it
+/// compares.
 pub async fn reconcile_all(
     config: &Config,
     aggregates: &Arc<MemoryAggregates>,
     sources: &MemorySources,
     stream: &Arc<SimStream>,
     leases: &Arc<MemoryLeases>,
+    fence_all: bool,
+    only: Option<&Retry>,
 ) -> Result<Report, ReconcileError> {
     let targets = SimTargets { store: aggregates.clone(), namespace: config.ledger_namespace.clone() };
     let consumer = SimConsumer {
@@ -85,10 +93,17 @@ pub async fn reconcile_all(
         margin_ms: u64::try_from(config.reconcile_margin.as_millis()).unwrap_or(2_000),
     };
     // Simulated time: a long wait costs nothing, and a stalled consumer is found by the oracle.
-    let opts = Options { wait: Duration::from_secs(6 * 3600), attempts: 3, ..Options::default() };
+    let opts = Options { wait: Duration::from_secs(6 * 3600), attempts: 3, fence_all, ..Options::default() };
     let mut report = Report::default();
     for rule in &config.engine.rules {
-        protocol::reconcile_rule(&targets, sources, &consumer, rule, None, &opts, &mut report).await?;
+        let keys = match only {
+            None => None,
+            Some(only) => match only.get(rule.name.as_ref()) {
+                Some(keys) => Some(keys.clone()),
+                None => continue,
+            },
+        };
+        protocol::reconcile_rule(&targets, sources, &consumer, rule, keys, &opts, &mut report).await?;
     }
     Ok(report)
 }
