@@ -265,6 +265,37 @@ async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled(
     }
 }
 
+/// The same switch while no replica runs: the first replica to start on the new stream finds
+/// the old stream's leases in the state table, so it reads the new one from TRIM_HORIZON and
+/// requests the repair of the gap itself (no watcher saw the switch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_switched_while_the_service_was_down_is_repaired_when_it_starts() {
+    use aws_sdk_dynamodb::types::{StreamSpecification, StreamViewType};
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("downswitch");
+    create_source_table(&c, &table).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    let off = ("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s");
+    let mut svc = Service::start(&config, dir.path(), "before", &[off]);
+    workload(&c, &table, 200, 10, 4, 21).await;
+    wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
+    svc.kill();
+    let spec = |on: bool| {
+        let b = StreamSpecification::builder().stream_enabled(on);
+        (if on { b.stream_view_type(StreamViewType::NewAndOldImages) } else { b }).build().unwrap()
+    };
+    c.update_table().table_name(&table).stream_specification(spec(false)).send().await.unwrap();
+    workload(&c, &table, 60, 10, 2, 22).await; // never streamed
+    c.update_table().table_name(&table).stream_specification(spec(true)).send().await.unwrap();
+    workload(&c, &table, 60, 10, 2, 23).await; // on the new stream before anyone reads it
+                                               // `latest` would skip what the new stream holds: a followed stream starts at its horizon.
+    let svc = Service::start(&config, dir.path(), "after", &[off, ("DDB_AGGREGATOR__SOURCE__START_POSITION", "latest")]);
+    wait_exact_or(&c, &table, Duration::from_secs(150), || svc.log_tail()).await;
+    assert!(metric(&svc.metrics(), "ddb_aggregator_reconcile_runs_total") >= 1.0, "the gap was reconciled");
+}
+
 /// One sample of a gauge's series: label text (`shard="..."`) -> value.
 fn series(text: &str, name: &str) -> std::collections::BTreeMap<String, f64> {
     text.lines()

@@ -299,6 +299,14 @@ impl Reconciler {
     /// Waits until every shard has applied the records created before `after_ms` plus the
     /// margin ([`super::caught_up`]). Shards nobody owns are read by a consumer of our own, when
     /// allowed; a live owner is waited for up to `max` without progress.
+    /// Whether the stream this reconciler waits on is the source table's stream now (a
+    /// DescribeTable; true when it cannot tell, as the watcher keeps its stream then).
+    pub async fn reads_the_current_stream(&self) -> bool {
+        let desc = self.ddb.describe_table().table_name(&self.config.source.table).send().await;
+        let latest = desc.ok().and_then(|d| d.table().and_then(|t| t.latest_stream_arn().map(str::to_string)));
+        latest.is_none_or(|l| l == self.stream_arn)
+    }
+
     async fn wait_for_consumer(&self, after_ms: u64, max: Duration) -> Result<Option<u64>, ReconcileError> {
         let target = after_ms + u64::try_from(self.config.reconcile_margin.as_millis()).unwrap_or(u64::MAX / 4);
         let mut consumer: Option<(CancellationToken, tokio::task::JoinHandle<()>)> = None;

@@ -308,10 +308,17 @@ async fn compare_and_correct<T: TargetStore>(
     }
     let mut found = drifts(rule, key, want, &now);
     let fence = fence_for(&now, fence_ms);
-    if found.is_empty() {
+    if !found.is_empty() {
+        metrics::counter!(names::RECONCILE_DRIFT, "rule" => rule.name.to_string()).increment(found.len() as u64);
+    }
+    let writes = corrections(&found, &now, fence.as_deref());
+    if writes.is_empty() {
         // A repair (data was lost, or the stream changed) fences every target it compared,
-        // so a record of the old stream cannot land on a value the truth already holds.
-        if let Some(fence) = fence.filter(|_| opts.fence_all && now.exists && !opts.dry_run) {
+        // so a record of the old stream cannot land on a value the truth already holds. Only
+        // items this deployment wrote (its counter is there): the condition on it also keeps
+        // the write from recreating an item deleted meanwhile.
+        let fence_only = fence.filter(|_| opts.fence_all && now.version.is_some() && !opts.dry_run);
+        if let Some(fence) = fence_only {
             let c = Correction { seen_version: now.version.clone(), set: Vec::new(), fence: Some(fence) };
             if !targets.correct(key, &c).await? {
                 return Ok(Outcome::Changed);
@@ -319,9 +326,7 @@ async fn compare_and_correct<T: TargetStore>(
         }
         return Ok(Outcome::Done(found));
     }
-    metrics::counter!(names::RECONCILE_DRIFT, "rule" => rule.name.to_string()).increment(found.len() as u64);
-    let writes = corrections(&found, &now, fence.as_deref());
-    if opts.dry_run || writes.is_empty() {
+    if opts.dry_run {
         return Ok(Outcome::Done(found));
     }
     for write in &writes {
@@ -473,6 +478,22 @@ mod tests {
             assert_eq!(fenced, [("c1", !c1_fenced, true), ("c2", false, true)], "fence_all {fence_all}");
         }
         assert_eq!(store.item(&["CUST#c2", "PROFILE"]).unwrap()["orderCount"], MemValue::Num(d("1")));
+        // Only a string drifted (nothing to correct): a repair still fences the item, if this
+        // deployment wrote it; an item it never wrote gets nothing (no counter, no floor).
+        let order =
+            serde_json::json!({"PK": {"S": "CUST#c3"}, "SK": {"S": "ORDER#2026-11-30#o1"}, "status": {"S": "PAID"}, "total": {"N": "5"}});
+        sources.put(order.as_object().unwrap().clone());
+        for (c, wrote) in [("c3", true), ("c4", false)] {
+            store.put(&[&format!("CUST#{c}"), "PROFILE"], "orderCount", MemValue::Str("many".into()));
+            if wrote {
+                store.put(&[&format!("CUST#{c}"), "PROFILE"], &ledger.version_attribute(), MemValue::Num(d("4")));
+            }
+        }
+        let opts = Options { all: true, fence_all: true, ..Options::default() };
+        reconcile_rule(&targets, &sources, &Quiet(Some(500)), &rule, None, &opts, &mut Report::default()).await.unwrap();
+        let floor = |c: &str| store.item(&[&format!("CUST#{c}"), "PROFILE"]).unwrap().get(&ledger.floor_attribute()).cloned();
+        assert_eq!(floor("c3"), Some(MemValue::Str(floor_value(500))), "fenced though only a string drifted");
+        assert_eq!(floor("c4"), None, "never written by this deployment: left alone");
     }
 
     /// The memory fakes, with one target whose corrections DynamoDB refuses.

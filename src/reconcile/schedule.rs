@@ -30,7 +30,7 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     let mut not_before = tokio::time::Instant::now();
     // When the full run of a requested repair started that left targets not quiet (written
     // all through it): only those are retried, as targets, until every one was compared.
-    let mut partial: Option<u64> = None;
+    let mut partial: Option<Partial> = None;
     loop {
         tokio::select! {
             biased; // deterministic: a simulation's seed replays exactly
@@ -53,7 +53,13 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
             continue;
         }
         let started_ms = now_ms();
-        let all = covers_all(shared.config.reconcile_all, requested.is_some(), partial);
+        let all = covers_all(shared.config.reconcile_all, requested.is_some(), partial.as_ref());
+        // A replica whose watcher has not seen a new stream yet reads the old one: a repair
+        // from its view waits for the wrong shards, so it leaves the request to the others.
+        if requested.is_some() && !reconciler.reads_the_current_stream().await {
+            let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
+            continue;
+        }
         let touched = std::mem::take(&mut *shared.touched.lock().unwrap_or_else(|e| e.into_inner()));
         // A requested repair also fences the targets it finds right: the request may come
         // from a stream change, with a reader of the old stream still writing.
@@ -97,12 +103,12 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                 // Targets not quiet were not repaired: the request stays (a restart runs it
                 // whole again), and the next runs retry only them.
                 if requested.is_some() && retry.is_empty() {
-                    if let Err(e) = shared.leases.clear_reconcile_request(partial.unwrap_or(started_ms)).await {
+                    if let Err(e) = shared.leases.clear_reconcile_request(partial.map_or(started_ms, |p| p.started_ms)).await {
                         warn!(error = %e, "cannot clear the reconcile request; the next round runs it again");
                     }
                     partial = None;
-                } else if requested.is_some() && all {
-                    partial = Some(started_ms);
+                } else if requested.is_some() {
+                    partial = next_partial(partial, all, started_ms);
                 }
             }
             Err(e) => {
@@ -130,8 +136,32 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
 /// started) and left only targets that were written all through it, which the next runs
 /// retry alone. A hot target (today's global total) is never quiet while writes flow, and a
 /// full scan every few minutes until it cools down repaired nothing more.
-pub fn covers_all(reconcile_all: bool, requested: bool, partial: Option<u64>) -> bool {
+pub fn covers_all(reconcile_all: bool, requested: bool, partial: Option<&Partial>) -> bool {
     reconcile_all || (requested && partial.is_none())
+}
+
+/// A requested repair whose full run left targets not quiet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partial {
+    /// When its full run started (the request is cleared as of then).
+    pub started_ms: u64,
+    /// Targeted retries since.
+    pub retries: u32,
+}
+
+/// Targeted retries of one requested repair before the next full run: a request made after
+/// the full run started (more data lost) needs a full run of its own, and a target that never
+/// quiets down (or cannot be written) must not hold it back for ever.
+pub const MAX_TARGETED_RETRIES: u32 = 5;
+
+/// The repair's state after an unfinished run (pure): a full run starts the retries; each
+/// targeted one counts, and past [`MAX_TARGETED_RETRIES`] the next run is full again.
+pub fn next_partial(partial: Option<Partial>, was_full: bool, started_ms: u64) -> Option<Partial> {
+    match partial {
+        _ if was_full => Some(Partial { started_ms, retries: 0 }),
+        Some(p) if p.retries + 1 < MAX_TARGETED_RETRIES => Some(Partial { retries: p.retries + 1, ..p }),
+        _ => None,
+    }
 }
 
 /// How long the schedule waits after `failures` unfinished runs in a row before the next: 0
@@ -182,8 +212,17 @@ mod tests {
     fn a_requested_repair_scans_once_then_retries_only_what_was_not_quiet() {
         assert!(!covers_all(false, false, None), "touched targets only");
         assert!(covers_all(false, true, None), "a request: everything");
-        assert!(!covers_all(false, true, Some(5)), "its full run is done: only the targets not quiet then");
-        assert!(covers_all(true, false, Some(5)), "configured to reconcile everything");
+        let p = Partial { started_ms: 5, retries: 0 };
+        assert!(!covers_all(false, true, Some(&p)), "its full run is done: only the targets not quiet then");
+        assert!(covers_all(true, false, Some(&p)), "configured to reconcile everything");
+        let mut state = next_partial(None, true, 5);
+        assert_eq!(state, Some(p), "a full run starts the retries");
+        let mut retries = 0;
+        while state.is_some() {
+            state = next_partial(state, false, 99);
+            retries += 1;
+        }
+        assert_eq!(retries, MAX_TARGETED_RETRIES, "then a full run again: a later request is not held back for ever");
     }
 
     #[test]

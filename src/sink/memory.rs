@@ -114,14 +114,14 @@ impl MemoryAggregates {
         texts: &[(String, String)],
     ) -> bool {
         let mut s = self.lock();
-        let item = s.items.entry(key.to_vec()).or_default();
-        let version = match item.get(version_attribute) {
+        let version = match s.items.get(key).and_then(|i| i.get(version_attribute)) {
             Some(MemValue::Num(n)) => Some(*n),
             _ => None,
         };
         if version.map(|v| v.to_string()).as_deref() != seen {
             return false;
         }
+        let item = s.items.entry(key.to_vec()).or_default();
         for (name, v) in set {
             item.insert(name.clone(), MemValue::Num(*v));
         }

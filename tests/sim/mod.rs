@@ -388,12 +388,14 @@ struct World {
     rounds: [Option<tokio::task::JoinHandle<(bool, RoundResult)>>; 2],
     /// Per deployment, a requested repair whose full run left targets not quiet: when it
     /// started, and those targets (retried alone, as the service's schedule does).
-    partial: [Option<(u64, reconcile::Retry)>; 2],
+    partial: [Option<(ddb_aggregator::reconcile::schedule::Partial, reconcile::Retry)>; 2],
     next_round: u64,
     /// When each deployment may run a requested repair again (after one that gave up).
     requested_not_before: [u64; 2],
     /// When each deployment's running round started.
     round_started: [u64; 2],
+    /// Whether each deployment's running round covers everything.
+    round_full: [bool; 2],
     /// The old stream's checkpoints when the new stream appeared (scenario i).
     old_stream_at_switch: BTreeMap<(usize, String), Option<ddb_aggregator::state::Checkpoint>>,
     report: Report,
@@ -462,6 +464,7 @@ impl World {
             next_round: now + first_round,
             requested_not_before: [0, 0],
             round_started: [0, 0],
+            round_full: [false, false],
             old_stream_at_switch: Default::default(),
             report,
         }
@@ -838,7 +841,7 @@ impl World {
                     for (rule, k) in unrepaired {
                         left.entry(rule.clone()).or_default().insert(k.clone());
                     }
-                    self.update_partial(d, flagged, left);
+                    self.update_partial(d, flagged, self.round_full[d], left);
                 }
                 self.count_round(done, flagged);
             }
@@ -854,7 +857,7 @@ impl World {
             let (aggregates, sources, stream) = (self.aggregates.clone(), self.sources.clone(), self.stream.clone());
             let config = if d == 0 { config_a() } else { config_b() };
             // What the service's schedule does (`schedule::covers_all`).
-            let all = ddb_aggregator::reconcile::schedule::covers_all(scheduled, requested, self.partial[d].as_ref().map(|p| p.0));
+            let all = ddb_aggregator::reconcile::schedule::covers_all(scheduled, requested, self.partial[d].as_ref().map(|p| &p.0));
             let partial = if all { None } else { self.partial[d].clone() };
             self.rounds[d] = Some(tokio::spawn(async move {
                 let started = now_ms();
@@ -862,24 +865,26 @@ impl World {
                 let only = partial.as_ref().map(|p| &p.1);
                 let r = reconcile::reconcile_all(&config, &aggregates, &sources, &stream, &leases, requested, only).await;
                 if requested && r.as_ref().is_ok_and(|r| r.not_quiet.is_empty() && r.failed.is_empty()) {
-                    let _ = leases.clear_reconcile_request(partial.map_or(started, |p| p.0)).await;
+                    let _ = leases.clear_reconcile_request(partial.map_or(started, |p| p.0.started_ms)).await;
                 }
                 let flagged_after = leases.reconcile_request().await.ok().flatten().is_some();
                 (requested || flagged_after, r)
             }));
             self.round_started[d] = now;
+            self.round_full[d] = all;
         }
     }
 
     /// After a round with a request pending: nothing left, the repair is done; targets left
     /// after a full run, only those are retried next; after a retry, what is still left.
-    fn update_partial(&mut self, d: usize, requested: bool, left: reconcile::Retry) {
+    fn update_partial(&mut self, d: usize, requested: bool, was_full: bool, left: reconcile::Retry) {
         if !requested || left.is_empty() {
             self.partial[d] = None;
             return;
         }
-        let started = self.partial[d].as_ref().map_or(self.round_started[d], |p| p.0);
-        self.partial[d] = Some((started, left));
+        let state = self.partial[d].as_ref().map(|p| p.0);
+        let next = ddb_aggregator::reconcile::schedule::next_partial(state, was_full, self.round_started[d]);
+        self.partial[d] = next.map(|p| (p, left));
     }
 
     /// `loss_flagged`: the service had asked for a reconcile of everything (an iterator lost
