@@ -202,12 +202,19 @@ async fn replicas_take_over_killed_and_stopped_owners() {
     println!("{writes} writes with 3 replicas, one killed, one stopped: aggregates exact");
 }
 
+/// The source table's stream on (NEW_AND_OLD_IMAGES) or off.
+fn stream_spec(on: bool) -> aws_sdk_dynamodb::types::StreamSpecification {
+    use aws_sdk_dynamodb::types::{StreamSpecification, StreamViewType};
+    let b = StreamSpecification::builder().stream_enabled(on);
+    (if on { b.stream_view_type(StreamViewType::NewAndOldImages) } else { b }).build().unwrap()
+}
+
 /// Scenario i of issue 11: a stream that is disabled and enabled again gets a new ARN. The
 /// service follows it, and the changes made while no stream was on (never streamed) are
 /// repaired by the reconcile of everything it requests, with the schedule off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled() {
-    use aws_sdk_dynamodb::types::{AttributeValue, StreamSpecification, StreamViewType};
+    use aws_sdk_dynamodb::types::AttributeValue;
     let _serial = SERIAL.lock().await;
     let c = client().await;
     let dir = test_dir();
@@ -232,13 +239,9 @@ async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled(
         c.describe_table().table_name(t).send().await.unwrap().table().and_then(|t| t.latest_stream_arn().map(str::to_string))
     };
     let old = arn(c.clone(), table.clone()).await;
-    let spec = |on: bool| {
-        let b = StreamSpecification::builder().stream_enabled(on);
-        (if on { b.stream_view_type(StreamViewType::NewAndOldImages) } else { b }).build().unwrap()
-    };
-    c.update_table().table_name(&table).stream_specification(spec(false)).send().await.unwrap();
+    c.update_table().table_name(&table).stream_specification(stream_spec(false)).send().await.unwrap();
     workload(&c, &table, 100, 20, 2, 12).await; // never streamed
-    c.update_table().table_name(&table).stream_specification(spec(true)).send().await.unwrap();
+    c.update_table().table_name(&table).stream_specification(stream_spec(true)).send().await.unwrap();
     let new = arn(c.clone(), table.clone()).await;
     assert_ne!(old, new, "re-enabling gives a new stream ARN");
     workload(&c, &table, 200, 20, 4, 13).await;
@@ -270,7 +273,6 @@ async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled(
 /// requests the repair of the gap itself (no watcher saw the switch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_switched_while_the_service_was_down_is_repaired_when_it_starts() {
-    use aws_sdk_dynamodb::types::{StreamSpecification, StreamViewType};
     let _serial = SERIAL.lock().await;
     let c = client().await;
     let dir = test_dir();
@@ -282,13 +284,9 @@ async fn a_stream_switched_while_the_service_was_down_is_repaired_when_it_starts
     workload(&c, &table, 200, 10, 4, 21).await;
     wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
     svc.kill();
-    let spec = |on: bool| {
-        let b = StreamSpecification::builder().stream_enabled(on);
-        (if on { b.stream_view_type(StreamViewType::NewAndOldImages) } else { b }).build().unwrap()
-    };
-    c.update_table().table_name(&table).stream_specification(spec(false)).send().await.unwrap();
+    c.update_table().table_name(&table).stream_specification(stream_spec(false)).send().await.unwrap();
     workload(&c, &table, 60, 10, 2, 22).await; // never streamed
-    c.update_table().table_name(&table).stream_specification(spec(true)).send().await.unwrap();
+    c.update_table().table_name(&table).stream_specification(stream_spec(true)).send().await.unwrap();
     workload(&c, &table, 60, 10, 2, 23).await; // on the new stream before anyone reads it
                                                // `latest` would skip what the new stream holds: a followed stream starts at its horizon.
     let svc = Service::start(&config, dir.path(), "after", &[off, ("DDB_AGGREGATOR__SOURCE__START_POSITION", "latest")]);

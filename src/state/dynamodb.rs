@@ -29,15 +29,33 @@ impl DynamoDbLeases {
     /// follows that one (every record of it comes after the gap) and is read from its trim
     /// horizon whatever `start_position` says. Stops at the first such lease.
     pub async fn follows_another_stream(&self) -> Result<bool, StateError> {
+        let mut found = false;
+        self.scan_pages("attribute_exists(stream_arn) AND stream_arn <> :arn", Some("shard_id"), |items| {
+            found = !items.is_empty();
+            Ok(found)
+        })
+        .await?;
+        Ok(found)
+    }
+
+    /// A consistent scan of the state table with `filter` (`:arn` is this stream's ARN), page
+    /// by page into `page`, until it returns true (stop) or the table ends.
+    async fn scan_pages(
+        &self,
+        filter: &str,
+        projection: Option<&str>,
+        mut page: impl FnMut(&[HashMap<String, AttributeValue>]) -> Result<bool, StateError>,
+    ) -> Result<(), StateError> {
         let mut start: Option<HashMap<String, AttributeValue>> = None;
         for _ in 0..100_000 {
             let resp = self
                 .client
                 .scan()
                 .table_name(&self.table)
-                .filter_expression("attribute_exists(stream_arn) AND stream_arn <> :arn")
+                .consistent_read(true)
+                .filter_expression(filter)
                 .expression_attribute_values(":arn", s(&self.stream_arn))
-                .projection_expression("shard_id")
+                .set_projection_expression(projection.map(str::to_string))
                 .set_exclusive_start_key(start.take())
                 .send()
                 .await;
@@ -48,12 +66,12 @@ impl DynamoDbLeases {
                     return Err(StateError::Transient("scan condition failed".into()));
                 }
             };
-            if !resp.items().is_empty() {
-                return Ok(true);
+            if page(resp.items())? {
+                return Ok(());
             }
             match resp.last_evaluated_key() {
                 Some(k) if !k.is_empty() => start = Some(k.clone()),
-                _ => return Ok(false),
+                _ => return Ok(()),
             }
         }
         Err(StateError::Fatal("state table scan did not finish".into()))
@@ -186,34 +204,14 @@ impl LeaseStore for DynamoDbLeases {
 
     async fn list(&self) -> Result<Vec<Lease>, StateError> {
         let mut out = Vec::new();
-        let mut start: Option<HashMap<String, AttributeValue>> = None;
-        for _ in 0..100_000 {
-            let resp = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .filter_expression("stream_arn = :arn")
-                .expression_attribute_values(":arn", s(&self.stream_arn))
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await;
-            let resp = match resp {
-                Ok(r) => r,
-                Err(e) => {
-                    map_err(e, &self.table)?;
-                    return Err(StateError::Transient("scan condition failed".into()));
-                }
-            };
-            for item in resp.items() {
+        self.scan_pages("stream_arn = :arn", None, |items| {
+            for item in items {
                 out.push(super::items::lease(item)?);
             }
-            match resp.last_evaluated_key() {
-                Some(k) if !k.is_empty() => start = Some(k.clone()),
-                _ => return Ok(out),
-            }
-        }
-        Err(StateError::Fatal("state table scan did not finish".into()))
+            Ok(false)
+        })
+        .await?;
+        Ok(out)
     }
 
     async fn create(&self, lease: &Lease) -> Result<bool, StateError> {
