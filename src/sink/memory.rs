@@ -27,6 +27,8 @@ struct State {
     largest_item_at: u64,
     /// The largest item as that write left it (a simulation explains its entries).
     largest_item_copy: BTreeMap<String, MemValue>,
+    /// Largest item size written since a simulation last asked (its hourly figure).
+    largest_since_asked: usize,
     /// Per item: writes applied and the capacity they consumed.
     usage: HashMap<Vec<String>, (u64, f64)>,
 }
@@ -156,6 +158,11 @@ impl MemoryAggregates {
         (s.largest_item, s.largest_item_entries, s.largest_item_at) = (0, 0, 0);
     }
 
+    /// The largest item size written since the last call (a simulation's hourly figure).
+    pub fn take_largest_since(&self) -> usize {
+        std::mem::take(&mut self.lock().largest_since_asked)
+    }
+
     /// The largest item as its largest write left it.
     pub fn largest_item_copy(&self) -> BTreeMap<String, MemValue> {
         self.lock().largest_item_copy.clone()
@@ -283,6 +290,7 @@ impl AggregateStore for MemoryAggregates {
         };
         // Counted only for a new largest item (the simulation's report), not on every write.
         let grew = (after > largest).then(|| (updated.keys().filter(|k| is_any_entry(k)).count(), updated.clone()));
+        s.largest_since_asked = s.largest_since_asked.max(after);
         if let Some((entries, copy)) = grew {
             s.largest_item = after;
             s.largest_item_entries = entries;

@@ -111,6 +111,13 @@ pub struct Report {
     /// entries stay until then (the rest of the run is measured apart).
     pub largest_item_first_hours: usize,
     pub most_entries: usize,
+    /// Hourly largest items after the first 8 hours, outside the outage and the 24 hours
+    /// after it: the largest, how many hours, and how many of them over 8 KB.
+    pub largest_item_steady: usize,
+    pub steady_hours: u64,
+    pub steady_hours_over_8k: u64,
+    /// The largest item during the outage's catch-up (the 24 hours after it).
+    pub largest_item_catch_up: usize,
     /// Why the largest item's entries were there when it was largest.
     pub largest_item_why: String,
     pub largest_item_first_why: String,
@@ -173,6 +180,11 @@ impl std::fmt::Display for Report {
             f,
             "  (largest item in the first 8 hours, the stream's first shards all created at once: {} bytes)",
             self.largest_item_first_hours
+        )?;
+        writeln!(
+            f,
+            "  (largest item after the first 8 hours outside the outage's catch-up: {} bytes, over 8 KB in {} of {} hours; in the catch-up: {} bytes)",
+            self.largest_item_steady, self.steady_hours_over_8k, self.steady_hours, self.largest_item_catch_up
         )?;
         writeln!(f, "  hottest target: {} writes at {:.2} WCU per write", self.hottest_writes, self.hottest_wcu)?;
         writeln!(
@@ -520,6 +532,7 @@ impl World {
         let mut next_check = start + DAY;
         let mut draining_since: Option<u64> = None;
         let mut next_retention = start;
+        let mut next_hour = start + HOUR;
         // One outage longer than the retention, a third of the way in (by day 4 at the latest,
         // so a run cut short by its time budget still has one).
         let outage_at = (self.p.days >= 4).then(|| start + (self.p.days * DAY / 3).min(4 * DAY) + self.rng.u64(0..HOUR * 6));
@@ -576,6 +589,11 @@ impl World {
             self.rollovers(now);
             self.reconcile_rounds(now);
             self.explain_largest(now);
+            if now >= next_hour {
+                next_hour = now + HOUR;
+                let catching_up = outage_at.is_some_and(|t| (t..t + 50 * HOUR).contains(&now));
+                self.hourly_largest(now >= start + 8 * HOUR, catching_up);
+            }
             if now >= next_retention {
                 self.retention(now);
                 next_retention = now + 10 * 60_000;
@@ -801,6 +819,19 @@ impl World {
             ages.first(),
             ages.get(100),
         );
+    }
+
+    /// Files the largest item of the hour under start-up, the outage's catch-up or the rest.
+    fn hourly_largest(&mut self, after_start_up: bool, catching_up: bool) {
+        let size = self.aggregates.take_largest_since();
+        let r = &mut self.report;
+        if catching_up {
+            r.largest_item_catch_up = r.largest_item_catch_up.max(size);
+        } else if after_start_up {
+            r.largest_item_steady = r.largest_item_steady.max(size);
+            r.steady_hours += 1;
+            r.steady_hours_over_8k += u64::from(size > 8192);
+        }
     }
 
     /// Every replica of both deployments down for 26 hours: records are trimmed and closed
