@@ -56,6 +56,7 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     assert!(metric(&m, "ddb_aggregator_leases_taken_total") >= 1.0, "{m}");
     assert_eq!(metric(&m, "ddb_aggregator_leases_lost_total"), 0.0, "one replica loses no lease");
     assert!(calls < folded, "coalescing saved calls");
+    assert_phases_account_for_batches(&m);
     let (code, took) = svc.terminate();
     assert_eq!(code, Some(0), "SIGTERM exits 0:\n{}", svc.log_tail());
     assert!(took < Duration::from_secs(10), "drained in {took:?}");
@@ -203,6 +204,24 @@ async fn replicas_take_over_killed_and_stopped_owners() {
 }
 
 /// The source table's stream on (NEW_AND_OLD_IMAGES) or off.
+/// Every applied batch is in every phase's histogram, and the phases inside the batch's
+/// duration (evaluation to checkpoint) add up to no more than it.
+fn assert_phases_account_for_batches(m: &str) {
+    let batches = metric(m, "ddb_aggregator_batch_duration_seconds_count");
+    let batch_time = metric(m, "ddb_aggregator_batch_duration_seconds_sum");
+    assert!(batches > 0.0, "{m}");
+    let phase = |p: &str, part: &str| metric(m, &format!("ddb_aggregator_batch_phase_seconds_{part}{{phase=\"{p}\"}}"));
+    let phases = ["poll_wait", "get_records", "evaluate", "dead_letters", "writes", "checkpoint"];
+    for p in phases {
+        assert_eq!(phase(p, "count"), batches, "phase {p}: one sample per applied batch");
+    }
+    let inside: f64 = phases[2..].iter().map(|p| phase(p, "sum")).sum();
+    assert!(inside <= batch_time + 1e-6, "evaluate..checkpoint {inside} s within the batches' {batch_time} s");
+    for p in ["get_records", "writes", "checkpoint"] {
+        assert!(phase(p, "sum") > 0.0, "phase {p} took time: {m}");
+    }
+}
+
 fn stream_spec(on: bool) -> aws_sdk_dynamodb::types::StreamSpecification {
     use aws_sdk_dynamodb::types::{StreamSpecification, StreamViewType};
     let b = StreamSpecification::builder().stream_enabled(on);

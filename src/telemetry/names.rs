@@ -15,6 +15,9 @@ pub const COALESCED_UPDATES: &str = "ddb_aggregator_coalesced_record_updates_tot
 pub const WRITE_CAPACITY_UNITS: &str = "ddb_aggregator_write_capacity_units_total";
 pub const BATCH_DURATION_SECONDS: &str = "ddb_aggregator_batch_duration_seconds";
 pub const END_TO_END_LAG_SECONDS: &str = "ddb_aggregator_end_to_end_lag_seconds";
+/// One applied batch's time by phase (`phase`: poll_wait, get_records, evaluate, dead_letters,
+/// writes, checkpoint).
+pub const BATCH_PHASE_SECONDS: &str = "ddb_aggregator_batch_phase_seconds";
 pub const SHARDS: &str = "ddb_aggregator_shards";
 pub const LEASES_HELD: &str = "ddb_aggregator_leases_held";
 pub const GET_RECORDS: &str = "ddb_aggregator_get_records_total";
@@ -55,6 +58,11 @@ pub fn describe() {
     describe_counter!(WRITE_CAPACITY_UNITS, "Write capacity units consumed by aggregate writes.");
     describe_histogram!(BATCH_DURATION_SECONDS, Unit::Seconds, "Time to evaluate and write one batch.");
     describe_histogram!(END_TO_END_LAG_SECONDS, Unit::Seconds, "From a record's creation to its aggregate write.");
+    describe_histogram!(
+        BATCH_PHASE_SECONDS,
+        Unit::Seconds,
+        "One applied batch's time by phase: poll_wait (before the GetRecords call that returned its first record), get_records, evaluate, dead_letters, writes, checkpoint."
+    );
     describe_gauge!(SHARDS, "Shards of the stream by state (reading, waiting, finished).");
     describe_gauge!(LEASES_HELD, "Shard leases this replica holds.");
     describe_counter!(GET_RECORDS, "GetRecords calls by outcome (ok, empty, expired, throttled, trimmed, error).");
@@ -178,6 +186,18 @@ label_values! {
 }
 
 label_values! {
+    /// `batch_phase_seconds{phase}`.
+    Phase {
+        PollWait => "poll_wait",
+        GetRecords => "get_records",
+        Evaluate => "evaluate",
+        DeadLetters => "dead_letters",
+        Writes => "writes",
+        Checkpoint => "checkpoint",
+    }
+}
+
+label_values! {
     /// `reconcile_runs_total{outcome}`.
     RunOutcome {
         Ok => "ok",
@@ -207,6 +227,7 @@ mod label_tests {
             .chain(ReadOutcome::ALL.iter().map(|v| v.as_str()))
             .chain(RunOutcome::ALL.iter().map(|v| v.as_str()))
             .chain(ShardState::ALL.iter().map(|v| v.as_str()))
+            .chain(Phase::ALL.iter().map(|v| v.as_str()))
             .collect();
         assert!(all.iter().all(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')), "{all:?}");
         assert_eq!(WriteOutcome::ALL.len(), 5);

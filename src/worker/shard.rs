@@ -13,7 +13,8 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use super::Shared;
+use super::phases::{BatchPhases, Gathering};
+use super::{Polling, Shared};
 use crate::rules::{Coalescer, TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
 use crate::sink::{write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
@@ -57,6 +58,14 @@ pub const IDLE_MIN: Duration = Duration::from_millis(100);
 /// polling saves little and adds its period to the lag of the next record.
 pub const IDLE_MAX: Duration = Duration::from_millis(250);
 
+/// The time since `mark`, which moves to now.
+fn lap(mark: &mut Instant) -> Duration {
+    let now = Instant::now();
+    let d = now.saturating_duration_since(*mark);
+    *mark = now;
+    d
+}
+
 /// Sleeps unless cancelled; returns false when cancelled.
 async fn pause(d: Duration, stop: &CancellationToken) -> bool {
     tokio::select! {
@@ -78,6 +87,22 @@ pub fn tip_evidence(page_records: usize, previous_empty: Option<u64>) -> Option<
         previous_empty
     } else {
         None
+    }
+}
+
+/// How long after its last records a shard is polled at `idle_min` when a poll finds nothing:
+/// a record that arrives in a short lull of a busy shard waits at most `idle_min`, not the
+/// idle backoff's `idle_max`.
+pub const ACTIVE_FOR: Duration = Duration::from_secs(1);
+
+/// The wait after this empty poll: `idle_min` while the shard had records within
+/// [`ACTIVE_FOR`], otherwise doubling up to `idle_max` (an idle shard is polled 4 times a
+/// second, as Lambda does).
+pub fn next_idle(current: Duration, polling: &Polling, since_records: Option<Duration>) -> Duration {
+    if since_records.is_some_and(|d| d < ACTIVE_FOR) {
+        polling.idle_min
+    } else {
+        (current * 2).min(polling.idle_max)
     }
 }
 
@@ -124,6 +149,11 @@ pub struct ShardReader<S, L, A> {
     /// restarts from the checkpoint, so no record is in a batch twice.
     pending: Vec<Value>,
     pending_since: Option<Instant>,
+    /// The read side of the pending batch's phases, and when the last GetRecords call ended.
+    gathering: Gathering,
+    last_read_end: Option<Instant>,
+    /// When a GetRecords call last returned records ([`next_idle`]).
+    last_records_at: Option<Instant>,
 }
 
 pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
@@ -149,6 +179,9 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         dead_lettered: HashSet::new(),
         pending: Vec::new(),
         pending_since: None,
+        gathering: Gathering::default(),
+        last_read_end: None,
+        last_records_at: None,
     };
     reader.run().await
 }
@@ -188,11 +221,14 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let called_at = now_ms();
         let batch_size = self.shared.config.source.batch_size as usize;
         let limit = u32::try_from(batch_size.saturating_sub(self.pending.len())).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
+        let call_start = Instant::now();
         let page = tokio::select! {
             biased;
             _ = self.stop.cancelled() => return Flow::Exit(ShardExit::Stopped),
             p = self.shared.source.records(&it, limit) => p,
         };
+        let gap = self.last_read_end.map_or(Duration::ZERO, |end| call_start.saturating_duration_since(end));
+        self.last_read_end = Some(Instant::now());
         let page = match page {
             Ok(p) => p,
             Err(e) => return self.on_read_error(e, it).await,
@@ -203,7 +239,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let evidence = tip_evidence(got, self.previous_empty);
         self.previous_empty = (got == 0).then_some(called_at);
         let short = got < limit as usize;
+        self.gathering.page(self.pending.len(), got, gap, call_start.elapsed());
         if got > 0 {
+            self.last_records_at = self.last_read_end;
             let first = page.records.iter().find_map(created_ms);
             self.shared.note_age(&self.lease.shard_id, |a| a.read(first));
             self.pending_since.get_or_insert_with(Instant::now);
@@ -214,7 +252,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if batch_due(self.pending.len(), batch_size, page.next_iterator.is_none(), short, window_passed) {
             let batch = std::mem::take(&mut self.pending);
             self.pending_since = None;
-            match self.apply(&batch, evidence).await {
+            let gathered = std::mem::take(&mut self.gathering);
+            let outcome = self.apply(&batch, evidence, gathered).await;
+            // The next batch's poll wait starts now, not at this page (applying is not waiting).
+            self.last_read_end = Some(Instant::now());
+            match outcome {
                 BatchOutcome::Applied(cp) => {
                     if let Some(Checkpoint::Sequence(seq)) = cp {
                         self.position = Position::After(seq);
@@ -271,7 +313,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             self.last_tip_report = now;
         }
         let flow = self.pause_or_stop(self.idle).await;
-        self.idle = (self.idle * 2).min(self.shared.polling.idle_max);
+        self.idle = next_idle(self.idle, &self.shared.polling, self.last_records_at.map(|t| t.elapsed()));
         flow
     }
 
@@ -363,18 +405,23 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     /// Evaluates, dead-letters, writes and checkpoints one batch. Letters go out before the
     /// writes: a replica that dies in between leaves a record skipped by the ledger only
     /// after its letter is queued (a duplicate letter is fine, a missing one is not).
-    async fn apply(&mut self, records: &[Value], at_tip: Option<u64>) -> BatchOutcome {
+    async fn apply(&mut self, records: &[Value], at_tip: Option<u64>, gathered: Gathering) -> BatchOutcome {
         let started = Instant::now();
+        let mut phases = BatchPhases { poll_wait: gathered.poll_wait, get_records: gathered.get_records, ..BatchPhases::default() };
         let evaluated = evaluate(&self.shared, records, now_ms());
+        let mut mark = Instant::now();
+        phases.evaluate = mark - started;
         if let Err(e) = self.send_letters(&evaluated.letters).await {
             return BatchOutcome::Failed(e);
         }
+        phases.dead_letters = lap(&mut mark);
         if !self.lease.valid() {
             return BatchOutcome::LeaseLost;
         }
         if let Err(outcome) = self.write(&evaluated.targets, records).await {
             return outcome;
         }
+        phases.writes = lap(&mut mark);
         // The checkpoint moves only after every target write of the batch succeeded (or its
         // record was dead-lettered).
         let checkpoint = evaluated.last_seq.map(Checkpoint::Sequence);
@@ -384,6 +431,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             Ok(false) => return BatchOutcome::LeaseLost,
             Err(e) => return BatchOutcome::Failed(e),
         }
+        phases.checkpoint = lap(&mut mark);
+        phases.record(self.shard(), records.len(), evaluated.targets.len());
         self.dead_lettered.clear();
         let now = now_ms();
         for ms in &evaluated.created {

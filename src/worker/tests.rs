@@ -1083,3 +1083,16 @@ fn written_targets_are_kept_only_for_a_schedule_that_reads_them() {
         );
     }
 }
+#[test]
+fn an_empty_poll_soon_after_records_waits_the_minimum_and_an_idle_shard_backs_off() {
+    use super::shard::{next_idle, ACTIVE_FOR};
+    use super::Polling;
+    let p = Polling { idle_min: Duration::from_millis(100), idle_max: Duration::from_millis(250) };
+    let ms = Duration::from_millis;
+    // Records 300 ms ago: the minimum, however far the backoff had gone.
+    assert_eq!(next_idle(ms(250), &p, Some(ms(300))), ms(100));
+    // Records longer ago than ACTIVE_FOR, or never: doubling, capped.
+    assert_eq!(next_idle(ms(100), &p, Some(ACTIVE_FOR)), ms(200));
+    assert_eq!(next_idle(ms(200), &p, None), ms(250));
+    assert_eq!(next_idle(ms(250), &p, None), ms(250));
+}
