@@ -47,7 +47,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from bench import commerce, local_aws, report, workload
+from bench import commerce, local_aws, phases, report, workload
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ddb-aggregator", "naive", "idempotent")
@@ -57,6 +57,7 @@ MARKER = "marker"  # the customer of the backlog's last write, used by no other 
 PROBE_INTERVAL = 0.1  # one probe order every 100 ms
 PROBE_POLL = 0.02  # probe aggregates polled every 20 ms
 MARKER_POLL = 0.05  # the marker's aggregate polled every 50 ms
+SMALL_BATCH = 1000  # ddb-aggregator's catch-up runs at this batch size too (memory per batch size)
 START_TIMEOUT = 60.0  # a consumer must be polling its stream within this
 STOP_TIMEOUT = 30.0  # SIGTERM, then SIGKILL
 
@@ -227,7 +228,9 @@ class Harness:
 
     # ---------------------------------------------------------------- consumers
 
-    def start(self, system: str, source: str, aggregates: str, tag: str, max_records: int | None = None) -> Consumer:
+    def start(
+        self, system: str, source: str, aggregates: str, tag: str, max_records: int | None = None, batch_size: int | None = None
+    ) -> Consumer:
         log_path = self.work / "logs" / f"{tag}-{system}.log"
         env = {
             **os.environ,
@@ -250,7 +253,11 @@ class Harness:
                     DDB_AGGREGATOR__AGGREGATES__LEDGER_NAMESPACE="bench",
                     DDB_AGGREGATOR__DEAD_LETTER__QUEUE_URL=self.queue_url,
                     DDB_AGGREGATOR__METRICS__LISTEN=f"127.0.0.1:{port}",
+                    # One debug line per applied batch with its phases (bench/phases.py).
+                    RUST_LOG="info,aws_config=warn,aws_smithy_runtime=warn,ddb_aggregator::phases=debug",
                 )
+                if batch_size is not None:
+                    env["DDB_AGGREGATOR__SOURCE__BATCH_SIZE"] = str(batch_size)
                 cmd = [self.a.bin, "run", "--config", str(self.a.config), "--log-format", "json"]
                 started = time.time()
                 proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -351,11 +358,12 @@ class Harness:
 
     # ---------------------------------------------------------------- catch-up and replay
 
-    def catchup_run(self, system: str, run: int) -> dict[str, Any]:
-        aggregates = f"bench-agg-{system}-catchup{run}"
+    def catchup_run(self, system: str, run: int, batch_size: int | None = None) -> dict[str, Any]:
+        tag = f"catchup{run}" if batch_size is None else f"catchup{run}-batch{batch_size}"
+        aggregates = f"bench-agg-{system}-{tag}"
         local_aws.create_table(self.ddb, aggregates, stream=False)
         box = self.a.aggregator_timeout if system == "ddb-aggregator" else self.a.baseline_window
-        consumer = self.start(system, BACKLOG_TABLE, aggregates, f"catchup{run}")
+        consumer = self.start(system, BACKLOG_TABLE, aggregates, tag, batch_size=batch_size)
         try:
             visible = self.wait_until(consumer, box, MARKER_POLL, lambda: self.marker_visible(aggregates))
             rss = consumer.peak_rss_mib()
@@ -389,9 +397,10 @@ class Harness:
             "batch_retries": after.get("batch_retries"),
             "last_sequence_number": after.get("last_sequence_number"),
             "correctness": diff.as_json(),
+            "batch_size": batch_size,
         }
         log(
-            f"  {system} run {run}: {records} records in {seconds:.2f} s = {out['records_per_second']}/s"
+            f"  {system} run {run}{'' if batch_size is None else f' (batch_size {batch_size})'}: {records} records in {seconds:.2f} s = {out['records_per_second']}/s"
             f"{'' if visible else ' (stopped at the window)'}; {after['write_requests']} writes, {after['wcu']:.0f} WCU; "
             f"RSS {out['peak_rss_mib']} MiB; {diff.summary()}"
         )
@@ -447,6 +456,8 @@ class Harness:
         consumer = self.start(system, source, aggregates, f"lag{run}")
         pending: dict[str, float] = {}  # probe customer -> time its write was sent
         lags: list[float] = []
+        seen_at: list[tuple[float, float]] = []  # (sent, visible) of every probe seen
+        write_latency: list[float] = []  # the probes' PutItem round trips: the emulator alone
         lock = threading.Lock()
         probes_done, stop_polling = threading.Event(), threading.Event()
         errors: list[BaseException] = []  # from the probe threads
@@ -476,8 +487,10 @@ class Harness:
                         write = orders.insert_for(customer)
                         sent = time.time()
                         workload.apply(client, source, write)
+                        acked = time.time()
                         with lock:
                             pending[customer] = sent
+                            write_latency.append(acked - sent)
                         i += 1
                 finally:
                     probes_done.set()
@@ -504,7 +517,9 @@ class Harness:
                             break
                         now = time.time()
                         with lock:
-                            lags.append(now - pending.pop(customer))
+                            sent = pending.pop(customer)
+                            lags.append(now - sent)
+                            seen_at.append((sent, now))
                     if stop_polling.wait(PROBE_POLL):
                         return
 
@@ -547,7 +562,14 @@ class Harness:
             "lags_not_seen_at_least": [round(x, 3) for x in censored],
             "peak_rss_mib": round(rss, 1) if rss is not None else None,
             "dead_letters": dead_letters,
+            "probe_write_ms": {
+                "p50": round(percentile(write_latency, 50) * 1000, 1) if write_latency else None,
+                "p99": round(percentile(write_latency, 99) * 1000, 1) if write_latency else None,
+            },
         }
+        if system == "ddb-aggregator":
+            out["phases"] = phases.breakdown(consumer.log_path, seen_at)
+            out["probe_times"] = [[round(s, 4), round(v, 4)] for s, v in seen_at]
         log(
             f"  {system} lag run {run}: {res.writes} writes at {res.rate:.0f}/s, {len(every)} probes, "
             f"p50 {out['lag_p50']:.3f} s, p99 {out['lag_p99']:.3f} s" + (f", {len(censored)} not seen" if censored else "")
@@ -606,6 +628,17 @@ class Harness:
                     local_aws.delete_table(self.ddb, old["aggregates_table"])
         for system in SYSTEMS:
             phases[f"catchup {system}"] = spent[system]
+        # ddb-aggregator's memory at the other batch size the issue names (the table's runs use the
+        # config's 10,000): the same backlog, its own runs.
+        small: list[dict[str, Any]] = []
+        r["catchup_small_batch"] = small
+        t = time.monotonic()
+        for run in range(1, a.catchup_runs + 1):
+            done = self.guard(f"catch-up ddb-aggregator batch_size {SMALL_BATCH} run {run}", self.catchup_run, "ddb-aggregator", run, SMALL_BATCH)
+            if done:
+                small.append(done)
+                local_aws.delete_table(self.ddb, done["aggregates_table"])
+        phases[f"catchup ddb-aggregator batch_size {SMALL_BATCH}"] = time.monotonic() - t
 
         r["replay"] = {}
         for system in SYSTEMS:
@@ -716,6 +749,11 @@ def main() -> int:
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--micro-timeout", type=float, default=1200.0)
     p.add_argument("--allow-small-backlog", action="store_true", help="development only: a backlog under 20,000 writes")
+    p.add_argument(
+        "--lag-only",
+        choices=SYSTEMS,
+        help="development: only this system's lag runs, their figures printed and written to RESULTS/lag-only.json (no report)",
+    )
     p.add_argument("--results", type=Path, default=ROOT / "bench/results")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     a = p.parse_args()
@@ -727,6 +765,8 @@ def main() -> int:
 
     t0 = time.monotonic()
     harness = Harness(a)
+    if a.lag_only:
+        return lag_only(harness, a)
     results = harness.run()
     results["harness_seconds"] = round(time.monotonic() - t0, 1)
     if os.environ.get("BENCH_T0"):
@@ -741,6 +781,19 @@ def main() -> int:
         log(f"FAILURE: {failure}")
     log(f"harness done in {results['harness_seconds']} s; wrote {a.out.relative_to(ROOT)} and {a.results.relative_to(ROOT)}/")
     return 1 if results["failures"] else 0
+
+
+def lag_only(harness: Harness, a: argparse.Namespace) -> int:
+    runs = [harness.lag_run(a.lag_only, run) for run in range(1, a.lag_runs + 1)]
+    for r in runs:
+        r.pop("lags", None)
+        print(json.dumps(r, indent=1, default=str))
+    p99s = sorted(r["lag_p99"] for r in runs if r["lag_p99"] is not None)
+    if p99s:
+        log(f"{a.lag_only}: lag p99 per run {p99s}, median {p99s[len(p99s) // 2]:.3f} s")
+    a.results.mkdir(parents=True, exist_ok=True)
+    (a.results / "lag-only.json").write_text(json.dumps(runs, indent=1, default=str) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
