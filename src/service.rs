@@ -208,12 +208,15 @@ async fn run_stream(
     })?;
     // A replica started after the switch learns it from the state table. If the switch came
     // while no replica ran, nobody requested the repair of the gap yet: the first to read
-    // the new stream (no lease of it exists) does, before it reads anything.
-    let follows = followed || leases.follows_another_stream().await.map_err(|e| ServiceError::Runtime(e.to_string()))?;
-    if follows && !followed && leases.list().await.map_err(|e| ServiceError::Runtime(e.to_string()))?.is_empty() {
+    // the new stream (no lease of it exists) does, before it reads anything, and only then
+    // notes the new stream as the one read (a crash in between requests it again).
+    let runtime = |e: crate::state::StateError| ServiceError::Runtime(e.to_string());
+    let follows = followed || leases.follows_another_stream().await.map_err(runtime)?;
+    if follows && !followed && leases.list().await.map_err(runtime)?.is_empty() {
         warn!(stream = %stream_arn, "this stream follows one read before and nobody has read it yet: records written in between were never streamed, so a reconcile of everything is requested");
-        leases.request_reconcile(crate::state::now_ms()).await.map_err(|e| ServiceError::Runtime(e.to_string()))?;
+        leases.request_reconcile(crate::state::now_ms()).await.map_err(runtime)?;
     }
+    leases.note_stream().await.map_err(runtime)?;
     let mut config = config.clone();
     if follows && config.source.start_position != crate::config::StartPosition::TrimHorizon {
         info!(stream = %stream_arn, "this stream follows one read before (disabled and enabled again): its shards start at TRIM_HORIZON, not LATEST");

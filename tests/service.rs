@@ -288,10 +288,33 @@ async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled(
 }
 
 /// The same switch while no replica runs: the first replica to start on the new stream finds
-/// the old stream's leases in the state table, so it reads the new one from TRIM_HORIZON and
-/// requests the repair of the gap itself (no watcher saw the switch).
+/// in the state table that it read another stream, so it reads the new one from TRIM_HORIZON
+/// and requests the repair of the gap itself (no watcher saw the switch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_switched_while_the_service_was_down_is_repaired_when_it_starts() {
+    switched_while_down(false).await;
+}
+
+/// As above, with the old stream's leases gone from the state table, as they are a day after
+/// its shards left the listing (a stream disabled for longer than that): the stream read last
+/// is kept apart from the leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_switched_after_its_old_leases_were_deleted_is_still_repaired() {
+    switched_while_down(true).await;
+}
+
+/// Deletes every lease item (the ones with a `stream_arn`) of a state table.
+async fn delete_leases(c: &aws_sdk_dynamodb::Client, state: &str) {
+    let items = scan(c, state).await;
+    let leases: Vec<_> = items.iter().filter(|i| i.contains_key("stream_arn")).collect();
+    assert!(!leases.is_empty(), "the first run left leases");
+    for item in leases {
+        let key = item["shard_id"].clone();
+        c.delete_item().table_name(state).key("shard_id", key).send().await.unwrap();
+    }
+}
+
+async fn switched_while_down(forget_old_leases: bool) {
     let _serial = SERIAL.lock().await;
     let c = client().await;
     let dir = test_dir();
@@ -303,6 +326,9 @@ async fn a_stream_switched_while_the_service_was_down_is_repaired_when_it_starts
     workload(&c, &table, 200, 10, 4, 21).await;
     wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
     svc.kill();
+    if forget_old_leases {
+        delete_leases(&c, &format!("{table}-state")).await;
+    }
     c.update_table().table_name(&table).stream_specification(stream_spec(false)).send().await.unwrap();
     workload(&c, &table, 60, 10, 2, 22).await; // never streamed
     c.update_table().table_name(&table).stream_specification(stream_spec(true)).send().await.unwrap();

@@ -24,11 +24,48 @@ impl DynamoDbLeases {
         DynamoDbLeases { client, table, stream_arn }
     }
 
-    /// Whether the state table holds a lease of another stream: this deployment read the
-    /// table's stream before it was disabled and enabled again, so the stream it reads now
-    /// follows that one (every record of it comes after the gap) and is read from its trim
-    /// horizon whatever `start_position` says. Stops at the first such lease.
+    /// Whether this deployment read another of the table's streams before: the stream it reads
+    /// now follows that one (it was disabled and enabled again, and every record of the new
+    /// one comes after the gap), so it is read from its trim horizon whatever `start_position`
+    /// says. Known from the stream last read, kept in the state table ([`Self::note_stream`]),
+    /// or, for a state table written before that was kept, from a lease of another stream.
     pub async fn follows_another_stream(&self) -> Result<bool, StateError> {
+        if let Some(last) = self.last_stream().await? {
+            return Ok(last != self.stream_arn);
+        }
+        self.holds_another_streams_lease().await
+    }
+
+    /// The stream this deployment last started reading (None: never, or before it was kept).
+    async fn last_stream(&self) -> Result<Option<String>, StateError> {
+        let resp = self.client.get_item().table_name(&self.table).key("shard_id", s(STREAM_READ)).consistent_read(true).send().await;
+        match resp {
+            Ok(r) => Ok(r.item().and_then(|i| i.get("followed_arn")).and_then(|v| v.as_s().ok()).cloned()),
+            Err(e) => map_err(e, &self.table).map(|_| None),
+        }
+    }
+
+    /// Keeps this stream as the one this deployment reads, so a replica started after the old
+    /// stream's leases are gone (deleted a day after its shards left the listing) still knows
+    /// the stream it finds is a new one.
+    pub async fn note_stream(&self) -> Result<(), StateError> {
+        let resp = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .item("shard_id", s(STREAM_READ))
+            .item("followed_arn", s(&self.stream_arn))
+            .item("noted_at", n(super::now_ms()))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(()),
+            Err(e) => map_err(e, &self.table).map(|_| ()),
+        }
+    }
+
+    /// Whether the state table holds a lease of another stream. Stops at the first one.
+    async fn holds_another_streams_lease(&self) -> Result<bool, StateError> {
         let mut found = false;
         self.scan_pages("attribute_exists(stream_arn) AND stream_arn <> :arn", Some("shard_id"), |items| {
             found = !items.is_empty();
@@ -87,6 +124,9 @@ impl DynamoDbLeases {
 
 /// Key of the state-table item holding a pending request to reconcile everything.
 pub const RECONCILE_REQUEST: &str = "reconcile-request";
+/// Key of the state-table item naming the stream this deployment reads (`followed_arn`; no
+/// `stream_arn`, so it is never listed as a lease).
+pub const STREAM_READ: &str = "stream-read";
 
 /// Maps an SDK error; a failed condition is `Ok(false)` for the caller.
 fn map_err<E>(e: SdkError<E, HttpResponse>, table: &str) -> Result<bool, StateError>
