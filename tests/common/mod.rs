@@ -459,12 +459,14 @@ pub async fn get(c: &Client, table: &str, pk: &str, sk: &str) -> std::collection
         .unwrap_or_default()
 }
 
-/// The lease items of a state table: (shard, owner, checkpoint).
+/// The lease items of a state table (the ones with a `stream_arn`; the reconcile request and
+/// the stream last read are not leases): shard, owner, checkpoint.
 pub async fn leases(c: &Client, state: &str) -> Vec<(String, Option<String>, Option<String>)> {
     let Ok(_) = c.describe_table().table_name(state).send().await else { return Vec::new() };
     scan(c, state)
         .await
         .iter()
+        .filter(|i| i.contains_key("stream_arn"))
         .map(|i| (s(i, "shard_id").unwrap_or("").to_string(), s(i, "owner").map(str::to_string), s(i, "checkpoint").map(str::to_string)))
         .collect()
 }
