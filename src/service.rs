@@ -216,7 +216,7 @@ async fn run_stream(
         warn!(stream = %stream_arn, "this stream follows one read before and nobody has read it yet: records written in between were never streamed, so a reconcile of everything is requested");
         leases.request_reconcile(crate::state::now_ms()).await.map_err(runtime)?;
     }
-    leases.note_stream().await.map_err(runtime)?;
+    leases.note_stream(follows).await.map_err(runtime)?;
     let mut config = config.clone();
     if follows && config.source.start_position != crate::config::StartPosition::TrimHorizon {
         info!(stream = %stream_arn, "this stream follows one read before (disabled and enabled again): its shards start at TRIM_HORIZON, not LATEST");

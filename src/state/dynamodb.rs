@@ -30,17 +30,22 @@ impl DynamoDbLeases {
     /// says. Known from the stream last read, kept in the state table ([`Self::note_stream`]),
     /// or, for a state table written before that was kept, from a lease of another stream.
     pub async fn follows_another_stream(&self) -> Result<bool, StateError> {
-        if let Some(last) = self.last_stream().await? {
-            return Ok(last != self.stream_arn);
+        let noted = self.last_stream().await?;
+        if follows_from(noted.as_ref(), &self.stream_arn, false) {
+            return Ok(true);
         }
         self.holds_another_streams_lease().await
     }
 
-    /// The stream this deployment last started reading (None: never, or before it was kept).
-    async fn last_stream(&self) -> Result<Option<String>, StateError> {
+    /// The stream this deployment last started reading, and whether that one followed another
+    /// (None: never, or before it was kept).
+    async fn last_stream(&self) -> Result<Option<(String, bool)>, StateError> {
         let resp = self.client.get_item().table_name(&self.table).key("shard_id", s(STREAM_READ)).consistent_read(true).send().await;
         match resp {
-            Ok(r) => Ok(r.item().and_then(|i| i.get("followed_arn")).and_then(|v| v.as_s().ok()).cloned()),
+            Ok(r) => Ok(r.item().and_then(|i| {
+                let arn = i.get("followed_arn")?.as_s().ok()?.clone();
+                Some((arn, i.get("follows_another").and_then(|v| v.as_bool().ok()).copied().unwrap_or(false)))
+            })),
             Err(e) => map_err(e, &self.table).map(|_| None),
         }
     }
@@ -48,13 +53,16 @@ impl DynamoDbLeases {
     /// Keeps this stream as the one this deployment reads, so a replica started after the old
     /// stream's leases are gone (deleted a day after its shards left the listing) still knows
     /// the stream it finds is a new one.
-    pub async fn note_stream(&self) -> Result<(), StateError> {
+    /// `follows`: this stream follows another, so a replica that starts after this note but
+    /// before any lease of it exists still reads it from the horizon.
+    pub async fn note_stream(&self, follows: bool) -> Result<(), StateError> {
         let resp = self
             .client
             .put_item()
             .table_name(&self.table)
             .item("shard_id", s(STREAM_READ))
             .item("followed_arn", s(&self.stream_arn))
+            .item("follows_another", AttributeValue::Bool(follows))
             .item("noted_at", n(super::now_ms()))
             .send()
             .await;
@@ -127,6 +135,16 @@ pub const RECONCILE_REQUEST: &str = "reconcile-request";
 /// Key of the state-table item naming the stream this deployment reads (`followed_arn`; no
 /// `stream_arn`, so it is never listed as a lease).
 pub const STREAM_READ: &str = "stream-read";
+
+/// Whether the stream read now follows another, from the stream noted last (its ARN, and
+/// whether it followed one) and whether the state table holds another stream's lease (pure).
+pub fn follows_from(noted: Option<&(String, bool)>, current: &str, holds_other_lease: bool) -> bool {
+    match noted {
+        Some((arn, followed)) if arn == current => *followed || holds_other_lease,
+        Some(_) => true,
+        None => holds_other_lease,
+    }
+}
 
 /// Maps an SDK error; a failed condition is `Ok(false)` for the caller.
 fn map_err<E>(e: SdkError<E, HttpResponse>, table: &str) -> Result<bool, StateError>
@@ -452,5 +470,25 @@ impl LeaseStore for DynamoDbLeases {
             Ok(_) => Ok(()),
             Err(e) => map_err(e, &self.table).map(|_| ()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::follows_from;
+
+    #[test]
+    fn a_stream_follows_another_by_the_note_or_by_an_old_lease() {
+        let noted = |arn: &str, followed: bool| Some((arn.to_string(), followed));
+        // Another stream noted: this one follows it, leases or not (they go a day later).
+        assert!(follows_from(noted("old", false).as_ref(), "new", false));
+        // This stream noted by a replica that found it followed another: a replica starting
+        // before any lease of it exists still reads it from the horizon.
+        assert!(follows_from(noted("new", true).as_ref(), "new", false));
+        // Noted as a fresh start, or nothing noted: only another stream's lease says so.
+        assert!(!follows_from(noted("new", false).as_ref(), "new", false));
+        assert!(follows_from(noted("new", false).as_ref(), "new", true));
+        assert!(!follows_from(None, "new", false));
+        assert!(follows_from(None, "new", true));
     }
 }
