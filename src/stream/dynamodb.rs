@@ -78,6 +78,7 @@ impl StreamSource for DynamoDbStream {
             Position::TrimHorizon => req.shard_iterator_type(ShardIteratorType::TrimHorizon),
             Position::Latest => req.shard_iterator_type(ShardIteratorType::Latest),
             Position::After(seq) => req.shard_iterator_type(ShardIteratorType::AfterSequenceNumber).sequence_number(seq),
+            Position::At(seq) => req.shard_iterator_type(ShardIteratorType::AtSequenceNumber).sequence_number(seq),
         };
         let resp = req.send().await.map_err(map_err)?;
         resp.shard_iterator().map(str::to_string).ok_or_else(|| StreamError::NoIterator(shard_id.to_string()))

@@ -25,6 +25,8 @@ pub enum Position {
     TrimHorizon,
     Latest,
     After(String),
+    /// The record with this sequence number first (re-reading one record for its letter).
+    At(String),
 }
 
 /// One GetRecords answer: records in the GetRecords/Lambda JSON shape.

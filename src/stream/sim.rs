@@ -230,9 +230,10 @@ impl StreamSource for SimStream {
         let index = match position {
             Position::TrimHorizon => sh.trimmed,
             Position::Latest => sh.records.len(),
-            Position::After(seq) => {
+            Position::After(seq) | Position::At(seq) => {
                 let seq: u64 = seq.parse().map_err(|_| StreamError::Fatal(format!("bad sequence number {seq}")))?;
-                let idx = sh.records.iter().position(|(s, _)| *s > seq).unwrap_or(sh.records.len());
+                let at = matches!(position, Position::At(_));
+                let idx = sh.records.iter().position(|(s, _)| *s > seq || (at && *s == seq)).unwrap_or(sh.records.len());
                 if idx < sh.trimmed {
                     return Err(StreamError::TrimmedData(format!("{shard_id}: position {seq} is trimmed")));
                 }

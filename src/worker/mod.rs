@@ -3,6 +3,7 @@
 //! task under the replica's cancellation token.
 
 pub mod age;
+pub mod batch;
 pub mod phases;
 pub mod plan;
 pub mod shard;

@@ -1,7 +1,7 @@
 //! Reading one leased shard: poll, evaluate, write, checkpoint, until the shard ends, the
 //! lease is lost, or the replica stops.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,13 +9,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use futures::stream::{self, StreamExt};
-use serde_json::Value;
+use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use super::batch::{created_ms, sequence_of, Evaluated, Letter, PendingBatch};
 use super::phases::{BatchPhases, Gathering};
 use super::{Polling, Shared};
-use crate::rules::{Coalescer, TargetDelta, TargetKey};
+use crate::rules::{TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
 use crate::sink::{write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
@@ -147,7 +148,7 @@ pub struct ShardReader<S, L, A> {
     /// records or the tip is reached, and at the tip waits up to `batching_window` (from its
     /// oldest record) for more, as Lambda's batching window. Emptied whenever reading
     /// restarts from the checkpoint, so no record is in a batch twice.
-    pending: Vec<Value>,
+    pending: PendingBatch,
     pending_since: Option<Instant>,
     /// The read side of the pending batch's phases, and when the last GetRecords call ended.
     gathering: Gathering,
@@ -177,7 +178,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         last_tip_report: 0,
         previous_empty: None,
         dead_lettered: HashSet::new(),
-        pending: Vec::new(),
+        pending: PendingBatch::default(),
         pending_since: None,
         gathering: Gathering::default(),
         last_read_end: None,
@@ -220,7 +221,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         };
         let called_at = now_ms();
         let batch_size = self.shared.config.source.batch_size as usize;
-        let limit = u32::try_from(batch_size.saturating_sub(self.pending.len())).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
+        let limit = u32::try_from(batch_size.saturating_sub(self.pending.records)).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
         let call_start = Instant::now();
         let page = tokio::select! {
             biased;
@@ -239,21 +240,22 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let evidence = tip_evidence(got, self.previous_empty);
         self.previous_empty = (got == 0).then_some(called_at);
         let short = got < limit as usize;
-        self.gathering.page(self.pending.len(), got, gap, call_start.elapsed());
+        self.gathering.page(self.pending.records, got, gap, call_start.elapsed());
         if got > 0 {
             self.last_records_at = self.last_read_end;
             let first = page.records.iter().find_map(created_ms);
             self.shared.note_age(&self.lease.shard_id, |a| a.read(first));
             self.pending_since.get_or_insert_with(Instant::now);
-            self.pending.extend(page.records);
+            let max_age_ms = self.shared.config.source.max_record_age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            self.pending.add_page(&self.shared.engine, max_age_ms, page.records, now_ms());
         }
         let window = self.shared.config.source.batching_window;
         let window_passed = self.pending_since.is_some_and(|s| s.elapsed() >= window);
-        if batch_due(self.pending.len(), batch_size, page.next_iterator.is_none(), short, window_passed) {
-            let batch = std::mem::take(&mut self.pending);
+        if batch_due(self.pending.records, batch_size, page.next_iterator.is_none(), short, window_passed) {
+            let batch = std::mem::take(&mut self.pending).finish();
             self.pending_since = None;
             let gathered = std::mem::take(&mut self.gathering);
-            let outcome = self.apply(&batch, evidence, gathered).await;
+            let outcome = self.apply(batch, evidence, gathered).await;
             // The next batch's poll wait starts now, not at this page (applying is not waiting).
             self.last_read_end = Some(Instant::now());
             match outcome {
@@ -362,7 +364,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             return self.pause_or_stop(crate::sink::backoff(self.failures)).await;
         }
         // Reading restarts from the checkpoint: what was gathered is read again.
-        self.pending.clear();
+        self.pending = PendingBatch::default();
         self.pending_since = None;
         if e == StreamError::ExpiredIterator && self.position == Position::Latest {
             // Started at LATEST and not checkpointed yet: a new LATEST iterator would skip
@@ -405,12 +407,15 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     /// Evaluates, dead-letters, writes and checkpoints one batch. Letters go out before the
     /// writes: a replica that dies in between leaves a record skipped by the ledger only
     /// after its letter is queued (a duplicate letter is fine, a missing one is not).
-    async fn apply(&mut self, records: &[Value], at_tip: Option<u64>, gathered: Gathering) -> BatchOutcome {
+    async fn apply(&mut self, evaluated: Evaluated, at_tip: Option<u64>, gathered: Gathering) -> BatchOutcome {
         let started = Instant::now();
-        let mut phases = BatchPhases { poll_wait: gathered.poll_wait, get_records: gathered.get_records, ..BatchPhases::default() };
-        let evaluated = evaluate(&self.shared, records, now_ms());
+        let mut phases = BatchPhases {
+            poll_wait: gathered.poll_wait,
+            get_records: gathered.get_records,
+            evaluate: evaluated.evaluate,
+            ..BatchPhases::default()
+        };
         let mut mark = Instant::now();
-        phases.evaluate = mark - started;
         if let Err(e) = self.send_letters(&evaluated.letters).await {
             return BatchOutcome::Failed(e);
         }
@@ -418,7 +423,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if !self.lease.valid() {
             return BatchOutcome::LeaseLost;
         }
-        if let Err(outcome) = self.write(&evaluated.targets, records).await {
+        if let Err(outcome) = self.write(&evaluated.targets).await {
             return outcome;
         }
         phases.writes = lap(&mut mark);
@@ -432,14 +437,14 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             Err(e) => return BatchOutcome::Failed(e),
         }
         phases.checkpoint = lap(&mut mark);
-        phases.record(self.shard(), records.len(), evaluated.targets.len());
+        phases.record(self.shard(), evaluated.records, evaluated.targets.len());
         self.dead_lettered.clear();
         let now = now_ms();
         for ms in &evaluated.created {
             metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
         }
         self.shared.note_age(&self.lease.shard_id, |a| a.applied(evaluated.newest_ms));
-        metrics::histogram!(names::BATCH_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
+        metrics::histogram!(names::BATCH_DURATION_SECONDS).record((started.elapsed() + evaluated.evaluate).as_secs_f64());
         BatchOutcome::Applied(checkpoint)
     }
 
@@ -465,7 +470,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     /// by record, and the letter of a record it still refuses is sent before any later record
     /// of that target is written (a later record advances the ledger past it, so a replay
     /// after a crash would never retry it).
-    async fn write(&mut self, targets: &[(TargetKey, TargetDelta)], records: &[Value]) -> Result<(), BatchOutcome> {
+    async fn write(&mut self, targets: &[(TargetKey, TargetDelta)]) -> Result<(), BatchOutcome> {
         let shared = self.shared.clone();
         let key_names = &shared.engine.key_names;
         let store = shared.sink.as_ref();
@@ -498,7 +503,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             }
         }
         for (key, delta) in refused {
-            match self.isolate(key, delta, records, ctx).await {
+            match self.isolate(key, delta, ctx).await {
                 Ok(f) => fenced |= f,
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -532,7 +537,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     /// Re-writes a target record by record after a permanent write error, so one bad record
     /// does not hold back the others; a record the table still refuses after `max_attempts`
     /// is dead-lettered at once. Returns whether a write was fenced.
-    async fn isolate(&mut self, key: &TargetKey, delta: &TargetDelta, records: &[Value], ctx: &ShardContext) -> Result<bool, SinkError> {
+    async fn isolate(&mut self, key: &TargetKey, delta: &TargetDelta, ctx: &ShardContext) -> Result<bool, SinkError> {
         let shared = self.shared.clone();
         let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
         let mut fenced = false;
@@ -552,9 +557,14 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                             let mut rules: Vec<String> =
                                 single.contributions.iter().filter_map(|c| c.rule.as_deref().map(str::to_string)).collect();
                             rules.dedup();
-                            if let Some(letter) = refused_letter(records, seq, rules, why, max_attempts) {
-                                self.send_letters(&[letter]).await?;
-                            }
+                            let letter = Letter {
+                                code: "write_rejected".into(),
+                                message: why,
+                                rules,
+                                attempts: max_attempts,
+                                ..self.reread(&seq).await
+                            };
+                            self.send_letters(&[letter]).await?;
                             break;
                         }
                         tokio::time::sleep(crate::sink::backoff(attempts)).await;
@@ -564,6 +574,40 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             }
         }
         Ok(fenced)
+    }
+
+    /// The full record of a letter whose write the table refused, read again from the stream:
+    /// a batch keeps no records once evaluated. A record the stream no longer returns (trimmed,
+    /// or the read fails) travels as its sequence number alone, marked cut, and is logged, so
+    /// the letter still names it.
+    async fn reread(&self, seq: &str) -> Letter {
+        match self.read_one(seq).await {
+            Ok(Some(record)) => Letter::new(record, "", String::new(), Vec::new(), 0),
+            outcome => {
+                let why = match outcome {
+                    Err(e) => e.to_string(),
+                    _ => "the stream did not return it".to_string(),
+                };
+                error!(shard = %self.shard(), sequence_number = %seq, error = %why, "cannot read a refused record again; its letter carries only its sequence number");
+                Letter { cut: true, ..Letter::new(json!({ "dynamodb": { "SequenceNumber": seq } }), "", String::new(), Vec::new(), 0) }
+            }
+        }
+    }
+
+    async fn read_one(&self, seq: &str) -> Result<Option<Value>, StreamError> {
+        let mut it = self.shared.source.iterator(&self.lease.shard_id, &Position::At(seq.to_string())).await?;
+        // GetRecords may answer empty pages before the records: a few calls, bounded.
+        for _ in 0..3 {
+            let page = self.shared.source.records(&it, 1).await?;
+            if let Some(first) = page.records.into_iter().next() {
+                return Ok((sequence_of(&first) == seq).then_some(first));
+            }
+            match page.next_iterator {
+                Some(next) => it = next,
+                None => return Ok(None),
+            }
+        }
+        Ok(None)
     }
 
     /// A target item refused this shard by its floor. For a stalled former owner that is the
@@ -590,7 +634,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     /// Sends the letters this reader has not sent yet. A letter SQS cannot take in any form
     /// is logged with its record and counted, never a reason to stall the shard; an
     /// unavailable queue stalls it (nothing is lost).
-    async fn send_letters(&mut self, letters: &[Letter<'_>]) -> Result<(), SinkError> {
+    async fn send_letters(&mut self, letters: &[Letter]) -> Result<(), SinkError> {
         let now = i64::try_from(now_ms()).unwrap_or(0);
         let first_failed_at = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(now)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
@@ -613,7 +657,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                 sequence_number: l.sequence.clone(),
                 variables: l.variables.clone(),
                 record: l.record.clone(),
-                images_cut: false,
+                images_cut: l.cut,
             };
             match self.shared.dead_letters.send(&dl).await {
                 Ok(delivery) => {
@@ -638,84 +682,6 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     }
 }
 
-/// What a batch changes and which of its records are poison.
-struct Evaluated<'r> {
-    targets: Vec<(TargetKey, TargetDelta)>,
-    letters: Vec<Letter<'r>>,
-    last_seq: Option<String>,
-    newest_ms: Option<u64>,
-    /// ApproximateCreationDateTime (ms) of every record, for the lag histogram.
-    created: Vec<u64>,
-}
-
-/// The record's ApproximateCreationDateTime in epoch ms.
-fn created_ms(record: &Value) -> Option<u64> {
-    record
-        .pointer("/dynamodb/ApproximateCreationDateTime")
-        .and_then(Value::as_number)
-        .and_then(|n| crate::decimal::Decimal::parse(n.as_str()).ok())
-        .and_then(|t| t.checked_mul(crate::decimal::Decimal::from_i64(1000)).ok())
-        .and_then(|t| t.trunc_i64())
-        .and_then(|t| u64::try_from(t).ok())
-}
-
-fn sequence_of(record: &Value) -> &str {
-    record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str).unwrap_or("")
-}
-
-/// Runs every record through the rules (pure but for metrics).
-fn evaluate<'r, S, L, A>(shared: &Shared<S, L, A>, records: &'r [Value], now: u64) -> Evaluated<'r> {
-    let max_age_ms = shared.config.source.max_record_age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    let mut batch = Coalescer::new();
-    let mut out =
-        Evaluated { targets: Vec::new(), letters: Vec::new(), last_seq: None, newest_ms: None, created: Vec::with_capacity(records.len()) };
-    for record in records {
-        let seq = sequence_of(record);
-        if !seq.is_empty() {
-            out.last_seq = Some(seq.to_string());
-        }
-        let created = created_ms(record);
-        if let Some(ms) = created {
-            out.created.push(ms);
-            out.newest_ms = Some(out.newest_ms.map_or(ms, |n| n.max(ms)));
-        }
-        if let (Some(max), Some(ms)) = (max_age_ms, created) {
-            if now.saturating_sub(ms) > max {
-                let rules: Vec<String> =
-                    shared.engine.rules.iter().filter(|r| r.filter_matches(record)).map(|r| r.name.to_string()).collect();
-                if !rules.is_empty() {
-                    let message = format!("record is {} s old; source.max_record_age is {} s", now.saturating_sub(ms) / 1000, max / 1000);
-                    push_letter(&mut out.letters, Letter::new(record, "too_old", message, rules, 1));
-                }
-                continue;
-            }
-        }
-        let report = shared.engine.apply(record, &mut batch);
-        if report.matched.is_empty() && report.poisons.is_empty() {
-            metrics::counter!(names::RECORDS_FILTERED).increment(1);
-        }
-        for i in &report.matched {
-            if let Some(rule) = shared.engine.rules.get(*i) {
-                metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
-            }
-        }
-        for p in &report.poisons {
-            let mut letter = Letter::new(record, p.code.as_str(), p.message.clone(), p.rule.iter().map(|r| r.to_string()).collect(), 1);
-            letter.variables = p.variables.clone();
-            push_letter(&mut out.letters, letter);
-        }
-    }
-    metrics::counter!(names::RECORDS_READ).increment(records.len() as u64);
-    out.targets = batch.into_targets();
-    out
-}
-
-/// The letter of a record the table refused after `attempts`.
-fn refused_letter(records: &[Value], seq: String, rules: Vec<String>, why: String, attempts: u32) -> Option<Letter<'_>> {
-    let record = records.iter().find(|r| sequence_of(r) == seq)?;
-    Some(Letter::new(record, "write_rejected", why, rules, attempts))
-}
-
 /// A TrimmedDataAccessException. Records were lost only when reading went on from a
 /// checkpoint: the records after it were trimmed before they were applied. Then it is never
 /// silent: counted, logged, a reconcile of everything scheduled, and reading restarts at the
@@ -727,7 +693,7 @@ fn refused_letter(records: &[Value], seq: String, rules: Vec<String>, why: Strin
 /// records were lost.
 fn trimmed<S, L, A>(shared: &Shared<S, L, A>, shard: &str, why: &str, position: &mut Position) -> bool {
     match position {
-        Position::After(_) => {}
+        Position::After(_) | Position::At(_) => {}
         Position::TrimHorizon => {
             debug!(shard = %shard, reason = %why, "trimmed-data answer while reading from the trim horizon; polling again");
             return false;
@@ -787,38 +753,6 @@ pub(super) async fn persist_request<S, L: LeaseStore, A>(shared: &Shared<S, L, A
     if let Err(e) = shared.leases.request_reconcile(now_ms()).await {
         warn!(error = %e, "cannot record the reconcile request yet; retrying");
         shared.reconcile_everything.store(true, Ordering::Relaxed);
-    }
-}
-
-/// A record that will not be applied, on its way to the dead-letter queue.
-struct Letter<'r> {
-    record: &'r Value,
-    sequence: String,
-    code: String,
-    message: String,
-    rules: Vec<String>,
-    variables: BTreeMap<String, String>,
-    attempts: u32,
-}
-
-impl<'r> Letter<'r> {
-    fn new(record: &'r Value, code: &str, message: String, rules: Vec<String>, attempts: u32) -> Letter<'r> {
-        let sequence = sequence_of(record).to_string();
-        Letter { record, sequence, code: code.to_string(), message, rules, variables: BTreeMap::new(), attempts }
-    }
-
-    fn add_rule(&mut self, rule: &str) {
-        if !self.rules.iter().any(|r| r == rule) {
-            self.rules.push(rule.to_string());
-        }
-    }
-}
-
-/// Adds a poison record, or the rule to a record already there (one message per record).
-fn push_letter<'r>(letters: &mut Vec<Letter<'r>>, new: Letter<'r>) {
-    match letters.iter_mut().find(|l| l.sequence == new.sequence) {
-        Some(l) => new.rules.iter().for_each(|r| l.add_rule(r)),
-        None => letters.push(new),
     }
 }
 

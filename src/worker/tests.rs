@@ -763,6 +763,8 @@ async fn a_refused_attribute_isolates_whole_records_and_hides_no_other_rule() {
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!((letters[0].reason.code.as_str(), letters[0].sequence_number.as_str()), ("write_rejected", "000000000000000000002"));
     assert_eq!(letters[0].rules, vec!["counts", "by-status"], "the letter names every rule of the refused record");
+    assert_eq!(letters[0].record["dynamodb"]["NewImage"]["status"]["S"], "BAD", "the refused record, read again from the stream");
+    assert!(!letters[0].images_cut);
 }
 
 /// A replica with `start_position: latest`, once it holds a lease and reads at the tip.
