@@ -408,3 +408,48 @@ fn a_call_that_never_answers_times_out() {
     assert!(err.to_lowercase().contains("timeout") || err.to_lowercase().contains("timed out"), "{err}");
     drop(holder);
 }
+
+/// `ttl_deletes: ignore` as a user meets it (config/commerce-measures.yaml): `simulate` shows a
+/// delete by DynamoDB's TTL service changing only the rule that counts it, a user's delete
+/// changing both, `validate` warns that reconcile cannot recompute the rule, and
+/// `reconcile --rule` refuses it before any request. (DynamoDB Local does not emulate TTL, so
+/// no emulator can produce the TTL service's record.)
+#[test]
+fn a_ttl_delete_under_ignore_changes_nothing_and_reconcile_refuses_the_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = root().join("config/commerce-measures.yaml").to_string_lossy().into_owned();
+    let remove = |seq: u32, identity: &str| {
+        format!(
+            r#"{{"eventName":"REMOVE",{identity}"dynamodb":{{"Keys":{{"PK":{{"S":"CUST#c1"}},"SK":{{"S":"ORDER#2026-11-30#o{seq}"}}}},"OldImage":{{"PK":{{"S":"CUST#c1"}},"SK":{{"S":"ORDER#2026-11-30#o{seq}"}},"status":{{"S":"PAID"}},"total":{{"N":"7.25"}}}},"SequenceNumber":"{seq}"}}}}"#
+        )
+    };
+    let ttl = r#""userIdentity":{"type":"Service","principalId":"dynamodb.amazonaws.com"},"#;
+    let attrs = |path: &str| {
+        let out = run(&["simulate", "--config", &config, "--records", path]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        deltas(&stdout(&out)).into_iter().map(|((_, sk, a), v)| (format!("{sk}.{a}"), v.to_string())).collect::<BTreeMap<_, _>>()
+    };
+    let by_ttl = attrs(&write(dir.path(), "ttl.jsonl", &remove(1, ttl)));
+    let want: BTreeMap<String, String> = [
+        ("PROFILE.avgOrder_count", "-1"),
+        ("PROFILE.avgOrder_sum", "-7.25"),
+        ("PROFILE.avgPaidOrder_count", "-1"),
+        ("PROFILE.avgPaidOrder_sum", "-7.25"),
+        ("PROFILE.orderCount", "-1"),
+        ("PROFILE.revenue", "-7.25"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    assert_eq!(by_ttl, want, "the TTL delete leaves PLACED alone");
+    let by_user = attrs(&write(dir.path(), "user.jsonl", &remove(2, "")));
+    assert_eq!(by_user.get("PLACED.ordersPlaced").map(String::as_str), Some("-1"), "{by_user:?}");
+    assert_eq!(by_user.get("PLACED.revenuePlaced").map(String::as_str), Some("-7.25"));
+    let o = run(&["validate", "--config", &config]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("warning: rule orders-placed cannot be reconciled: it has ttl_deletes: ignore"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("avgOrder_sum, avgOrder_count"), "validate lists what avg writes: {}", stdout(&o));
+    let o = run(&["reconcile", "--config", &config, "--rule", "orders-placed", "--customer", "c1"]);
+    assert_eq!(o.status.code(), Some(2), "{}{}", stdout(&o), stderr(&o));
+    assert!(stderr(&o).contains("the items that remain cannot recompute it"), "{}", stderr(&o));
+}

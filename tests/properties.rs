@@ -47,10 +47,26 @@ fn total() -> impl Strategy<Value = Option<String>> {
 /// One operation on item `item` (index into a small key space).
 #[derive(Debug, Clone)]
 enum Op {
-    Put { item: usize, status: Option<&'static str>, total: Option<String> },
-    SetStatus { item: usize, status: Option<&'static str> },
-    SetTotal { item: usize, total: Option<String> },
-    Delete { item: usize },
+    Put {
+        item: usize,
+        status: Option<&'static str>,
+        total: Option<String>,
+    },
+    SetStatus {
+        item: usize,
+        status: Option<&'static str>,
+    },
+    SetTotal {
+        item: usize,
+        total: Option<String>,
+    },
+    Delete {
+        item: usize,
+    },
+    /// A delete by DynamoDB's TTL service.
+    Expire {
+        item: usize,
+    },
 }
 
 const CUSTOMERS: [&str; 4] = ["c0", "c1", "zoë", "ACME-Corp"];
@@ -67,6 +83,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..ITEMS, status()).prop_map(|(item, status)| Op::SetStatus { item, status }),
         2 => (0..ITEMS, total()).prop_map(|(item, total)| Op::SetTotal { item, total }),
         1 => (0..ITEMS).prop_map(|item| Op::Delete { item }),
+        1 => (0..ITEMS).prop_map(|item| Op::Expire { item }),
     ]
 }
 
@@ -84,20 +101,36 @@ fn image(item: usize, o: &Order) -> Value {
     Value::Object(m)
 }
 
+/// A table's history: per-item record lists in stream order, the final items, and the items
+/// the TTL service deleted (as they were then).
+struct History {
+    records: Vec<Vec<Value>>,
+    table: BTreeMap<usize, Order>,
+    expired: Vec<(usize, Order)>,
+}
+
 /// Applies the ops to a table and returns (per-item record lists in order, final table).
 fn history(ops: &[Op]) -> (Vec<Vec<Value>>, BTreeMap<usize, Order>) {
+    let h = full_history(ops);
+    (h.records, h.table)
+}
+
+fn full_history(ops: &[Op]) -> History {
+    let mut expired = Vec::new();
     let mut table: BTreeMap<usize, Order> = BTreeMap::new();
     let mut records: Vec<Vec<Value>> = vec![Vec::new(); ITEMS];
     for op in ops {
         let item = match op {
-            Op::Put { item, .. } | Op::SetStatus { item, .. } | Op::SetTotal { item, .. } | Op::Delete { item } => *item,
+            Op::Put { item, .. } | Op::SetStatus { item, .. } | Op::SetTotal { item, .. } | Op::Delete { item } | Op::Expire { item } => {
+                *item
+            }
         };
         let old = table.get(&item).cloned();
         let new = match (op, &old) {
             (Op::Put { status, total, .. }, _) => Some(Order { status: *status, total: total.clone() }),
             (Op::SetStatus { status, .. }, Some(o)) => Some(Order { status: *status, ..o.clone() }),
             (Op::SetTotal { total, .. }, Some(o)) => Some(Order { total: total.clone(), ..o.clone() }),
-            (Op::Delete { .. }, _) => None,
+            (Op::Delete { .. } | Op::Expire { .. }, _) => None,
             (_, None) => continue, // updating a missing item writes nothing here
         };
         let (pk, sk) = key(item);
@@ -114,13 +147,18 @@ fn history(ops: &[Op]) -> (Vec<Vec<Value>>, BTreeMap<usize, Order>) {
         if let Some(n) = &new {
             ddb["NewImage"] = image(item, n);
         }
-        records[item].push(json!({"eventName": event, "dynamodb": ddb}));
+        let mut record = json!({"eventName": event, "dynamodb": ddb});
+        if let (Op::Expire { .. }, Some(o)) = (op, &old) {
+            record["userIdentity"] = json!({"type": "Service", "principalId": "dynamodb.amazonaws.com"});
+            expired.push((item, o.clone()));
+        }
+        records[item].push(record);
         match new {
             Some(n) => table.insert(item, n),
             None => table.remove(&item),
         };
     }
-    (records, table)
+    History { records, table, expired }
 }
 
 fn utc_day(date: &str) -> &'static str {
@@ -166,6 +204,51 @@ fn truth(table: &BTreeMap<usize, Order>) -> BTreeMap<(String, String, String), D
     out
 }
 
+/// The measures of config/commerce-measures.yaml from the final items (and, for the rule that
+/// ignores TTL deletes, the items the TTL service deleted), written without the engine.
+fn measures_truth(h: &History) -> BTreeMap<(String, String, String), Decimal> {
+    let mut out: BTreeMap<(String, String, String), Decimal> = BTreeMap::new();
+    let mut add = |pk: &str, sk: &str, attr: &str, v: Decimal| {
+        let e = out.entry((pk.to_string(), sk.to_string(), attr.to_string())).or_insert(Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    };
+    let placed = h.table.iter().map(|(i, o)| (*i, o)).chain(h.expired.iter().map(|(i, o)| (*i, o)));
+    for (item, o) in placed {
+        let (pk, _) = key(item);
+        add(&pk, "PLACED", "ordersPlaced", Decimal::ONE);
+        if let Some(t) = o.total.as_deref() {
+            add(&pk, "PLACED", "revenuePlaced", Decimal::parse(t).unwrap());
+        }
+    }
+    for (item, o) in &h.table {
+        let (pk, _) = key(*item);
+        add(&pk, "PROFILE", "orderCount", Decimal::ONE);
+        let Some(t) = o.total.as_deref().map(|t| Decimal::parse(t).unwrap()) else { continue };
+        add(&pk, "PROFILE", "revenue", t);
+        add(&pk, "PROFILE", "avgOrder_sum", t);
+        add(&pk, "PROFILE", "avgOrder_count", Decimal::ONE);
+        if matches!(o.status, Some("PAID" | "SHIPPED")) {
+            add(&pk, "PROFILE", "avgPaidOrder_sum", t);
+            add(&pk, "PROFILE", "avgPaidOrder_count", Decimal::ONE);
+        }
+    }
+    out.retain(|_, v| !v.is_zero());
+    out
+}
+
+/// Interleaves per-item record lists (each item's order kept, as a stream guarantees).
+fn interleave(per_item: Vec<Vec<Value>>, picks: Vec<u16>) -> Vec<Value> {
+    let mut queues: Vec<std::collections::VecDeque<Value>> = per_item.into_iter().map(Into::into).collect();
+    let mut records = Vec::new();
+    let mut pick = picks.into_iter();
+    while queues.iter().any(|q| !q.is_empty()) {
+        let live: Vec<usize> = (0..queues.len()).filter(|i| !queues[*i].is_empty()).collect();
+        let i = live[pick.next().map(usize::from).unwrap_or(0) % live.len()];
+        records.extend(queues[i].pop_front());
+    }
+    records
+}
+
 fn run_batches(engine: &Engine, records: &[Value], cuts: &[usize]) -> BTreeMap<(String, String, String), Decimal> {
     let mut out: BTreeMap<(String, String, String), Decimal> = BTreeMap::new();
     let mut start = 0;
@@ -199,17 +282,20 @@ proptest! {
     fn deltas_equal_aggregates_of_final_items(ops in prop::collection::vec(op(), 1..120), picks in prop::collection::vec(any::<u16>(), 0..400), cuts in prop::collection::vec(any::<usize>(), 0..6)) {
         let engine = engine();
         let (per_item, table) = history(&ops);
-        // Interleave: repeatedly take the next record of a chosen item (per-item order kept,
-        // as a stream guarantees).
-        let mut queues: Vec<std::collections::VecDeque<Value>> = per_item.into_iter().map(Into::into).collect();
-        let mut records = Vec::new();
-        let mut pick = picks.into_iter();
-        while queues.iter().any(|q| !q.is_empty()) {
-            let live: Vec<usize> = (0..queues.len()).filter(|i| !queues[*i].is_empty()).collect();
-            let i = live[pick.next().map(usize::from).unwrap_or(0) % live.len()];
-            records.extend(queues[i].pop_front());
-        }
+        let records = interleave(per_item, picks);
         prop_assert_eq!(run_batches(&engine, &records, &cuts), truth(&table));
+    }
+
+    /// The same for averages and a rule that ignores TTL deletes: the averages' sums and counts
+    /// follow the final items, and "orders placed" keeps the orders the TTL service deleted.
+    #[test]
+    fn averages_and_ttl_ignoring_counts_equal_the_truth(ops in prop::collection::vec(op(), 1..120), picks in prop::collection::vec(any::<u16>(), 0..400), cuts in prop::collection::vec(any::<usize>(), 0..6)) {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
+        let engine = Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine;
+        let h = full_history(&ops);
+        let want = measures_truth(&h);
+        let records = interleave(h.records, picks);
+        prop_assert_eq!(run_batches(&engine, &records, &cuts), want);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use serde_json::Value;
 
 use crate::pattern::{Pattern, PatternError, PatternOptions, PatternSet};
 use crate::rules::template::Template;
-use crate::rules::{Engine, Measure, MeasureKind, ReconcileSource, Rule, RESERVED_ATTRIBUTE_PREFIX};
+use crate::rules::{Engine, Measure, MeasureKind, ReconcileSource, Rule, TtlDeletes, RESERVED_ATTRIBUTE_PREFIX};
 use raw::{RawConfig, RawRule};
 
 /// Prefix of environment variables that override settings; `__` separates path segments.
@@ -524,8 +524,29 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
         if name.contains('.') || name.contains('[') {
             return Err(err(&at, "measures are top-level attributes: DynamoDB's ADD cannot create nested paths, so no '.' or '['"));
         }
+        if let Some(avg) = spec.as_object().and_then(|o| o.get("avg")) {
+            measures.extend(validate_avg(&at, name, spec, avg, options)?);
+            continue;
+        }
         measures.push(validate_measure(&at, name_t, spec, options)?);
     }
+    let mut written = BTreeSet::new();
+    if let Some(twice) = measures.iter().find(|m| !written.insert(m.name.text())) {
+        return Err(err(
+            format!("{path}.measures"),
+            format!("{} is written twice by this rule (avg: NAME writes NAME_sum and NAME_count)", twice.name),
+        ));
+    }
+    let ttl_deletes = match r.ttl_deletes.as_deref() {
+        None | Some("count") => TtlDeletes::Count,
+        Some("ignore") => TtlDeletes::Ignore,
+        Some(other) => {
+            return Err(err(
+                format!("{path}.ttl_deletes"),
+                format!("{other:?}: give count (a TTL delete is a delete, the default) or ignore (a TTL delete changes nothing)"),
+            ))
+        }
+    };
     let reconcile = match &r.reconcile {
         None => ReconcileSource::Scan,
         Some(rec) => match (&rec.query, rec.scan) {
@@ -536,7 +557,7 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
         },
     };
     let stream_only = r.filter.as_ref().map(stream_only_fields).unwrap_or_default();
-    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile, stream_only })
+    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile, stream_only, ttl_deletes })
 }
 
 fn pattern_err(outer: &str, e: PatternError) -> ConfigError {
@@ -544,8 +565,30 @@ fn pattern_err(outer: &str, e: PatternError) -> ConfigError {
     ConfigError { path: e.path, message: e.message }
 }
 
+/// `avg: ATTR`: kept as its sum and its count, `<name>_sum` and `<name>_count` (both exact
+/// and invertible, so updates and deletes keep the average right; readers divide).
+fn validate_avg(at: &str, name: &str, spec: &Value, avg: &Value, options: PatternOptions) -> Result<[Measure; 2], ConfigError> {
+    let attr = match avg {
+        Value::String(a) if !a.is_empty() && !a.contains(char::is_whitespace) && !a.contains('*') => a.clone(),
+        _ => return Err(err(format!("{at}.avg"), "must be an attribute name (the average of a product is not supported)")),
+    };
+    let mut sum = spec.clone();
+    if let Some(o) = sum.as_object_mut() {
+        if let Some(k) = o.keys().find(|k| !matches!(k.as_str(), "avg" | "where")) {
+            return Err(err(format!("{at}.{k}"), "unknown key; avg takes an attribute name and an optional where"));
+        }
+        o.remove("avg");
+        o.insert("sum".into(), Value::String(attr.clone()));
+    }
+    let sum_name = template(at, &format!("{name}_sum"))?;
+    let count_name = template(at, &format!("{name}_count"))?;
+    let sum = validate_measure(at, sum_name, &sum, options)?;
+    let count = Measure { name: count_name, kind: MeasureKind::CountOf(attr), filter: sum.filter.clone() };
+    Ok([sum, count])
+}
+
 fn validate_measure(at: &str, name: Template, spec: &Value, options: PatternOptions) -> Result<Measure, ConfigError> {
-    let usage = "use count, {count: true}, {sum: ATTR} or {sum: \"ATTR * ATTR\"}, with an optional where";
+    let usage = "use count, {count: true}, {sum: ATTR}, {sum: \"ATTR * ATTR\"} or {avg: ATTR}, with an optional where";
     let obj = match spec {
         Value::String(s) if s == "count" => return Ok(Measure { name, kind: MeasureKind::Count, filter: None }),
         Value::Object(o) => o,

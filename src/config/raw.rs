@@ -161,10 +161,13 @@ pub struct RawRule {
     pub numeric_strings: bool,
     pub source_key: IndexMap<String, String>,
     pub target: IndexMap<String, String>,
-    /// Attribute name (template) -> `count` or `{count: true | sum: ATTR, where: PATTERN}`.
+    /// Attribute name (template) -> `count` or `{count: true | sum: ATTR | avg: ATTR, where: PATTERN}`.
     pub measures: IndexMap<String, serde_json::Value>,
     #[serde(default)]
     pub reconcile: Option<RawRuleReconcile>,
+    /// `count` (default: a TTL delete is a delete) or `ignore`.
+    #[serde(default)]
+    pub ttl_deletes: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -265,3 +265,41 @@ fn aws_timeouts_and_retries() {
         assert!(e.contains(path), "{section}: {e}");
     }
 }
+
+/// `avg: ATTR` is kept as `<name>_sum` and `<name>_count`, both under the measure's `where`;
+/// the count counts images that hold the attribute.
+#[test]
+fn avg_is_a_sum_and_a_count_of_the_attribute() {
+    let text = demo_with(
+        "      orderCount: count\n",
+        "      orderCount: count\n      avgOrder: { avg: total, where: { status: { S: [PAID] } } }\n",
+    );
+    let c = load(&text).unwrap();
+    let m: Vec<(String, &MeasureKind, bool)> =
+        c.engine.rules[0].measures.iter().map(|m| (m.name.to_string(), &m.kind, m.filter.is_some())).collect();
+    assert!(m.contains(&("avgOrder_sum".into(), &MeasureKind::Sum("total".into()), true)), "{m:?}");
+    assert!(m.contains(&("avgOrder_count".into(), &MeasureKind::CountOf("total".into()), true)), "{m:?}");
+    assert!(!m.iter().any(|(n, _, _)| n == "avgOrder"), "no attribute of the bare name");
+    for (spec, why) in [
+        ("{ avg: \"qty * price\" }", "measures.avgOrder.avg: must be an attribute name"),
+        ("{ avg: 5 }", "measures.avgOrder.avg: must be an attribute name"),
+        ("{ avg: total, sum: total }", "measures.avgOrder.sum: unknown key"),
+    ] {
+        let e = load_err(&demo_with("      orderCount: count\n", &format!("      orderCount: count\n      avgOrder: {spec}\n")));
+        assert!(e.contains(why), "{spec}: {e}");
+    }
+    let clash =
+        demo_with("      orderCount: count\n", "      orderCount: count\n      avgOrder: { avg: total }\n      avgOrder_sum: count\n");
+    assert!(load_err(&clash).contains("avgOrder_sum"), "a measure may not repeat a half of an avg");
+}
+
+#[test]
+fn ttl_deletes_count_by_default_and_can_be_ignored() {
+    let c = load(DEMO).unwrap();
+    assert!(c.engine.rules.iter().all(|r| r.ttl_deletes == TtlDeletes::Count));
+    let at = "    reconcile:\n      query: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n";
+    let ignore = demo_with(at, &format!("{at}    ttl_deletes: ignore\n"));
+    assert_eq!(load(&ignore).unwrap().engine.rules[0].ttl_deletes, TtlDeletes::Ignore);
+    let e = load_err(&demo_with(at, &format!("{at}    ttl_deletes: skip\n")));
+    assert!(e.starts_with("rules[0].ttl_deletes: \"skip\": give count"), "{e}");
+}

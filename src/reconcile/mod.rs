@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::rules::Rule;
+use crate::rules::{Rule, TtlDeletes};
 pub use dynamodb::Reconciler;
 pub use replay::{replay_dead_letters, ReplaySummary};
 pub use report::{Drift, Report, Stored};
@@ -48,8 +48,15 @@ pub enum ReconcileError {
 }
 
 /// Why reconcile refuses a rule, if it does: its filter reads fields of the stream record that
-/// the source items do not hold, so the truth would be a different definition.
+/// the source items do not hold, or it ignores TTL deletes (it still counts items that are
+/// gone), so a truth recomputed from the items would be a different definition.
 pub fn refusal(rule: &Rule) -> Option<String> {
+    if rule.ttl_deletes == TtlDeletes::Ignore {
+        return Some(format!(
+            "rule {} cannot be reconciled: it has ttl_deletes: ignore, so it keeps the contributions of items the TTL service deleted, and the items that remain cannot recompute it",
+            rule.name
+        ));
+    }
     (!rule.stream_only.is_empty()).then(|| {
         format!(
             "rule {} cannot be reconciled: its filter reads {}, which the source items do not hold (only stream records do), so a truth recomputed from the items would follow a different definition",
@@ -131,7 +138,7 @@ pub fn check(config: &Config, opts: &Options) -> Result<Vec<Rule>, ReconcileErro
         }
     }
     let refused: Vec<String> = rules.iter().filter_map(refusal).collect();
-    rules.retain(|r| r.stream_only.is_empty());
+    rules.retain(|r| refusal(r).is_none());
     if rules.is_empty() {
         return Err(ReconcileError::BadInput(refused.join("; ")));
     }

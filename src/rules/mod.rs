@@ -97,6 +97,9 @@ impl fmt::Display for Poison {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MeasureKind {
     Count,
+    /// 1 per image holding a number in the attribute: the `_count` half of `avg`, so an item
+    /// without the attribute leaves the average alone (as SQL's AVG skips NULL).
+    CountOf(String),
     Sum(String),
     /// `sum: "qty * unitPrice"`
     Product(String, String),
@@ -135,6 +138,18 @@ pub struct Rule {
     /// (`eventName`, `userIdentity`, `dynamodb.OldImage`, ...): reconcile cannot recompute such
     /// a rule from the items, so it refuses it.
     pub stream_only: Vec<String>,
+    pub ttl_deletes: TtlDeletes,
+}
+
+/// How a rule counts a delete by DynamoDB's TTL service (`ttl_deletes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TtlDeletes {
+    /// A TTL delete is a delete (the default).
+    #[default]
+    Count,
+    /// A TTL delete changes nothing: "orders ever placed" keeps expired orders. The items that
+    /// remain cannot recompute such a rule, so reconcile refuses it.
+    Ignore,
 }
 
 /// One record's effect on one target: attribute -> signed delta.
@@ -232,6 +247,7 @@ impl Rule {
             let at = || format!("measures.{}", measure.name);
             let value = match &measure.kind {
                 MeasureKind::Count => Some(Decimal::ONE),
+                MeasureKind::CountOf(attr) => self.number(image, attr, &at(), &captures)?.map(|_| Decimal::ONE),
                 MeasureKind::Sum(attr) => self.number(image, attr, &at(), &captures)?,
                 MeasureKind::Product(a, b) => match (self.number(image, a, &at(), &captures)?, self.number(image, b, &at(), &captures)?) {
                     (Some(x), Some(y)) => Some(
@@ -363,7 +379,7 @@ impl Engine {
             if let Some(slot) = passed.get_mut(i) {
                 *slot = pass;
             }
-            if !pass {
+            if !pass || (decoded.ttl_delete && rule.ttl_deletes == TtlDeletes::Ignore) {
                 continue;
             }
             report.matched.push(i);

@@ -36,7 +36,13 @@ pub struct StreamRecord<'a> {
     pub sequence_number: Option<&'a str>,
     /// Epoch seconds.
     pub approximate_creation: Option<Decimal>,
+    /// A REMOVE by DynamoDB's TTL service (`userIdentity` type Service, principal
+    /// dynamodb.amazonaws.com), not by a user.
+    pub ttl_delete: bool,
 }
+
+/// The principal DynamoDB's TTL service deletes items as.
+pub const TTL_PRINCIPAL: &str = "dynamodb.amazonaws.com";
 
 impl<'a> StreamRecord<'a> {
     /// Checks the record's shape. The message says what is wrong, never what the item holds.
@@ -87,7 +93,11 @@ impl<'a> StreamRecord<'a> {
             }
             Some(_) => return Err("dynamodb.ApproximateCreationDateTime must be a number (epoch seconds)".into()),
         };
-        Ok(StreamRecord { raw, event_name, keys, new_image, old_image, sequence_number, approximate_creation })
+        let identity = obj.get("userIdentity");
+        let ttl_delete = event_name == EventName::Remove
+            && identity.and_then(|i| i.get("type")).and_then(Value::as_str) == Some("Service")
+            && identity.and_then(|i| i.get("principalId")).and_then(Value::as_str) == Some(TTL_PRINCIPAL);
+        Ok(StreamRecord { raw, event_name, keys, new_image, old_image, sequence_number, approximate_creation, ttl_delete })
     }
 }
 
@@ -130,6 +140,25 @@ mod tests {
             let err = StreamRecord::decode(&bad).unwrap_err();
             assert!(err.contains(why), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn only_a_remove_by_the_ttl_service_is_a_ttl_delete() {
+        let rec = |event: &str, identity: Value| {
+            let mut r = json!({"eventName": event, "dynamodb": {"Keys": {}, "NewImage": {}, "OldImage": {}}});
+            if !identity.is_null() {
+                r["userIdentity"] = identity;
+            }
+            r
+        };
+        let ttl = json!({"type": "Service", "principalId": "dynamodb.amazonaws.com"});
+        let is_ttl = |r: &Value| StreamRecord::decode(r).unwrap().ttl_delete;
+        assert!(is_ttl(&rec("REMOVE", ttl.clone())));
+        assert!(!is_ttl(&rec("REMOVE", Value::Null)), "a user's delete");
+        assert!(!is_ttl(&rec("MODIFY", ttl)), "TTL only deletes");
+        assert!(!is_ttl(&rec("REMOVE", json!({"type": "Service", "principalId": "other.amazonaws.com"}))));
+        assert!(!is_ttl(&rec("REMOVE", json!({"type": "User", "principalId": "dynamodb.amazonaws.com"}))));
+        assert!(!is_ttl(&rec("REMOVE", json!("Service"))), "an odd shape is not TTL");
     }
 
     #[test]

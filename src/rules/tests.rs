@@ -180,3 +180,69 @@ fn malformed_records_are_poison_without_a_rule() {
     assert_eq!(p[0].rule, None);
     assert_eq!(p[0].to_string(), "malformed_record: an INSERT record has no NewImage (the stream must be NEW_AND_OLD_IMAGES)");
 }
+
+/// `avg` keeps its sum and the count of images holding the attribute: an update moves both,
+/// a total removed from an order leaves its count, a delete takes both away.
+#[test]
+fn avg_moves_its_sum_and_count_through_updates_and_deletes() {
+    let e = engine(
+        r#"  - name: averages
+    filter: { dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }
+    source_key: { PK: "CUST#{customer}", SK: "ORDER#{date}#{order_id}" }
+    target: { PK: "AVG#{customer}", SK: "PROFILE" }
+    measures:
+      avgOrder: { avg: total }
+      avgPaid: { avg: total, where: { status: { S: [PAID] } } }
+"#,
+    );
+    let avg = |rec: &Value| -> Vec<String> { deltas_of(&e, rec).unwrap().into_iter().filter(|d| d.starts_with("AVG#")).collect() };
+    let insert = record("INSERT", None, Some(order("PAID", json!({"N": "10.5"}))));
+    assert_eq!(
+        avg(&insert),
+        [
+            "AVG#c1/PROFILE:avgOrder_count=1",
+            "AVG#c1/PROFILE:avgOrder_sum=10.5",
+            "AVG#c1/PROFILE:avgPaid_count=1",
+            "AVG#c1/PROFILE:avgPaid_sum=10.5"
+        ]
+    );
+    let change = record("MODIFY", Some(order("PAID", json!({"N": "10.5"}))), Some(order("PENDING", json!({"N": "12"}))));
+    assert_eq!(
+        avg(&change),
+        ["AVG#c1/PROFILE:avgOrder_sum=1.5", "AVG#c1/PROFILE:avgPaid_count=-1", "AVG#c1/PROFILE:avgPaid_sum=-10.5"],
+        "the count of all orders stays, the paid one leaves"
+    );
+    let mut no_total = order("PENDING", json!(null));
+    no_total.as_object_mut().unwrap().remove("total");
+    let dropped = record("MODIFY", Some(order("PENDING", json!({"N": "12"}))), Some(no_total.clone()));
+    assert_eq!(
+        avg(&dropped),
+        ["AVG#c1/PROFILE:avgOrder_count=-1", "AVG#c1/PROFILE:avgOrder_sum=-12"],
+        "an order without a total leaves the average"
+    );
+    assert!(avg(&record("INSERT", None, Some(no_total))).is_empty());
+    let bad = record("INSERT", None, Some(order("PAID", json!({"S": "ten"}))));
+    assert_eq!(deltas_of(&e, &bad).unwrap_err()[0].code, PoisonCode::NonNumericSum, "a total that is not a number is poison, as for sum");
+}
+
+/// `ttl_deletes: ignore`: a REMOVE by DynamoDB's TTL service changes nothing for that rule (the
+/// other rules subtract it); a user's delete still subtracts.
+#[test]
+fn a_ttl_delete_changes_nothing_under_ignore() {
+    let e = engine(
+        r#"  - name: orders-ever
+    ttl_deletes: ignore
+    filter: { dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }
+    source_key: { PK: "CUST#{customer}", SK: "ORDER#{date}#{order_id}" }
+    target: { PK: "EVER#{customer}", SK: "PROFILE" }
+    measures: { ordersEver: count }
+"#,
+    );
+    let mut ttl = record("REMOVE", Some(order("PAID", json!({"N": "10"}))), None);
+    ttl["userIdentity"] = json!({"type": "Service", "principalId": "dynamodb.amazonaws.com"});
+    let got = deltas_of(&e, &ttl).unwrap();
+    assert!(!got.iter().any(|d| d.starts_with("EVER#")), "{got:?}");
+    assert!(got.contains(&"CUST#c1/PROFILE:orderCount=-1".to_string()), "the default rule counts the TTL delete: {got:?}");
+    let user = record("REMOVE", Some(order("PAID", json!({"N": "10"}))), None);
+    assert!(deltas_of(&e, &user).unwrap().contains(&"EVER#c1/PROFILE:ordersEver=-1".to_string()));
+}
