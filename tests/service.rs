@@ -402,3 +402,102 @@ async fn a_shard_whose_writes_all_fail_shows_a_rising_iterator_age() {
     assert!(proxy.injected.load(std::sync::atomic::Ordering::SeqCst) > 0, "the writes were refused");
     println!("iterator age of {shard} rose to {last:.0} s over 2 minutes of failing writes ({samples} samples)");
 }
+
+/// config/commerce-measures.yaml on the table itself (aggregates next to the orders).
+fn write_measures_config(dir: &std::path::Path, table: &str) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(root().join("config/commerce-measures.yaml")).unwrap();
+    let text = text
+        .replace("table: commerce-main", &format!("table: {table}"))
+        .replace("table: commerce-aggregates", &format!("table: {table}"))
+        .replace("table: ddb-aggregator-state", &format!("table: {table}-state\n  lease_duration: {LEASE}"))
+        .replace(
+            "queue_url: http://localhost:9324/000000000000/ddb-aggregator-dlq",
+            &format!("queue_url: {}/000000000000/{table}-dlq", sqs_endpoint()),
+        );
+    let path = dir.join(format!("{table}.yaml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The measures of config/commerce-measures.yaml from a scan of the orders (no TTL deletes:
+/// DynamoDB Local does not emulate TTL), and the stored values of the PROFILE and PLACED items.
+fn measures_truth_and_stored(items: &[std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>]) -> (Values, Values) {
+    let mut want: Values = Default::default();
+    let mut add = |pk: &str, sk: &str, a: &str, v: ddb_aggregator::decimal::Decimal| {
+        let e = want.entry((pk.to_string(), sk.to_string(), a.to_string())).or_insert(ddb_aggregator::decimal::Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    };
+    let one = ddb_aggregator::decimal::Decimal::ONE;
+    let s = |item: &std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>, k: &str| {
+        item.get(k).and_then(|v| v.as_s().ok()).cloned().unwrap_or_default()
+    };
+    for item in items.iter().filter(|i| s(i, "SK").starts_with("ORDER#")) {
+        let pk = s(item, "PK");
+        add(&pk, "PROFILE", "orderCount", one);
+        add(&pk, "PLACED", "ordersPlaced", one);
+        let Some(total) = item.get("total").and_then(|v| v.as_n().ok()).map(|n| ddb_aggregator::decimal::Decimal::parse(n).unwrap()) else {
+            continue;
+        };
+        for a in ["revenue", "avgOrder_sum"] {
+            add(&pk, "PROFILE", a, total);
+        }
+        add(&pk, "PROFILE", "avgOrder_count", one);
+        add(&pk, "PLACED", "revenuePlaced", total);
+        if matches!(s(item, "status").as_str(), "PAID" | "SHIPPED") {
+            add(&pk, "PROFILE", "avgPaidOrder_sum", total);
+            add(&pk, "PROFILE", "avgPaidOrder_count", one);
+        }
+    }
+    want.retain(|_, v| !v.is_zero());
+    let mut got: Values = Default::default();
+    for item in items.iter().filter(|i| matches!(s(i, "SK").as_str(), "PROFILE" | "PLACED")) {
+        for (a, v) in item.iter().filter(|(a, _)| !a.starts_with("_agg")) {
+            if let Ok(n) = v.as_n() {
+                let d = ddb_aggregator::decimal::Decimal::parse(n).unwrap();
+                if !d.is_zero() {
+                    got.insert((s(item, "PK"), s(item, "SK"), a.clone()), d);
+                }
+            }
+        }
+    }
+    (want, got)
+}
+
+/// Averages (kept as sums and counts) and the rule that ignores TTL deletes, through the
+/// commerce workload (status and total changes, deletes) and SIGKILLs: every customer's
+/// avgOrder_sum/_count, avgPaidOrder_sum/_count and PLACED counts equal a scan's truth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn averages_survive_sigkills_exactly() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("avg");
+    create_source_table(&c, &table).await;
+    let config = write_measures_config(dir.path(), &table);
+    let writer = {
+        let (c, table) = (c.clone(), table.clone());
+        tokio::spawn(async move { workload(&c, &table, 2500, 30, 4, 11).await })
+    };
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    let mut rng = fastrand::Rng::with_seed(3);
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(rng.u64(500..2000))).await;
+        svc.kill();
+        svc = Service::start(&config, dir.path(), "svc", &[]);
+    }
+    assert!(writer.await.unwrap() >= 2500);
+    let started = Instant::now();
+    loop {
+        let (want, got) = measures_truth_and_stored(&scan(&c, &table).await);
+        assert!(want.keys().any(|(_, _, a)| a == "avgPaidOrder_count"), "the workload pays orders");
+        if want == got {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(90) {
+            let diff: Vec<_> = want.iter().filter(|(k, v)| got.get(*k) != Some(v)).take(5).collect();
+            panic!("measures differ from the truth: {diff:?}\n{}", svc.log_tail());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drop(svc);
+}
