@@ -87,11 +87,13 @@ impl StreamSource for DynamoDbStream {
     async fn records(&self, iterator: &str, limit: u32) -> Result<Page, StreamError> {
         let limit = i32::try_from(limit.clamp(1, 1000)).unwrap_or(1000);
         let resp = self.client.get_records().shard_iterator(iterator).limit(limit).send().await.map_err(map_err)?;
-        let mut records = Vec::with_capacity(resp.records().len());
-        for r in resp.records() {
-            records.push(record_to_json(r).map_err(StreamError::Fatal)?);
+        let sdk = resp.records.unwrap_or_default();
+        let mut records = Vec::with_capacity(sdk.len());
+        // Each SDK record is freed once converted: the page is not held in both forms at once.
+        for r in sdk {
+            records.push(record_to_json(&r).map_err(StreamError::Fatal)?);
         }
-        Ok(Page { records, next_iterator: resp.next_shard_iterator().map(str::to_string) })
+        Ok(Page { records, next_iterator: resp.next_shard_iterator })
     }
 }
 

@@ -52,6 +52,8 @@ impl ShardLease {
 
 /// Most concurrent aggregate writes per batch.
 const WRITE_CONCURRENCY: usize = 16;
+/// Attempts at re-reading a refused record for its letter before the batch fails.
+const REREAD_ATTEMPTS: u32 = 5;
 /// GetRecords returns at most 1,000 records; larger batches gather several pages.
 const GET_RECORDS_MAX: u32 = 1000;
 pub const IDLE_MIN: Duration = Duration::from_millis(100);
@@ -553,18 +555,18 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                     Err(SinkError::Invalid(why)) => {
                         attempts += 1;
                         if attempts >= max_attempts {
-                            let seq = single.contributions.first().and_then(|c| c.sequence.clone()).unwrap_or_default();
                             let mut rules: Vec<String> =
                                 single.contributions.iter().filter_map(|c| c.rule.as_deref().map(str::to_string)).collect();
                             rules.dedup();
-                            let letter = Letter {
-                                code: "write_rejected".into(),
-                                message: why,
-                                rules,
-                                attempts: max_attempts,
-                                ..self.reread(&seq).await
-                            };
-                            self.send_letters(&[letter]).await?;
+                            match single.contributions.first().and_then(|c| c.sequence.clone()) {
+                                Some(seq) => {
+                                    let letter = self.refused_letter(&seq, why, rules, max_attempts).await?;
+                                    self.send_letters(&[letter]).await?;
+                                }
+                                None => {
+                                    error!(shard = %self.shard(), error = %why, "a record without a sequence number was refused; it cannot be dead-lettered")
+                                }
+                            }
                             break;
                         }
                         tokio::time::sleep(crate::sink::backoff(attempts)).await;
@@ -576,27 +578,36 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         Ok(fenced)
     }
 
-    /// The full record of a letter whose write the table refused, read again from the stream:
-    /// a batch keeps no records once evaluated. A record the stream no longer returns (trimmed,
-    /// or the read fails) travels as its sequence number alone, marked cut, and is logged, so
-    /// the letter still names it.
-    async fn reread(&self, seq: &str) -> Letter {
-        match self.read_one(seq).await {
-            Ok(Some(record)) => Letter::new(record, "", String::new(), Vec::new(), 0),
-            outcome => {
-                let why = match outcome {
-                    Err(e) => e.to_string(),
-                    _ => "the stream did not return it".to_string(),
-                };
-                error!(shard = %self.shard(), sequence_number = %seq, error = %why, "cannot read a refused record again; its letter carries only its sequence number");
-                Letter { cut: true, ..Letter::new(json!({ "dynamodb": { "SequenceNumber": seq } }), "", String::new(), Vec::new(), 0) }
+    /// The letter of a record whose write the table refused. A batch keeps no records once
+    /// evaluated, so the record is read again from the stream. A read that fails for a while
+    /// (throttling, 5xx, empty pages) fails the batch, which is re-read later: nothing is
+    /// lost. A record the stream no longer has (trimmed, or another record in its place)
+    /// travels as its sequence number alone, marked cut, the reason saying so.
+    async fn refused_letter(&self, seq: &str, why: String, rules: Vec<String>, attempts: u32) -> Result<Letter, SinkError> {
+        let mut failures = 0;
+        let gone = loop {
+            match self.read_one(seq).await {
+                Ok(Some(record)) => return Ok(Letter::new(record, "write_rejected", why, rules, attempts)),
+                Ok(None) => break "the stream returned another record in its place".to_string(),
+                Err(e) if e.is_retriable() && failures < REREAD_ATTEMPTS => {
+                    failures += 1;
+                    tokio::time::sleep(crate::sink::backoff(failures)).await;
+                }
+                Err(e) if e.is_retriable() => return Err(SinkError::Transient(format!("re-reading refused record {seq}: {e}"))),
+                Err(e) => break e.to_string(),
             }
-        }
+        };
+        error!(shard = %self.shard(), sequence_number = %seq, error = %gone, "cannot read a refused record again; its letter carries only its sequence number");
+        let message =
+            format!("{why} (the record could not be read again from the stream: {gone}; this letter holds only its sequence number)");
+        let record = json!({ "dynamodb": { "SequenceNumber": seq } });
+        Ok(Letter { cut: true, ..Letter::new(record, "write_rejected", message, rules, attempts) })
     }
 
+    /// The record `seq` of this shard, or None when the stream answers another one first (or
+    /// the shard ends). Only empty pages are a transient error.
     async fn read_one(&self, seq: &str) -> Result<Option<Value>, StreamError> {
         let mut it = self.shared.source.iterator(&self.lease.shard_id, &Position::At(seq.to_string())).await?;
-        // GetRecords may answer empty pages before the records: a few calls, bounded.
         for _ in 0..3 {
             let page = self.shared.source.records(&it, 1).await?;
             if let Some(first) = page.records.into_iter().next() {
@@ -607,7 +618,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                 None => return Ok(None),
             }
         }
-        Ok(None)
+        Err(StreamError::Transient(format!("only empty pages at sequence number {seq}")))
     }
 
     /// A target item refused this shard by its floor. For a stalled former owner that is the

@@ -1098,3 +1098,60 @@ fn an_empty_poll_soon_after_records_waits_the_minimum_and_an_idle_shard_backs_of
     assert_eq!(next_idle(ms(200), &p, None), ms(250));
     assert_eq!(next_idle(ms(250), &p, None), ms(250));
 }
+
+/// The letter of a refused write re-reads its record from the stream (a batch keeps none).
+/// `fault` strikes once the first write is refused, while the record is isolated: throttling
+/// is retried and the letter still carries the full record; a record trimmed meanwhile travels
+/// as its sequence number alone, marked cut, the reason saying why. Either way the other
+/// records land and the shard moves on.
+async fn refused_letter_after(fault: impl FnOnce(&SimStream, &str)) -> crate::sink::dead_letter::DeadLetter {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let dlq = Arc::new(MemoryDeadLetters::default());
+    fakes.2.put(&["CUST#c1", "PROFILE"], "orders_BAD", MemValue::Str("not a number".into()));
+    let shard = fakes.0.add_shard(None);
+    for (n, status) in [(1, "PAID"), (2, "BAD"), (3, "PAID"), (4, "PENDING")] {
+        fakes.0.append(&shard, order("c1", n, "INSERT", "1", status));
+    }
+    let mut config = two_rule_config();
+    // Isolation retries the refused record (backing off) before the letter: the fault's window.
+    if let Some(d) = config.dead_letter.as_mut() {
+        d.max_attempts = 4;
+    }
+    let r = start_config(&fakes, "r1", Some(dlq.clone()), config);
+    for _ in 0..200 {
+        if fakes.2.calls() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    fault(&fakes.0, &shard);
+    for _ in 0..200 {
+        if dlq.letters().len() == 1 && fakes.2.numbers().len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    let key = |a: &str| (vec!["CUST#c1".to_string(), "PROFILE".to_string()], a.to_string());
+    assert_eq!(fakes.2.numbers().get(&key("orderCount")), Some(&Decimal::from_i64(3)), "the other records landed");
+    let letters = dlq.letters();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!((letters[0].reason.code.as_str(), letters[0].sequence_number.as_str()), ("write_rejected", "000000000000000000002"));
+    letters[0].clone()
+}
+
+#[tokio::test]
+async fn a_refused_record_is_read_again_through_throttling() {
+    let letter = refused_letter_after(|s, _| s.throttle_next(3)).await;
+    assert_eq!(letter.record["dynamodb"]["NewImage"]["status"]["S"], "BAD", "{letter:?}");
+    assert!(!letter.images_cut);
+}
+
+#[tokio::test]
+async fn a_refused_record_trimmed_meanwhile_is_lettered_by_its_sequence_number() {
+    let letter = refused_letter_after(|s, shard| s.trim(shard, 4)).await;
+    assert!(letter.images_cut, "{letter:?}");
+    assert_eq!(letter.record, json!({"dynamodb": {"SequenceNumber": "000000000000000000002"}}));
+    assert!(letter.reason.message.contains("could not be read again from the stream"), "{}", letter.reason.message);
+}
