@@ -403,22 +403,6 @@ async fn a_shard_whose_writes_all_fail_shows_a_rising_iterator_age() {
     println!("iterator age of {shard} rose to {last:.0} s over 2 minutes of failing writes ({samples} samples)");
 }
 
-/// config/commerce-measures.yaml on the table itself (aggregates next to the orders).
-fn write_measures_config(dir: &std::path::Path, table: &str) -> std::path::PathBuf {
-    let text = std::fs::read_to_string(root().join("config/commerce-measures.yaml")).unwrap();
-    let text = text
-        .replace("table: commerce-main", &format!("table: {table}"))
-        .replace("table: commerce-aggregates", &format!("table: {table}"))
-        .replace("table: ddb-aggregator-state", &format!("table: {table}-state\n  lease_duration: {LEASE}"))
-        .replace(
-            "queue_url: http://localhost:9324/000000000000/ddb-aggregator-dlq",
-            &format!("queue_url: {}/000000000000/{table}-dlq", sqs_endpoint()),
-        );
-    let path = dir.join(format!("{table}.yaml"));
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
 /// The measures of config/commerce-measures.yaml from a scan of the orders (no TTL deletes:
 /// DynamoDB Local does not emulate TTL), and the stored values of the PROFILE and PLACED items.
 fn measures_truth_and_stored(items: &[std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>]) -> (Values, Values) {
@@ -473,7 +457,7 @@ async fn averages_survive_sigkills_exactly() {
     let dir = test_dir();
     let table = unique("avg");
     create_source_table(&c, &table).await;
-    let config = write_measures_config(dir.path(), &table);
+    let config = write_example_config(dir.path(), "config/commerce-measures.yaml", &table, &format!("{table}-state"), LEASE);
     let writer = {
         let (c, table) = (c.clone(), table.clone());
         tokio::spawn(async move { workload(&c, &table, 2500, 30, 4, 11).await })

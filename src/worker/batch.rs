@@ -50,7 +50,7 @@ fn push_letter(letters: &mut Vec<Letter>, new: Letter) {
 }
 
 /// The pages of one batch, evaluated.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct PendingBatch {
     coalescer: Coalescer,
     pub letters: Vec<Letter>,
@@ -64,16 +64,12 @@ pub struct PendingBatch {
     pub evaluate: Duration,
 }
 
-/// A batch ready to write.
+/// A batch ready to write: its targets, and the rest of what was gathered (`facts`, whose
+/// coalescer is then empty).
 #[derive(Debug, Clone)]
 pub struct Evaluated {
     pub targets: Vec<(TargetKey, TargetDelta)>,
-    pub letters: Vec<Letter>,
-    pub last_seq: Option<String>,
-    pub newest_ms: Option<u64>,
-    pub created: Vec<u64>,
-    pub records: usize,
-    pub evaluate: Duration,
+    pub facts: PendingBatch,
 }
 
 impl PendingBatch {
@@ -131,16 +127,8 @@ impl PendingBatch {
         }
     }
 
-    pub fn finish(self) -> Evaluated {
-        Evaluated {
-            targets: self.coalescer.into_targets(),
-            letters: self.letters,
-            last_seq: self.last_seq,
-            newest_ms: self.newest_ms,
-            created: self.created,
-            records: self.records,
-            evaluate: self.evaluate,
-        }
+    pub fn finish(mut self) -> Evaluated {
+        Evaluated { targets: std::mem::take(&mut self.coalescer).into_targets(), facts: self }
     }
 }
 
@@ -196,12 +184,15 @@ mod tests {
             paged.add_page(&e, None, records[..cut].to_vec(), 0);
             paged.add_page(&e, None, records[cut..].to_vec(), 0);
             let paged = paged.finish();
-            assert_eq!((paged.records, paged.last_seq.as_deref(), &paged.created), (12, Some("000000000000000000012"), &whole.created));
-            assert_eq!(paged.letters.len(), 1, "cut {cut}");
-            assert_eq!(paged.letters[0].record, records[4], "the letter carries the full record");
+            assert_eq!(
+                (paged.facts.records, paged.facts.last_seq.as_deref(), &paged.facts.created),
+                (12, Some("000000000000000000012"), &whole.facts.created)
+            );
+            assert_eq!(paged.facts.letters.len(), 1, "cut {cut}");
+            assert_eq!(paged.facts.letters[0].record, records[4], "the letter carries the full record");
             assert_eq!(sums(paged), sums(whole.clone()), "cut {cut}");
         }
-        assert_eq!(whole.newest_ms, Some(1_764_460_812_000));
+        assert_eq!(whole.facts.newest_ms, Some(1_764_460_812_000));
     }
 
     #[test]
@@ -212,8 +203,8 @@ mod tests {
         b.add_page(&e, Some(60_000), vec![record(1, "c1", "1")], now);
         let b = b.finish();
         assert!(b.targets.is_empty());
-        assert_eq!(b.letters.len(), 1);
-        assert_eq!(b.letters[0].code, "too_old");
-        assert!(!b.letters[0].rules.is_empty());
+        assert_eq!(b.facts.letters.len(), 1);
+        assert_eq!(b.facts.letters[0].code, "too_old");
+        assert!(!b.facts.letters[0].rules.is_empty());
     }
 }

@@ -414,11 +414,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let mut phases = BatchPhases {
             poll_wait: gathered.poll_wait,
             get_records: gathered.get_records,
-            evaluate: evaluated.evaluate,
+            evaluate: evaluated.facts.evaluate,
             ..BatchPhases::default()
         };
         let mut mark = Instant::now();
-        if let Err(e) = self.send_letters(&evaluated.letters).await {
+        if let Err(e) = self.send_letters(&evaluated.facts.letters).await {
             return BatchOutcome::Failed(e);
         }
         phases.dead_letters = lap(&mut mark);
@@ -431,22 +431,22 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         phases.writes = lap(&mut mark);
         // The checkpoint moves only after every target write of the batch succeeded (or its
         // record was dead-lettered).
-        let checkpoint = evaluated.last_seq.map(Checkpoint::Sequence);
-        let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: evaluated.newest_ms, at_tip_ms: at_tip };
+        let checkpoint = evaluated.facts.last_seq.map(Checkpoint::Sequence);
+        let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: evaluated.facts.newest_ms, at_tip_ms: at_tip };
         match self.checkpoint(&progress).await {
             Ok(true) => {}
             Ok(false) => return BatchOutcome::LeaseLost,
             Err(e) => return BatchOutcome::Failed(e),
         }
         phases.checkpoint = lap(&mut mark);
-        phases.record(self.shard(), evaluated.records, evaluated.targets.len());
+        phases.record(self.shard(), evaluated.facts.records, evaluated.targets.len());
         self.dead_lettered.clear();
         let now = now_ms();
-        for ms in &evaluated.created {
+        for ms in &evaluated.facts.created {
             metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
         }
-        self.shared.note_age(&self.lease.shard_id, |a| a.applied(evaluated.newest_ms));
-        metrics::histogram!(names::BATCH_DURATION_SECONDS).record((started.elapsed() + evaluated.evaluate).as_secs_f64());
+        self.shared.note_age(&self.lease.shard_id, |a| a.applied(evaluated.facts.newest_ms));
+        metrics::histogram!(names::BATCH_DURATION_SECONDS).record((started.elapsed() + evaluated.facts.evaluate).as_secs_f64());
         BatchOutcome::Applied(checkpoint)
     }
 

@@ -735,22 +735,7 @@ rules:
 /// contributions (per-contribution isolation dropped the second rule's part of each record).
 #[tokio::test]
 async fn a_refused_attribute_isolates_whole_records_and_hides_no_other_rule() {
-    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
-    let dlq = Arc::new(MemoryDeadLetters::default());
-    fakes.2.put(&["CUST#c1", "PROFILE"], "orders_BAD", MemValue::Str("not a number".into()));
-    let shard = fakes.0.add_shard(None);
-    for (n, status) in [(1, "PAID"), (2, "BAD"), (3, "PAID"), (4, "PENDING")] {
-        fakes.0.append(&shard, order("c1", n, "INSERT", "1", status));
-    }
-    let r = start_config(&fakes, "r1", Some(dlq.clone()), two_rule_config());
-    for _ in 0..200 {
-        if dlq.letters().len() == 1 && fakes.2.numbers().len() == 3 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    r.cancel.cancel();
-    r.handle.await.unwrap().unwrap();
+    let (letter, numbers) = refused_letter_after(|_, _| {}).await;
     let key = |a: &str| (vec!["CUST#c1".to_string(), "PROFILE".to_string()], a.to_string());
     let want: BTreeMap<_, _> = [
         (key("orderCount"), Decimal::from_i64(3)),
@@ -758,13 +743,10 @@ async fn a_refused_attribute_isolates_whole_records_and_hides_no_other_rule() {
         (key("orders_PENDING"), Decimal::from_i64(1)),
     ]
     .into();
-    assert_eq!(fakes.2.numbers(), want);
-    let letters = dlq.letters();
-    assert_eq!(letters.len(), 1, "{letters:?}");
-    assert_eq!((letters[0].reason.code.as_str(), letters[0].sequence_number.as_str()), ("write_rejected", "000000000000000000002"));
-    assert_eq!(letters[0].rules, vec!["counts", "by-status"], "the letter names every rule of the refused record");
-    assert_eq!(letters[0].record["dynamodb"]["NewImage"]["status"]["S"], "BAD", "the refused record, read again from the stream");
-    assert!(!letters[0].images_cut);
+    assert_eq!(numbers, want);
+    assert_eq!(letter.rules, vec!["counts", "by-status"], "the letter names every rule of the refused record");
+    assert_eq!(letter.record["dynamodb"]["NewImage"]["status"]["S"], "BAD", "the refused record, read again from the stream");
+    assert!(!letter.images_cut);
 }
 
 /// A replica with `start_position: latest`, once it holds a lease and reads at the tip.
@@ -1099,12 +1081,16 @@ fn an_empty_poll_soon_after_records_waits_the_minimum_and_an_idle_shard_backs_of
     assert_eq!(next_idle(ms(250), &p, None), ms(250));
 }
 
-/// The letter of a refused write re-reads its record from the stream (a batch keeps none).
-/// `fault` strikes once the first write is refused, while the record is isolated: throttling
-/// is retried and the letter still carries the full record; a record trimmed meanwhile travels
-/// as its sequence number alone, marked cut, the reason saying why. Either way the other
-/// records land and the shard moves on.
-async fn refused_letter_after(fault: impl FnOnce(&SimStream, &str)) -> crate::sink::dead_letter::DeadLetter {
+/// Four records on one target, the second refused by a user's attribute of the wrong type;
+/// `fault` strikes once the first write is refused, while the record is isolated. Returns the
+/// one letter (a `write_rejected` of the second record) and the numbers that landed.
+/// The letter re-reads its record from the stream (a batch keeps none): throttling is retried
+/// and the letter still carries the full record; a record trimmed meanwhile travels as its
+/// sequence number alone, marked cut, the reason saying why. Either way the other records land
+/// and the shard moves on.
+async fn refused_letter_after(
+    fault: impl FnOnce(&SimStream, &str),
+) -> (crate::sink::dead_letter::DeadLetter, BTreeMap<(Vec<String>, String), Decimal>) {
     let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
     let dlq = Arc::new(MemoryDeadLetters::default());
     fakes.2.put(&["CUST#c1", "PROFILE"], "orders_BAD", MemValue::Str("not a number".into()));
@@ -1138,19 +1124,19 @@ async fn refused_letter_after(fault: impl FnOnce(&SimStream, &str)) -> crate::si
     let letters = dlq.letters();
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!((letters[0].reason.code.as_str(), letters[0].sequence_number.as_str()), ("write_rejected", "000000000000000000002"));
-    letters[0].clone()
+    (letters[0].clone(), fakes.2.numbers())
 }
 
 #[tokio::test]
 async fn a_refused_record_is_read_again_through_throttling() {
-    let letter = refused_letter_after(|s, _| s.throttle_next(3)).await;
+    let (letter, _) = refused_letter_after(|s, _| s.throttle_next(3)).await;
     assert_eq!(letter.record["dynamodb"]["NewImage"]["status"]["S"], "BAD", "{letter:?}");
     assert!(!letter.images_cut);
 }
 
 #[tokio::test]
 async fn a_refused_record_trimmed_meanwhile_is_lettered_by_its_sequence_number() {
-    let letter = refused_letter_after(|s, shard| s.trim(shard, 4)).await;
+    let (letter, _) = refused_letter_after(|s, shard| s.trim(shard, 4)).await;
     assert!(letter.images_cut, "{letter:?}");
     assert_eq!(letter.record, json!({"dynamodb": {"SequenceNumber": "000000000000000000002"}}));
     assert!(letter.reason.message.contains("could not be read again from the stream"), "{}", letter.reason.message);

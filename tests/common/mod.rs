@@ -110,11 +110,18 @@ pub async fn create_source_table(c: &Client, name: &str) {
 
 /// A config file for the commerce rules on `table`, with `state` as the state table.
 pub fn write_config(dir: &Path, table: &str, state: &str, lease: &str) -> PathBuf {
-    let text = std::fs::read_to_string(root().join("config/commerce.yaml")).unwrap();
+    write_example_config(dir, "config/commerce.yaml", table, state, lease)
+}
+
+/// A config file from one of the commerce examples: source and aggregates in `table`, `state`
+/// as the state table with `lease` as its lease duration, the dead-letter queue on the test SQS.
+pub fn write_example_config(dir: &Path, example: &str, table: &str, state: &str, lease: &str) -> PathBuf {
+    let text = std::fs::read_to_string(root().join(example)).unwrap();
     let text = text
+        .replace("  lease_duration: 10s\n", "")
         .replace("table: commerce-main", &format!("table: {table}"))
-        .replace("table: ddb-aggregator-state", &format!("table: {state}"))
-        .replace("lease_duration: 10s", &format!("lease_duration: {lease}"))
+        .replace("table: commerce-aggregates", &format!("table: {table}"))
+        .replace("table: ddb-aggregator-state", &format!("table: {state}\n  lease_duration: {lease}"))
         .replace(
             "queue_url: http://localhost:9324/000000000000/ddb-aggregator-dlq",
             &format!("queue_url: {}/000000000000/{table}-dlq", sqs_endpoint()),
