@@ -530,12 +530,20 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
         }
         measures.push(validate_measure(&at, name_t, spec, options)?);
     }
-    let mut written = BTreeSet::new();
-    if let Some(twice) = measures.iter().find(|m| !written.insert(m.name.text())) {
-        return Err(err(
-            format!("{path}.measures"),
-            format!("{} is written twice by this rule (avg: NAME writes NAME_sum and NAME_count)", twice.name),
-        ));
+    // Names as written, after avg's expansion: `avg_{status}` meets `avg_PAID_sum`, and an
+    // avg may not expand onto a key attribute.
+    if let Some(m) = measures.iter().find(|m| key_names.iter().any(|k| k == m.name.text())) {
+        return Err(err(format!("{path}.measures"), format!("{} is a key attribute of the aggregates table", m.name)));
+    }
+    for (i, a) in measures.iter().enumerate() {
+        if let Some(b) = measures[..i].iter().find(|b| b.name.may_overlap(&a.name)) {
+            let what = if a.name.text() == b.name.text() {
+                format!("{} is written twice", a.name)
+            } else {
+                format!("{} and {} can name the same attribute", b.name, a.name)
+            };
+            return Err(err(format!("{path}.measures"), format!("{what} by this rule (avg: NAME writes NAME_sum and NAME_count)")));
+        }
     }
     let ttl_deletes = match r.ttl_deletes.as_deref() {
         None | Some("count") => TtlDeletes::Count,

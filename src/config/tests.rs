@@ -291,6 +291,12 @@ fn avg_is_a_sum_and_a_count_of_the_attribute() {
     let clash =
         demo_with("      orderCount: count\n", "      orderCount: count\n      avgOrder: { avg: total }\n      avgOrder_sum: count\n");
     assert!(load_err(&clash).contains("avgOrder_sum"), "a measure may not repeat a half of an avg");
+    let templated =
+        demo_with("      orderCount: count\n", "      orderCount: count\n      avg_{status}: { avg: total }\n      avg_PAID_sum: count\n");
+    assert!(load_err(&templated).contains("can name the same attribute"), "avg_{{status}}_sum can be avg_PAID_sum");
+    let key = demo_with("      orderCount: count\n", "      orderCount: count\n      X: { avg: total }\n");
+    let key = key.replace("\", SK: \"PROFILE\"", "\", X_sum: \"PROFILE\"").replace("\", SK: \"TOTAL\"", "\", X_sum: \"TOTAL\"");
+    assert!(load_err(&key).contains("X_sum is a key attribute"), "{}", load_err(&key));
 }
 
 #[test]

@@ -54,6 +54,24 @@ impl ShardLease {
 const WRITE_CONCURRENCY: usize = 16;
 /// Attempts at re-reading a refused record for its letter before the batch fails.
 const REREAD_ATTEMPTS: u32 = 5;
+
+/// What reading a refused record again found.
+enum Reread {
+    Found(Value),
+    Missing(Missing),
+}
+
+/// Why a re-read did not find the record.
+enum Missing {
+    /// The stream answered another record first (trimmed meanwhile).
+    Elsewhere,
+    /// The shard ended before it.
+    Ended,
+    /// Only empty pages: retried, then treated as gone.
+    Empty,
+    /// Throttling or a 5xx: retried, then the batch fails.
+    Transient,
+}
 /// GetRecords returns at most 1,000 records; larger batches gather several pages.
 const GET_RECORDS_MAX: u32 = 1000;
 pub const IDLE_MIN: Duration = Duration::from_millis(100);
@@ -580,21 +598,30 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
 
     /// The letter of a record whose write the table refused. A batch keeps no records once
     /// evaluated, so the record is read again from the stream. A read that fails for a while
-    /// (throttling, 5xx, empty pages) fails the batch, which is re-read later: nothing is
-    /// lost. A record the stream no longer has (trimmed, or another record in its place)
-    /// travels as its sequence number alone, marked cut, the reason saying so.
+    /// (throttling, 5xx) fails the batch, which is re-read later: nothing is lost. A record the
+    /// stream no longer has (trimmed, another record in its place, the shard ended before it,
+    /// or only empty pages at it, attempt after attempt) travels as its sequence number alone,
+    /// marked cut, the reason saying which: a shard must not retry one record for ever.
     async fn refused_letter(&self, seq: &str, why: String, rules: Vec<String>, attempts: u32) -> Result<Letter, SinkError> {
         let mut failures = 0;
         let gone = loop {
-            match self.read_one(seq).await {
-                Ok(Some(record)) => return Ok(Letter::new(record, "write_rejected", why, rules, attempts)),
-                Ok(None) => break "the stream returned another record in its place".to_string(),
-                Err(e) if e.is_retriable() && failures < REREAD_ATTEMPTS => {
+            let missing = match self.read_one(seq).await {
+                Ok(Reread::Found(record)) => return Ok(Letter::new(record, "write_rejected", why, rules, attempts)),
+                Ok(Reread::Missing(missing)) => missing,
+                Err(e) if e.is_retriable() && failures < REREAD_ATTEMPTS => Missing::Transient,
+                Err(e) if e.is_retriable() => return Err(SinkError::Transient(format!("re-reading refused record {seq}: {e}"))),
+                Err(e) => break e.to_string(),
+            };
+            match missing {
+                Missing::Elsewhere => break "the stream returned another record in its place".to_string(),
+                Missing::Ended => break "the shard ended before it".to_string(),
+                Missing::Empty if failures >= REREAD_ATTEMPTS => {
+                    break format!("the stream answered only empty pages at it, {} times", REREAD_ATTEMPTS + 1)
+                }
+                Missing::Empty | Missing::Transient => {
                     failures += 1;
                     tokio::time::sleep(crate::sink::backoff(failures)).await;
                 }
-                Err(e) if e.is_retriable() => return Err(SinkError::Transient(format!("re-reading refused record {seq}: {e}"))),
-                Err(e) => break e.to_string(),
             }
         };
         error!(shard = %self.shard(), sequence_number = %seq, error = %gone, "cannot read a refused record again; its letter carries only its sequence number");
@@ -604,21 +631,20 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         Ok(Letter { cut: true, ..Letter::new(record, "write_rejected", message, rules, attempts) })
     }
 
-    /// The record `seq` of this shard, or None when the stream answers another one first (or
-    /// the shard ends). Only empty pages are a transient error.
-    async fn read_one(&self, seq: &str) -> Result<Option<Value>, StreamError> {
+    /// The record `seq` of this shard, read again from an AT_SEQUENCE_NUMBER iterator.
+    async fn read_one(&self, seq: &str) -> Result<Reread, StreamError> {
         let mut it = self.shared.source.iterator(&self.lease.shard_id, &Position::At(seq.to_string())).await?;
         for _ in 0..3 {
             let page = self.shared.source.records(&it, 1).await?;
             if let Some(first) = page.records.into_iter().next() {
-                return Ok((sequence_of(&first) == seq).then_some(first));
+                return Ok(if sequence_of(&first) == seq { Reread::Found(first) } else { Reread::Missing(Missing::Elsewhere) });
             }
             match page.next_iterator {
                 Some(next) => it = next,
-                None => return Ok(None),
+                None => return Ok(Reread::Missing(Missing::Ended)),
             }
         }
-        Err(StreamError::Transient(format!("only empty pages at sequence number {seq}")))
+        Ok(Reread::Missing(Missing::Empty))
     }
 
     /// A target item refused this shard by its floor. For a stalled former owner that is the

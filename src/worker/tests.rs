@@ -1141,3 +1141,11 @@ async fn a_refused_record_trimmed_meanwhile_is_lettered_by_its_sequence_number()
     assert_eq!(letter.record, json!({"dynamodb": {"SequenceNumber": "000000000000000000002"}}));
     assert!(letter.reason.message.contains("could not be read again from the stream"), "{}", letter.reason.message);
 }
+
+#[tokio::test]
+async fn a_refused_record_the_stream_answers_only_empty_pages_for_is_lettered_cut_not_retried_for_ever() {
+    // 3 empty pages per re-read, REREAD_ATTEMPTS + 1 re-reads: more than the stream ever gives.
+    let (letter, _) = refused_letter_after(|s, _| s.empty_pages_next(1_000)).await;
+    assert!(letter.images_cut, "{letter:?}");
+    assert!(letter.reason.message.contains("only empty pages at it, 6 times"), "{}", letter.reason.message);
+}
