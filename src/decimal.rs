@@ -229,6 +229,62 @@ impl Decimal {
     }
 }
 
+/// Sort keys of [`Decimal::sortable`]: a class letter for the sign, so negatives sort first.
+const SORT_NEGATIVE: char = 'A';
+const SORT_ZERO: char = 'B';
+const SORT_POSITIVE: char = 'C';
+/// Ends a negative value's digits: above every digit, so -1 ("8~") sorts above -1.5 ("84~").
+const SORT_NEGATIVE_END: char = '~';
+/// Added to the adjusted exponent (-130..=125) so it is three digits.
+const SORT_EXP_OFFSET: i32 = 500;
+
+impl Decimal {
+    /// A string whose byte order is the numeric order: the sort-key part of a helper item
+    /// (`max`, `min`, `latest`). Class letter, three exponent digits, then the digits
+    /// (complemented for negatives, which end in `~`). No `#`, always ASCII.
+    pub fn sortable(&self) -> String {
+        if self.coef == 0 {
+            return SORT_ZERO.to_string();
+        }
+        let digits = self.coef.unsigned_abs().to_string();
+        // In range by construction: -130..=125.
+        let adjusted = self.exp + i32::try_from(digits.len()).unwrap_or(0) - 1;
+        if self.coef > 0 {
+            format!("{SORT_POSITIVE}{:03}{digits}", adjusted + SORT_EXP_OFFSET)
+        } else {
+            let complement: String = digits.bytes().map(|b| char::from(b'9' - (b - b'0'))).collect();
+            format!("{SORT_NEGATIVE}{:03}{complement}{SORT_NEGATIVE_END}", SORT_EXP_OFFSET - adjusted)
+        }
+    }
+
+    /// The value of a [`Decimal::sortable`] string; None for anything else.
+    pub fn from_sortable(s: &str) -> Option<Decimal> {
+        let mut chars = s.chars();
+        let class = chars.next()?;
+        if class == SORT_ZERO {
+            return (s.len() == 1).then_some(Decimal::ZERO);
+        }
+        let exp: i32 = s.get(1..4)?.parse().ok()?;
+        let body = s.get(4..)?;
+        let (digits, adjusted, negative) = match class {
+            SORT_POSITIVE => (body.to_string(), exp - SORT_EXP_OFFSET, false),
+            SORT_NEGATIVE => {
+                let body = body.strip_suffix(SORT_NEGATIVE_END)?;
+                (body.bytes().map(|b| char::from(b'9'.wrapping_sub(b.wrapping_sub(b'0')))).collect(), SORT_EXP_OFFSET - exp, true)
+            }
+            _ => return None,
+        };
+        if digits.is_empty() || digits.len() > MAX_DIGITS as usize || !digits.bytes().all(|b| b.is_ascii_digit()) || digits.starts_with('0')
+        {
+            return None;
+        }
+        let coef: i128 = digits.parse().ok()?;
+        let exp = i64::from(adjusted) - (digits.len() as i64 - 1);
+        let d = Decimal::new(if negative { -coef } else { coef }, exp).ok()?;
+        (d.sortable() == s).then_some(d)
+    }
+}
+
 impl std::ops::Neg for Decimal {
     type Output = Decimal;
     fn neg(self) -> Decimal {
@@ -314,6 +370,46 @@ impl std::str::FromStr for Decimal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sortable_strings_sort_as_the_numbers_do_and_read_back() {
+        let values = [
+            "-9.9E+125",
+            "-100",
+            "-2",
+            "-1.5",
+            "-1.25",
+            "-1",
+            "-0.001",
+            "-1E-130",
+            "0",
+            "1E-130",
+            "0.001",
+            "1",
+            "1.25",
+            "1.5",
+            "2",
+            "10",
+            "100",
+            "123456789012345678901234567890.12345678",
+            "9.9E+125",
+        ];
+        let parsed: Vec<Decimal> = values.iter().map(|v| Decimal::parse(v).unwrap()).collect();
+        for w in parsed.windows(2) {
+            assert!(w[0] < w[1], "{} < {}", w[0], w[1]);
+            let (a, b) = (w[0].sortable(), w[1].sortable());
+            assert!(a < b, "{a} < {b}");
+            // Followed by the helper key's separator, the order holds too (latest's `by`).
+            assert!(format!("{a}#x") < format!("{b}#x"), "{a}# < {b}#");
+        }
+        for d in &parsed {
+            assert_eq!(Decimal::from_sortable(&d.sortable()), Some(*d), "{d}");
+            assert!(!d.sortable().contains('#'));
+        }
+        for bad in ["", "B0", "C", "C500", "C5000", "C50001x", "A500", "A5008", "D5001", "C9991"] {
+            assert_eq!(Decimal::from_sortable(bad), None, "{bad:?}");
+        }
+    }
 
     fn d(s: &str) -> Decimal {
         Decimal::parse(s).unwrap()

@@ -14,8 +14,9 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::pattern::{Pattern, PatternError, PatternOptions, PatternSet};
+use crate::rules::helper::Derive;
 use crate::rules::template::Template;
-use crate::rules::{Engine, Measure, MeasureKind, ReconcileSource, Rule, TtlDeletes, RESERVED_ATTRIBUTE_PREFIX};
+use crate::rules::{Engine, HelperMeasure, Measure, MeasureKind, ReconcileSource, Rule, TtlDeletes, ValueOf, RESERVED_ATTRIBUTE_PREFIX};
 use raw::{RawConfig, RawRule};
 
 /// Prefix of environment variables that override settings; `__` separates path segments.
@@ -528,6 +529,10 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
             measures.extend(validate_avg(&at, name, spec, avg, options)?);
             continue;
         }
+        if let Some((derive, value)) = helper_kind(spec) {
+            measures.push(validate_helper(&at, name_t, spec, derive, value, key_names, options)?);
+            continue;
+        }
         measures.push(validate_measure(&at, name_t, spec, options)?);
     }
     // Names as written, after avg's expansion: `avg_{status}` meets `avg_PAID_sum`, and an
@@ -595,8 +600,63 @@ fn validate_avg(at: &str, name: &str, spec: &Value, avg: &Value, options: Patter
     Ok([sum, count])
 }
 
+/// Which helper measure a spec names (`max`, `min`, `latest`, `distinct`), with its value.
+fn helper_kind(spec: &Value) -> Option<(Derive, &Value)> {
+    let o = spec.as_object()?;
+    [("max", Derive::Max), ("min", Derive::Min), ("latest", Derive::Latest), ("distinct", Derive::Distinct)]
+        .into_iter()
+        .find_map(|(k, d)| o.get(k).map(|v| (d, v)))
+}
+
+/// `max`, `min`, `latest` (with `by`) and `distinct`: kept in helper items next to the target
+/// (same partition key, a sort key derived from the target's), so the table needs a sort key.
+fn validate_helper(
+    at: &str,
+    name: Template,
+    spec: &Value,
+    derive: Derive,
+    value: &Value,
+    key_names: &[String],
+    options: PatternOptions,
+) -> Result<Measure, ConfigError> {
+    let kind = derive.as_str();
+    if key_names.len() < 2 {
+        return Err(err(
+            at,
+            format!("{kind} keeps helper items next to its target (same partition key, a sort key derived from the target's): the aggregates table needs a sort key"),
+        ));
+    }
+    if name.text().contains(crate::rules::template::DELIMITER) {
+        return Err(err(at, format!("{kind}: the name becomes part of the helper items' sort keys, so it may not hold '#'")));
+    }
+    let obj = spec.as_object().ok_or_else(|| err(at, "expected a mapping"))?;
+    let allowed: &[&str] = if derive == Derive::Latest { &["latest", "by", "where"] } else { &[kind, "where"] };
+    if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        let also = if derive == Derive::Latest { "latest: ATTR, by: ATTR" } else { "an attribute or a template" };
+        return Err(err(format!("{at}.{k}"), format!("unknown key; {kind} takes {also} and an optional where")));
+    }
+    let value = match value {
+        Value::String(t) if t.contains('{') => ValueOf::Template(template(&format!("{at}.{kind}"), t)?),
+        Value::String(a) if !a.is_empty() && !a.contains(char::is_whitespace) && !a.contains('*') => ValueOf::Attribute(a.clone()),
+        _ => return Err(err(format!("{at}.{kind}"), "give an attribute name (N or S) or a template such as \"{date|day}\"")),
+    };
+    let by = match (derive, obj.get("by")) {
+        (Derive::Latest, Some(Value::String(b))) if !b.is_empty() && !b.contains(char::is_whitespace) => Some(b.clone()),
+        (Derive::Latest, Some(_)) => {
+            return Err(err(format!("{at}.by"), "must be an attribute name (N or S): the item with its highest value wins"))
+        }
+        (Derive::Latest, None) => return Err(err(at, "latest needs by: the attribute that orders the items (e.g. updatedAt)")),
+        _ => None,
+    };
+    let filter = match obj.get("where") {
+        None => None,
+        Some(w) => Some(Pattern::compile(w, options).map_err(|e| pattern_err(&format!("{at}.where"), e))?),
+    };
+    Ok(Measure { name, kind: MeasureKind::Helper(HelperMeasure { derive, value, by }), filter })
+}
+
 fn validate_measure(at: &str, name: Template, spec: &Value, options: PatternOptions) -> Result<Measure, ConfigError> {
-    let usage = "use count, {count: true}, {sum: ATTR}, {sum: \"ATTR * ATTR\"} or {avg: ATTR}, with an optional where";
+    let usage = "use count, {count: true}, {sum: ATTR}, {sum: \"ATTR * ATTR\"}, {avg: ATTR}, {max: ATTR}, {min: ATTR}, {latest: ATTR, by: ATTR} or {distinct: ATTR}, with an optional where";
     let obj = match spec {
         Value::String(s) if s == "count" => return Ok(Measure { name, kind: MeasureKind::Count, filter: None }),
         Value::Object(o) => o,

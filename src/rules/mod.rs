@@ -6,6 +6,7 @@
 //! [`Poison`] naming the rule, the measure and the attribute, never a silent zero.
 
 pub mod coalesce;
+pub mod helper;
 pub mod record;
 pub mod template;
 
@@ -19,6 +20,7 @@ use serde_json::Value;
 use crate::decimal::{Decimal, DecimalError};
 use crate::pattern::{Pattern, PatternSet};
 pub use coalesce::{Coalescer, Contribution, TargetDelta};
+use helper::{Derive, Scalar};
 use record::{attribute, StreamRecord};
 use template::{ExpandError, Template, VarValue};
 
@@ -54,10 +56,11 @@ pub enum PoisonCode {
     BadTimestamp,
     KeyTooLong,
     ReservedAttribute,
+    UnorderedValue,
 }
 
 impl PoisonCode {
-    pub const ALL: [PoisonCode; 9] = [
+    pub const ALL: [PoisonCode; 10] = [
         PoisonCode::MalformedRecord,
         PoisonCode::NonNumericSum,
         PoisonCode::OutOfRange,
@@ -67,6 +70,7 @@ impl PoisonCode {
         PoisonCode::BadTimestamp,
         PoisonCode::KeyTooLong,
         PoisonCode::ReservedAttribute,
+        PoisonCode::UnorderedValue,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -80,6 +84,7 @@ impl PoisonCode {
             PoisonCode::BadTimestamp => "bad_timestamp",
             PoisonCode::KeyTooLong => "key_too_long",
             PoisonCode::ReservedAttribute => "reserved_attribute",
+            PoisonCode::UnorderedValue => "unordered_value",
         }
     }
 }
@@ -103,6 +108,27 @@ pub enum MeasureKind {
     Sum(String),
     /// `sum: "qty * unitPrice"`
     Product(String, String),
+    /// `max`, `min`, `latest`, `distinct`: counted per value in helper items ([`helper`]),
+    /// the target's attribute derived from them.
+    Helper(HelperMeasure),
+}
+
+/// A measure kept in helper items.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelperMeasure {
+    pub derive: Derive,
+    pub value: ValueOf,
+    /// `latest`'s ordering attribute.
+    pub by: Option<String>,
+}
+
+/// Where a helper measure's value comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ValueOf {
+    /// An attribute: N or S, as stored.
+    Attribute(String),
+    /// A template over captures and attributes (`"{date|day}"`): always S.
+    Template(Template),
 }
 
 #[derive(Debug, Clone)]
@@ -238,6 +264,7 @@ impl Rule {
         }
         let target = TargetKey(key_parts.into_boxed_slice());
         let mut values: Vec<(String, Decimal)> = Vec::with_capacity(self.measures.len());
+        let sign = if positive { Decimal::ONE } else { -Decimal::ONE };
         for measure in &self.measures {
             if let Some(filter) = &measure.filter {
                 if !filter.matches(image) {
@@ -256,45 +283,128 @@ impl Rule {
                     ),
                     _ => None,
                 },
+                MeasureKind::Helper(h) => {
+                    let Some(tail) = self.helper_tail(h, image, &mut lookup, &bad_number, &at(), &captures)? else { continue };
+                    let Some(name) = self.measure_name(measure, &mut lookup, &bad_number, &captures)? else { continue };
+                    let helper = self.helper_key(&target, &name, &tail, &at(), &captures)?;
+                    merge(out, helper, vec![(helper::REFS.to_string(), sign)], self, &captures)?;
+                    continue;
+                }
             };
             let Some(value) = value else { continue };
-            // A measure named after an attribute the item does not have (`orders_{status}`
-            // without status) contributes nothing, like a sum over an absent attribute.
-            let name = match measure.name.expand(&mut lookup) {
-                Ok(name) => name,
-                Err(e) => match (e, bad_number.take()) {
-                    (ExpandError::Missing(_), None) => continue,
-                    (e, bad) => return Err(self.expand_poison(e, bad, &at(), &captures)),
-                },
-            };
-            if name.starts_with(RESERVED_ATTRIBUTE_PREFIX) || self.target.iter().any(|(k, _)| *k == name) {
-                return Err(self.poison(
-                    PoisonCode::ReservedAttribute,
-                    format!("{}: expands to a key or reserved attribute name", at()),
-                    &captures,
-                ));
-            }
+            let Some(name) = self.measure_name(measure, &mut lookup, &bad_number, &captures)? else { continue };
             values.push((name, if positive { value } else { -value }));
         }
         if values.is_empty() {
             return Ok(());
         }
-        match out.iter_mut().find(|(t, _)| *t == target) {
-            Some((_, existing)) => {
-                for (name, v) in values {
-                    match existing.iter_mut().find(|(n, _)| *n == name) {
-                        Some((_, sum)) => {
-                            *sum = sum
-                                .checked_add(v)
-                                .map_err(|e| self.poison(PoisonCode::OutOfRange, format!("measure {name}: {e}"), &captures))?
-                        }
-                        None => existing.push((name, v)),
-                    }
+        merge(out, target, values, self, &captures)
+    }
+
+    /// A measure's attribute name for this image. A name formed from an attribute the item
+    /// does not have (`orders_{status}` without status) contributes nothing, like a sum over
+    /// an absent attribute.
+    fn measure_name<'i>(
+        &self,
+        measure: &Measure,
+        lookup: &mut impl FnMut(&str) -> Option<VarValue<'i>>,
+        bad_number: &Cell<Option<(String, DecimalError)>>,
+        captures: &[(&str, &str)],
+    ) -> Result<Option<String>, Poison> {
+        let at = format!("measures.{}", measure.name);
+        let name = match measure.name.expand(lookup) {
+            Ok(name) => name,
+            Err(e) => {
+                return match (e, bad_number.take()) {
+                    (ExpandError::Missing(_), None) => Ok(None),
+                    (e, bad) => Err(self.expand_poison(e, bad, &at, captures)),
                 }
             }
-            None => out.push((target, values)),
+        };
+        if name.starts_with(RESERVED_ATTRIBUTE_PREFIX) || self.target.iter().any(|(k, _)| *k == name) {
+            return Err(self.poison(PoisonCode::ReservedAttribute, format!("{at}: expands to a key or reserved attribute name"), captures));
         }
-        Ok(())
+        if matches!(measure.kind, MeasureKind::Helper(_)) && name.contains(template::DELIMITER) {
+            return Err(self.poison(
+                PoisonCode::KeyDelimiter,
+                format!("{at}: expands to {name:?}; a helper key part may not hold '#'"),
+                captures,
+            ));
+        }
+        Ok(Some(name))
+    }
+
+    /// The helper's sort-key part for this image: None when the image holds no value (or no
+    /// `by`, for latest).
+    fn helper_tail<'i>(
+        &self,
+        h: &HelperMeasure,
+        image: &'i Value,
+        lookup: &mut impl FnMut(&str) -> Option<VarValue<'i>>,
+        bad_number: &Cell<Option<(String, DecimalError)>>,
+        at: &str,
+        captures: &[(&str, &str)],
+    ) -> Result<Option<String>, Poison> {
+        let value = match &h.value {
+            ValueOf::Attribute(attr) => self.scalar(image, attr, at, captures)?,
+            ValueOf::Template(t) => match t.expand(lookup) {
+                Ok(v) => Some(Scalar::S(v)),
+                Err(e) => match (e, bad_number.take()) {
+                    (ExpandError::Missing(_), None) => None,
+                    (e, bad) => return Err(self.expand_poison(e, bad, at, captures)),
+                },
+            },
+        };
+        let Some(value) = value else { return Ok(None) };
+        let by = match &h.by {
+            Some(attr) => match self.scalar(image, attr, &format!("{at}.by"), captures)? {
+                Some(by) => Some(by),
+                None => return Ok(None),
+            },
+            None => None,
+        };
+        Ok(Some(h.derive.tail(&value, by.as_ref())))
+    }
+
+    /// An N or S attribute as a comparable value: None when absent or NULL.
+    fn scalar(&self, image: &Value, attr: &str, at: &str, captures: &[(&str, &str)]) -> Result<Option<Scalar>, Poison> {
+        match attribute(image, attr) {
+            None | Some(("NULL", _)) => Ok(None),
+            Some(("S", Value::String(s))) => Ok(Some(Scalar::S(s.clone()))),
+            Some(("N", _)) => Ok(self.number(image, attr, at, captures)?.map(Scalar::N)),
+            Some((t, _)) => Err(self.poison(
+                PoisonCode::UnorderedValue,
+                format!("{at}: attribute {attr} is of type {t}; max, min, latest and distinct compare N or S"),
+                captures,
+            )),
+        }
+    }
+
+    /// The helper item of `target` for one measure value: the target's sort key, the mark,
+    /// the measure and the value.
+    fn helper_key(&self, target: &TargetKey, name: &str, tail: &str, at: &str, captures: &[(&str, &str)]) -> Result<TargetKey, Poison> {
+        let mut parts = target.0.to_vec();
+        let sorted = parts.len() > 1;
+        let Some(last) = parts.last_mut().filter(|_| sorted) else {
+            return Err(self.poison(PoisonCode::KeyTooLong, format!("{at}: helper items need a table with a sort key"), captures));
+        };
+        if last.contains(helper::MARK) {
+            return Err(self.poison(
+                PoisonCode::ReservedAttribute,
+                format!("{at}: the target's sort key {last:?} holds {:?}, which marks helper items", helper::MARK),
+                captures,
+            ));
+        }
+        let sk = format!("{}{tail}", helper::prefix(last, name));
+        if sk.len() > MAX_SORT_KEY_BYTES {
+            return Err(self.poison(
+                PoisonCode::KeyTooLong,
+                format!("{at}: the helper item's sort key is {} bytes, DynamoDB allows {MAX_SORT_KEY_BYTES}", sk.len()),
+                captures,
+            ));
+        }
+        *last = sk.into_boxed_str();
+        Ok(TargetKey(parts.into_boxed_slice()))
     }
 
     /// A numeric attribute: None when absent or NULL (sparse data contributes nothing).
@@ -337,6 +447,29 @@ impl Rule {
         };
         self.poison(code, message, captures)
     }
+}
+
+/// Adds one image's values on `target` to `out`, summing with what earlier images added.
+fn merge(
+    out: &mut TargetDeltas,
+    target: TargetKey,
+    values: Vec<(String, Decimal)>,
+    rule: &Rule,
+    captures: &[(&str, &str)],
+) -> Result<(), Poison> {
+    let Some((_, existing)) = out.iter_mut().find(|(t, _)| *t == target) else {
+        out.push((target, values));
+        return Ok(());
+    };
+    for (name, v) in values {
+        match existing.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, sum)) => {
+                *sum = sum.checked_add(v).map_err(|e| rule.poison(PoisonCode::OutOfRange, format!("measure {name}: {e}"), captures))?
+            }
+            None => existing.push((name, v)),
+        }
+    }
+    Ok(())
 }
 
 /// All rules, in config order, with the target table's key attribute names.

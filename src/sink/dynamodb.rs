@@ -4,8 +4,9 @@ use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::Client;
 
-use super::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
+use super::{AggregateStore, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::aws::{classify, FailureKind};
+use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::ledger::{applied_of, expressions, ExprValue, Seen};
 
 pub struct DynamoDbAggregates {
@@ -74,13 +75,120 @@ impl AggregateStore for DynamoDbAggregates {
                     );
                     return Ok(WriteOutcome::Stale { entry, floor: text(floor_attr), open: text(open_attr) });
                 }
-                let f = classify(&e);
-                Err(match f.kind {
-                    FailureKind::Throttled | FailureKind::Transient => SinkError::Transient(f.to_string()),
-                    FailureKind::Invalid => SinkError::Invalid(f.to_string()),
-                    _ => SinkError::Fatal(format!("{} (table {})", f, self.table)),
-                })
+                Err(self.error(classify(&e)))
             }
+        }
+    }
+
+    async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<LiveHelpers, SinkError> {
+        let [pk_name, sk_name, ..] = q.key_names else {
+            return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
+        };
+        let mut out = LiveHelpers::default();
+        let mut start = None;
+        // Each page reads up to 1 MB; the bound only stops a table that never ends.
+        for _ in 0..100_000 {
+            let mut req = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .key_condition_expression("#pk = :pk AND begins_with(#sk, :prefix)")
+                .filter_expression("#refs > :zero")
+                .expression_attribute_names("#pk", pk_name)
+                .expression_attribute_names("#sk", sk_name)
+                .expression_attribute_names("#refs", REFS)
+                .expression_attribute_values(":pk", AttributeValue::S(q.pk.to_string()))
+                .expression_attribute_values(":prefix", AttributeValue::S(q.prefix.to_string()))
+                .expression_attribute_values(":zero", AttributeValue::N("0".into()))
+                .return_consumed_capacity(ReturnConsumedCapacity::Total)
+                .set_exclusive_start_key(start.take());
+            req = match q.scan {
+                HelperScan::Count => req.select(aws_sdk_dynamodb::types::Select::Count),
+                // Helpers of deleted values (refs 0) are filtered out after Limit: a few per page.
+                HelperScan::First | HelperScan::Last => {
+                    req.scan_index_forward(q.scan == HelperScan::First).limit(25).projection_expression("#sk")
+                }
+            };
+            let page = req.send().await.map_err(|e| self.error(classify(&e)))?;
+            out.capacity += page.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0);
+            out.count += u64::try_from(page.count()).unwrap_or(0);
+            if q.scan != HelperScan::Count {
+                if let Some(sk) = page.items().first().and_then(|i| i.get(sk_name)).and_then(|v| v.as_s().ok()) {
+                    out.first = sk.strip_prefix(q.prefix).map(str::to_string);
+                    return Ok(out);
+                }
+            }
+            match page.last_evaluated_key().filter(|k| !k.is_empty()) {
+                Some(k) => start = Some(k.clone()),
+                None => return Ok(out),
+            }
+        }
+        Err(SinkError::Fatal(format!("querying helper items under {} did not end", q.prefix)))
+    }
+
+    async fn generation(&self, key: &[(String, String)], generation: &str) -> Result<Option<String>, SinkError> {
+        let mut req = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .consistent_read(true)
+            .projection_expression("#g")
+            .expression_attribute_names("#g", generation);
+        for (name, value) in key {
+            req = req.key(name, AttributeValue::S(value.clone()));
+        }
+        let out = req.send().await.map_err(|e| self.error(classify(&e)))?;
+        Ok(out.item().and_then(|i| i.get(generation)).and_then(|v| v.as_n().ok()).cloned())
+    }
+
+    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<bool, SinkError> {
+        let mut sets = vec!["#g = if_not_exists(#g, :zero) + :one".to_string()];
+        let mut removes = Vec::new();
+        let mut req = self.client.update_item().table_name(&self.table).expression_attribute_names("#g", w.generation);
+        for (i, (name, value)) in w.values.iter().enumerate() {
+            req = req.expression_attribute_names(format!("#d{i}"), name);
+            match value {
+                Some(v) => {
+                    sets.push(format!("#d{i} = :d{i}"));
+                    let v = match v {
+                        Scalar::N(n) => AttributeValue::N(n.to_string()),
+                        Scalar::S(s) => AttributeValue::S(s.clone()),
+                    };
+                    req = req.expression_attribute_values(format!(":d{i}"), v);
+                }
+                None => removes.push(format!("#d{i}")),
+            }
+        }
+        let mut update = format!("SET {}", sets.join(", "));
+        if !removes.is_empty() {
+            update.push_str(&format!(" REMOVE {}", removes.join(", ")));
+        }
+        req = req
+            .update_expression(update)
+            .expression_attribute_values(":zero", AttributeValue::N("0".into()))
+            .expression_attribute_values(":one", AttributeValue::N("1".into()));
+        req = match w.seen {
+            None => req.condition_expression("attribute_not_exists(#g)"),
+            Some(seen) => req.condition_expression("#g = :seen").expression_attribute_values(":seen", AttributeValue::N(seen.to_string())),
+        };
+        for (name, value) in w.key {
+            req = req.key(name, AttributeValue::S(value.clone()));
+        }
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
+            Err(e) => Err(self.error(classify(&e))),
+        }
+    }
+}
+
+impl DynamoDbAggregates {
+    fn error(&self, f: crate::aws::Failure) -> SinkError {
+        match f.kind {
+            FailureKind::Throttled | FailureKind::Transient => SinkError::Transient(f.to_string()),
+            FailureKind::Invalid => SinkError::Invalid(f.to_string()),
+            _ => SinkError::Fatal(format!("{} (table {})", f, self.table)),
         }
     }
 }

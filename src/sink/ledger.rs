@@ -117,6 +117,13 @@ impl Ledger {
         format!("_aggv:{}", self.namespace)
     }
 
+    /// `_aggd:<namespace>`: the counter every derivation of `max`, `min`, `latest` and
+    /// `distinct` advances, so a derivation from an older view of the helpers never lands
+    /// after a newer one ([`crate::sink::derive`]).
+    pub fn derived_attribute(&self) -> String {
+        format!("_aggd:{}", self.namespace)
+    }
+
     /// `_aggm:<namespace>`: the set of measure attributes this deployment wrote on the item;
     /// reconcile touches no other attribute (a user's `orders_note` stays as it is).
     pub fn measures_attribute(&self) -> String {

@@ -3,8 +3,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
-use super::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
+use super::{AggregateStore, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::decimal::Decimal;
+use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::ledger::{admits, applied_of, expressions, is_any_entry, Seen, MAX_EXPRESSION_BYTES};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -303,5 +304,69 @@ impl AggregateStore for MemoryAggregates {
         u.0 += 1;
         u.1 += capacity;
         Ok(WriteOutcome::Applied { capacity, seen })
+    }
+
+    async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<LiveHelpers, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        if s.fail_next > 0 {
+            s.fail_next -= 1;
+            return Err(SinkError::Transient("simulated throttling".into()));
+        }
+        let mut tails: Vec<&str> = s
+            .items
+            .iter()
+            .filter(|(k, item)| {
+                k.len() == 2
+                    && k[0] == q.pk
+                    && k[1].starts_with(q.prefix)
+                    && matches!(item.get(REFS), Some(MemValue::Num(n)) if *n > Decimal::ZERO)
+            })
+            .map(|(k, _)| &k[1][q.prefix.len()..])
+            .collect();
+        tails.sort_unstable();
+        let first = match q.scan {
+            HelperScan::First => tails.first(),
+            HelperScan::Last => tails.last(),
+            HelperScan::Count => None,
+        };
+        Ok(LiveHelpers { first: first.map(|t| t.to_string()), count: tails.len() as u64, capacity: 0.5 })
+    }
+
+    async fn generation(&self, key: &[(String, String)], generation: &str) -> Result<Option<String>, SinkError> {
+        let s = self.lock();
+        let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
+        Ok(match s.items.get(&key).and_then(|i| i.get(generation)) {
+            Some(MemValue::Num(n)) => Some(n.to_string()),
+            _ => None,
+        })
+    }
+
+    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<bool, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        if s.fail_next > 0 {
+            s.fail_next -= 1;
+            return Err(SinkError::Transient("simulated throttling".into()));
+        }
+        let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
+        let item = s.items.entry(key).or_default();
+        let current = match item.get(w.generation) {
+            Some(MemValue::Num(n)) => Some(*n),
+            _ => None,
+        };
+        if current.map(|n| n.to_string()).as_deref() != w.seen {
+            return Ok(false);
+        }
+        let next = current.unwrap_or(Decimal::ZERO).checked_add(Decimal::ONE).unwrap_or(Decimal::ZERO);
+        item.insert(w.generation.to_string(), MemValue::Num(next));
+        for (name, value) in w.values {
+            match value {
+                Some(Scalar::N(n)) => item.insert(name.clone(), MemValue::Num(*n)),
+                Some(Scalar::S(v)) => item.insert(name.clone(), MemValue::Str(v.clone())),
+                None => item.remove(name),
+            };
+        }
+        Ok(true)
     }
 }

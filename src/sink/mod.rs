@@ -2,6 +2,7 @@
 //! idempotency ledger ([`ledger`]), behind a narrow [`AggregateStore`] trait.
 
 pub mod dead_letter;
+pub mod derive;
 pub mod dynamodb;
 pub mod ledger;
 pub mod memory;
@@ -10,6 +11,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::decimal::Decimal;
+use crate::rules::helper::{HelperScan, Scalar};
 use crate::rules::{TargetDelta, TargetKey};
 use ledger::{admits, plan, FloorPlan, Ledger, Prune, Seen, WritePlan};
 
@@ -80,6 +82,46 @@ impl SinkError {
 
 pub trait AggregateStore: Send + Sync + 'static {
     fn apply(&self, write: &LedgerWrite) -> impl Future<Output = Result<WriteOutcome, SinkError>> + Send;
+
+    /// The helper items (`refs` above zero) of partition `pk` whose sort key begins with
+    /// `prefix`, strongly consistent: the sort-key tail (after `prefix`) of the least
+    /// (`First`) or greatest (`Last`), or how many there are (`Count`).
+    fn live_helpers(&self, key: &HelperQuery<'_>) -> impl Future<Output = Result<LiveHelpers, SinkError>> + Send;
+
+    /// The item's derivation counter (`generation`), strongly consistent; None: absent.
+    fn generation(&self, key: &[(String, String)], generation: &str) -> impl Future<Output = Result<Option<String>, SinkError>> + Send;
+
+    /// Sets (Some) or removes (None) the derived attributes and advances the counter, if it
+    /// is still `seen` (None: absent). False when another derivation moved it first.
+    fn set_derived(&self, write: &DerivedWrite<'_>) -> impl Future<Output = Result<bool, SinkError>> + Send;
+}
+
+/// One Query for a target measure's helpers.
+#[derive(Debug, Clone, Copy)]
+pub struct HelperQuery<'a> {
+    /// The table's key attribute names, partition key first (helpers need a sort key).
+    pub key_names: &'a [String],
+    pub pk: &'a str,
+    pub prefix: &'a str,
+    pub scan: HelperScan,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LiveHelpers {
+    /// The sort-key tail of the first live helper in the scan's order (none for `Count`).
+    pub first: Option<String>,
+    pub count: u64,
+    /// Read capacity the query consumed.
+    pub capacity: f64,
+}
+
+/// A derivation's write on a target item.
+#[derive(Debug, Clone, Copy)]
+pub struct DerivedWrite<'a> {
+    pub key: &'a [(String, String)],
+    pub generation: &'a str,
+    pub seen: Option<&'a str>,
+    pub values: &'a [(String, Option<Scalar>)],
 }
 
 /// What writing one target cost.

@@ -11,6 +11,7 @@ pub const LEASES_LOST: &str = "ddb_aggregator_leases_lost_total";
 pub const RECORDS_MATCHED: &str = "ddb_aggregator_records_matched_total";
 pub const RECORDS_SKIPPED: &str = "ddb_aggregator_records_skipped_total";
 pub const AGGREGATE_WRITES: &str = "ddb_aggregator_aggregate_writes_total";
+pub const DERIVATIONS: &str = "ddb_aggregator_derivations_total";
 pub const COALESCED_UPDATES: &str = "ddb_aggregator_coalesced_record_updates_total";
 pub const WRITE_CAPACITY_UNITS: &str = "ddb_aggregator_write_capacity_units_total";
 pub const BATCH_DURATION_SECONDS: &str = "ddb_aggregator_batch_duration_seconds";
@@ -54,6 +55,10 @@ pub fn describe() {
     describe_counter!(RECORDS_MATCHED, "Records whose filter matched, per rule.");
     describe_counter!(RECORDS_SKIPPED, "Records not applied, by reason (poison, trimmed, too_old).");
     describe_counter!(AGGREGATE_WRITES, "Aggregate UpdateItem calls, by outcome (applied, stale, error).");
+    describe_counter!(
+        DERIVATIONS,
+        "Derivations of max, min, latest and distinct attributes from their helper items, by outcome (written; lost_race: another derivation of the target landed first, retried; error)."
+    );
     describe_counter!(COALESCED_UPDATES, "Record-to-target updates folded into aggregate writes (compare with aggregate_writes_total).");
     describe_counter!(WRITE_CAPACITY_UNITS, "Write capacity units consumed by aggregate writes.");
     describe_histogram!(BATCH_DURATION_SECONDS, Unit::Seconds, "Time to evaluate and write one batch.");
@@ -109,6 +114,9 @@ pub fn init_series(rules: &[String]) {
     }
     for outcome in WriteOutcome::ALL {
         counter!(AGGREGATE_WRITES, "outcome" => outcome.as_str()).increment(0);
+    }
+    for outcome in ["written", "lost_race", "error"] {
+        counter!(DERIVATIONS, "outcome" => outcome).increment(0);
     }
     for outcome in ReadOutcome::ALL {
         counter!(GET_RECORDS, "outcome" => outcome.as_str()).increment(0);

@@ -446,6 +446,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         if let Err(outcome) = self.write(&evaluated.targets).await {
             return outcome;
         }
+        // Derived attributes (max, min, latest, distinct) follow their helpers before the
+        // checkpoint moves: a crash in between replays the batch, which derives again.
+        if let Err(e) = self.derive(&evaluated.targets).await {
+            return BatchOutcome::Failed(e);
+        }
         phases.writes = lap(&mut mark);
         // The checkpoint moves only after every target write of the batch succeeded (or its
         // record was dead-lettered).
@@ -539,6 +544,36 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             Some(e) => Err(BatchOutcome::Failed(e)),
             None => Ok(()),
         }
+    }
+
+    /// Derives the attributes of every target whose helper items the batch wrote (or would
+    /// have: a replay's helper writes are refused by the ledger, its derivations are not).
+    async fn derive(&self, targets: &[(TargetKey, TargetDelta)]) -> Result<(), SinkError> {
+        let shared = &self.shared;
+        let derive = crate::sink::derive::targets_to_derive(&shared.engine, targets);
+        if derive.is_empty() {
+            return Ok(());
+        }
+        let (store, key_names, ledger) = (shared.sink.as_ref(), &shared.engine.key_names, &shared.ledger);
+        let mut runs = Vec::with_capacity(derive.len());
+        for t in &derive {
+            runs.push(async move { crate::sink::derive::derive_target(store, key_names, ledger, t).await });
+        }
+        let results: Vec<_> = stream::iter(runs).buffer_unordered(WRITE_CONCURRENCY).collect().await;
+        let mut first_error = None;
+        for r in results {
+            match r {
+                Ok(stats) => {
+                    metrics::counter!(names::DERIVATIONS, "outcome" => "written").increment(stats.writes - u64::from(stats.lost));
+                    metrics::counter!(names::DERIVATIONS, "outcome" => "lost_race").increment(u64::from(stats.lost));
+                }
+                Err(e) => {
+                    metrics::counter!(names::DERIVATIONS, "outcome" => "error").increment(1);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Bookkeeping of one successful target write.

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ddb_aggregator::sink::{AggregateStore, LedgerWrite, SinkError, WriteOutcome};
+use ddb_aggregator::sink::{AggregateStore, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
 
@@ -195,5 +195,18 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
     async fn apply(&self, write: &LedgerWrite) -> Result<WriteOutcome, SinkError> {
         let t = || SinkError::Transient("simulated".into());
         call(&self.fate, &self.faults, self.inner.apply(write), t, t).await
+    }
+
+    async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<LiveHelpers, SinkError> {
+        self.inner.live_helpers(q).await
+    }
+
+    async fn generation(&self, key: &[(String, String)], generation: &str) -> Result<Option<String>, SinkError> {
+        self.inner.generation(key, generation).await
+    }
+
+    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<bool, SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.set_derived(w), t, t).await
     }
 }
