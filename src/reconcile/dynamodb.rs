@@ -24,6 +24,7 @@ use crate::config::Config;
 use crate::decimal::Decimal;
 use crate::rules::{Rule, TargetKey};
 use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
+use crate::sink::derive::DeriveTarget;
 use crate::sink::dynamodb::DynamoDbAggregates;
 use crate::sink::ledger::Ledger;
 use crate::state::dynamodb::DynamoDbLeases;
@@ -531,6 +532,52 @@ impl TargetStore for Reconciler {
             Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
             Err(e) => Err(ReconcileError::Aws(format!("correcting {:?}: {}", key.0, classify(&e)))),
         }
+    }
+
+    async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+        let key_names = &self.config.engine.key_names;
+        let ([pk_name, sk_name], [pk, sk]) = (key_names.as_slice(), &*owner.0) else { return Ok(BTreeMap::new()) };
+        let prefix = format!("{sk}{}", crate::rules::helper::MARK);
+        let mut out = BTreeMap::new();
+        let mut start = None;
+        for _ in 0..1_000_000 {
+            let page = self
+                .ddb
+                .query()
+                .table_name(&self.config.aggregates_table)
+                .consistent_read(true)
+                .key_condition_expression("#pk = :pk AND begins_with(#sk, :prefix)")
+                .expression_attribute_names("#pk", pk_name)
+                .expression_attribute_names("#sk", sk_name)
+                .expression_attribute_values(":pk", AttributeValue::S(pk.to_string()))
+                .expression_attribute_values(":prefix", AttributeValue::S(prefix.clone()))
+                .return_consumed_capacity(ReturnConsumedCapacity::Total)
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await
+                .map_err(|e| classify(&e))
+                .map_err(aws(format!("querying the helper items of {:?}", owner.0)))?;
+            self.budget.spend(budget::units(page.consumed_capacity().and_then(|c| c.capacity_units()), page.items().len())).await;
+            for item in page.items() {
+                let Some(helper_sk) = item.get(sk_name).and_then(|v| v.as_s().ok()) else { continue };
+                if is_target(rule, &[pk, helper_sk]) {
+                    out.insert(TargetKey([pk.clone(), Box::from(helper_sk.as_str())].into()), self.target_item(Some(item)));
+                }
+            }
+            match page.last_evaluated_key().filter(|k| !k.is_empty()) {
+                Some(k) => start = Some(k.clone()),
+                None => return Ok(out),
+            }
+        }
+        Err(ReconcileError::Aws(format!("querying the helper items of {:?} did not end", owner.0)))
+    }
+
+    async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
+        let store = DynamoDbAggregates::new(self.ddb.clone(), self.config.aggregates_table.clone());
+        crate::sink::derive::derive_target(&store, key_names, &self.ledger, target)
+            .await
+            .map(|_| ())
+            .map_err(|e| ReconcileError::Aws(format!("deriving {:?}: {e}", target.key.0)))
     }
 }
 

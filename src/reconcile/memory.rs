@@ -10,6 +10,7 @@ use super::report::Stored;
 use super::truth::{is_target, Truth};
 use super::{Options, ReconcileError};
 use crate::rules::{Rule, TargetKey};
+use crate::sink::derive::DeriveTarget;
 use crate::sink::ledger::Ledger;
 use crate::sink::memory::{MemValue, MemoryAggregates};
 
@@ -82,6 +83,28 @@ impl TargetStore for MemoryTargets<'_> {
             &c.set,
             fence.as_ref().map_or(&[][..], |f| &f[..]),
         ))
+    }
+
+    async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+        let owner = key_of(owner);
+        let Some((sk, rest)) = owner.split_last() else { return Ok(BTreeMap::new()) };
+        let prefix = format!("{sk}{}", crate::rules::helper::MARK);
+        let mut out = BTreeMap::new();
+        for k in self.store.keys() {
+            let parts: Vec<&str> = k.iter().map(String::as_str).collect();
+            let mine = parts.split_last().is_some_and(|(s, r)| s.starts_with(&prefix) && r == rest);
+            if mine && is_target(rule, &parts) {
+                out.insert(TargetKey(k.iter().map(|s| Box::from(s.as_str())).collect()), self.item(&k));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
+        crate::sink::derive::derive_target(self.store, key_names, &self.ledger, target)
+            .await
+            .map(|_| ())
+            .map_err(|e| ReconcileError::Aws(format!("deriving {:?}: {e}", target.key.0)))
     }
 }
 

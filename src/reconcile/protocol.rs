@@ -21,7 +21,9 @@ use super::report::{Drift, Report, Stored};
 use super::truth::{self, Truth};
 use super::{Options, ReconcileError};
 use crate::decimal::Decimal;
-use crate::rules::{ReconcileSource, Rule, TargetKey};
+use crate::rules::helper::{self, Derive};
+use crate::rules::{MeasureKind, ReconcileSource, Rule, TargetKey};
+use crate::sink::derive::DeriveTarget;
 use crate::state::now_ms;
 use crate::telemetry::names;
 
@@ -62,6 +64,50 @@ pub trait TargetStore: Sync {
     /// Applies `c` (and advances the counter) if the counter is still `c.seen_version`; false
     /// when it moved.
     fn correct(&self, key: &TargetKey, c: &Correction) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
+    /// The helper items of `owner` (of `max`, `min`, `latest`, `distinct` measures), strongly
+    /// consistent. Stores without helper items have none.
+    fn helpers(
+        &self,
+        rule: &Rule,
+        owner: &TargetKey,
+    ) -> impl Future<Output = Result<BTreeMap<TargetKey, TargetItem>, ReconcileError>> + Send {
+        let _ = (rule, owner);
+        async { Ok(BTreeMap::new()) }
+    }
+    /// Derives `target`'s attributes from its helpers ([`crate::sink::derive`]). Stores
+    /// without helper items derive nothing.
+    fn derive(&self, key_names: &[String], target: &DeriveTarget) -> impl Future<Output = Result<(), ReconcileError>> + Send {
+        let _ = (key_names, target);
+        async { Ok(()) }
+    }
+}
+
+/// The targets among `keys` (and the targets of the helper items among them) whose helper
+/// measures are derived again after a round: every literal helper measure of the rule, and
+/// each templated one a helper item names.
+pub fn derivations(rule: &Rule, keys: &BTreeSet<TargetKey>) -> Vec<DeriveTarget> {
+    let literal: BTreeMap<String, Derive> = rule
+        .measures
+        .iter()
+        .filter_map(|m| match &m.kind {
+            MeasureKind::Helper(h) if m.name.is_literal() => Some((m.name.text().to_string(), h.derive)),
+            _ => None,
+        })
+        .collect();
+    let mut out: BTreeMap<TargetKey, BTreeMap<String, Derive>> = BTreeMap::new();
+    if !rule.measures.iter().any(|m| matches!(m.kind, MeasureKind::Helper(_))) {
+        return Vec::new();
+    }
+    for key in keys {
+        let owner = truth::owner_of(key);
+        let entry = out.entry(owner).or_insert_with(|| literal.clone());
+        if let Some(h) = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)) {
+            if let Some(d) = truth::helper_measure(rule, h.measure) {
+                entry.insert(h.measure.to_string(), d);
+            }
+        }
+    }
+    out.into_iter().map(|(key, measures)| DeriveTarget { key, measures }).collect()
 }
 
 /// The source table.
@@ -108,8 +154,9 @@ pub fn query_for(rule: &Rule, target: &TargetKey) -> Option<Query> {
 /// The drifted attributes of one target: those reconcile manages ([`truth::manages`]) whose
 /// stored value differs from the truth (absent counts as zero).
 pub fn drifts(rule: &Rule, key: &TargetKey, want: &BTreeMap<String, Decimal>, item: &TargetItem) -> Vec<Drift> {
-    let attrs: BTreeSet<&String> =
-        want.keys().chain(item.values.keys()).filter(|a| truth::manages(rule, a, &item.written, want.contains_key(*a))).collect();
+    let is_helper = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)).is_some();
+    let managed = |a: &String| if is_helper { a == helper::REFS } else { truth::manages(rule, a, &item.written, want.contains_key(a)) };
+    let attrs: BTreeSet<&String> = want.keys().chain(item.values.keys()).filter(|a| managed(a)).collect();
     let mut out = Vec::new();
     for attr in attrs {
         let t = want.get(attr).copied().unwrap_or(Decimal::ZERO);
@@ -185,7 +232,8 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
     opts: &Options,
     report: &mut Report,
 ) -> Result<(), ReconcileError> {
-    let mut pending = requested;
+    // A helper item is reconciled with its target (the schedule asks for what was touched).
+    let mut pending = requested.map(|keys| keys.iter().map(truth::owner_of).collect::<BTreeSet<_>>());
     for round in 0..opts.attempts.max(1) {
         let before = snapshot(targets, rule, pending.as_ref()).await?;
         let truth = read_truth(sources, rule, pending.as_ref(), opts).await?;
@@ -195,10 +243,11 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
         let mut keys: BTreeSet<TargetKey> = before.keys().cloned().collect();
         keys.extend(truth.values.keys().cloned());
         if let Some(p) = &pending {
-            keys.retain(|k| p.contains(k));
+            keys.retain(|k| p.contains(&truth::owner_of(k)));
         }
         report.targets_checked += keys.len() as u64;
         let empty = BTreeMap::new();
+        let keys_done = keys.clone();
         let outcomes: Vec<(TargetKey, Result<Outcome, ReconcileError>)> = futures::stream::iter(keys)
             .map(|key| {
                 let seen = before.get(&key).cloned().unwrap_or_default();
@@ -215,8 +264,9 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
         for (key, outcome) in outcomes {
             match outcome {
                 Ok(Outcome::Done(d)) => report.drifts.extend(d),
+                // A target is tried again with its helper items.
                 Ok(Outcome::Changed) => {
-                    changed.insert(key);
+                    changed.insert(truth::owner_of(&key));
                 }
                 // One target that cannot be read or written (an item at DynamoDB's size
                 // limit, a stored value of the wrong type) does not hold up the others.
@@ -226,6 +276,9 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
                     report.failed.push((rule.name.to_string(), key, e.to_string()));
                 }
             }
+        }
+        if !opts.dry_run {
+            derive_all(targets, rule, &keys_done, &changed, report).await;
         }
         if changed.is_empty() {
             return Ok(());
@@ -246,12 +299,46 @@ async fn snapshot<T: TargetStore>(
     pending: Option<&BTreeSet<TargetKey>>,
 ) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
     let Some(keys) = pending else { return targets.scan(rule).await };
-    let read: Vec<Result<(TargetKey, TargetItem), ReconcileError>> = futures::stream::iter(keys.iter().cloned())
-        .map(|k| async move { targets.read(&k).await.map(|item| (k, item)) })
+    let with_helpers = rule.measures.iter().any(|m| matches!(m.kind, MeasureKind::Helper(_)));
+    let read: Vec<Result<BTreeMap<TargetKey, TargetItem>, ReconcileError>> = futures::stream::iter(keys.iter().cloned())
+        .map(|k| async move {
+            let mut out = if with_helpers { targets.helpers(rule, &k).await? } else { BTreeMap::new() };
+            out.insert(k.clone(), targets.read(&k).await?);
+            Ok(out)
+        })
         .buffer_unordered(CONCURRENCY)
         .collect()
         .await;
-    read.into_iter().collect()
+    let mut out = BTreeMap::new();
+    for part in read {
+        out.append(&mut part?);
+    }
+    Ok(out)
+}
+
+/// After a round: the derived attributes of every target compared, from their helpers as the
+/// round left them. A target that failed is reported, the others go on.
+async fn derive_all<T: TargetStore>(
+    targets: &T,
+    rule: &Rule,
+    keys: &BTreeSet<TargetKey>,
+    changed: &BTreeSet<TargetKey>,
+    report: &mut Report,
+) {
+    let key_names: Vec<String> = rule.target.iter().map(|(k, _)| k.clone()).collect();
+    let due: Vec<DeriveTarget> = derivations(rule, keys).into_iter().filter(|d| !changed.contains(&d.key)).collect();
+    let key_names = &key_names;
+    let mut runs = Vec::with_capacity(due.len());
+    for d in &due {
+        runs.push(async move { (d.key.clone(), targets.derive(key_names, d).await) });
+    }
+    let results: Vec<(TargetKey, Result<(), ReconcileError>)> = futures::stream::iter(runs).buffer_unordered(CONCURRENCY).collect().await;
+    for (key, r) in results {
+        if let Err(e) = r {
+            tracing::warn!(rule = %rule.name, target = ?key.0, error = %e, "cannot derive this target's max, min, latest or distinct");
+            report.failed.push((rule.name.to_string(), key, e.to_string()));
+        }
+    }
 }
 
 /// (2) The truth: one query per target for query rules, else one scan.
@@ -267,7 +354,7 @@ async fn read_truth<S: SourceItems>(
         let mut truth = Truth::default();
         sources.scan(rule, opts, &mut truth).await?;
         if let Some(keys) = pending {
-            truth.values.retain(|k, _| keys.contains(k));
+            truth.values.retain(|k, _| keys.contains(&truth::owner_of(k)));
         }
         return Ok(truth);
     };
@@ -285,9 +372,9 @@ async fn read_truth<S: SourceItems>(
         let (key, mut t) = part?;
         truth.items += t.items;
         truth.poisons.append(&mut t.poisons);
-        if let Some(v) = t.values.remove(&key) {
-            truth.values.insert(key, v);
-        }
+        // The target's own values and its helper items'.
+        t.values.retain(|k, _| truth::owner_of(k) == key);
+        truth.values.append(&mut t.values);
     }
     Ok(truth)
 }
@@ -551,5 +638,50 @@ mod tests {
         let failed: Vec<_> = report.failed.iter().map(|(r, k, why)| (r.as_str(), k.clone(), why.contains("size"))).collect();
         assert_eq!(failed, [("customer-orders", key(&["CUST#c2", "PROFILE"]), true)]);
         assert!(report.uncorrected() >= 1, "the run reports the failure");
+    }
+
+    /// Reconcile repairs helper items (a stale one is zeroed, missing ones created) and derives
+    /// the target's max, min, latest and distinct from them: for one requested target and in a
+    /// full pass (a backfill).
+    #[tokio::test]
+    async fn reconcile_repairs_helper_items_and_derives_from_them() {
+        use crate::rules::helper::{self, Derive, Scalar};
+        use crate::sink::ledger::Ledger;
+        use crate::sink::memory::{MemValue, MemoryAggregates};
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
+        let rules = Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules;
+        let rule = rules.iter().find(|r| r.name.as_ref() == "customer-orders").unwrap();
+        let sources = super::super::memory::MemorySources::new(vec!["PK".into(), "SK".into()]);
+        for (c, day, id, total, status, at) in [
+            ("c1", "2026-11-29", "o1", "5", "PAID", "1"),
+            ("c1", "2026-11-30", "o2", "9", "PENDING", "2"),
+            ("c2", "2026-11-30", "o3", "3", "PAID", "3"),
+        ] {
+            let order = serde_json::json!({"PK": {"S": format!("CUST#{c}")}, "SK": {"S": format!("ORDER#{day}#{id}")},
+                "status": {"S": status}, "total": {"N": total}, "updatedAt": {"N": at}});
+            sources.put(order.as_object().unwrap().clone());
+        }
+        let store = MemoryAggregates::new();
+        // c1 drifted: a deleted order of 12 still counted in its helper, and derived.
+        let stale = format!("{}{}", helper::prefix("PROFILE", "largestOrder"), Derive::Max.tail(&Scalar::N(d("12")), None));
+        store.put(&["CUST#c1", &stale], helper::REFS, MemValue::Num(d("1")));
+        store.put(&["CUST#c1", "PROFILE"], "largestOrder", MemValue::Num(d("12")));
+        let targets = super::super::memory::MemoryTargets { store: &store, ledger: Ledger::new("t") };
+        let c1 = [key(&["CUST#c1", "PROFILE"])].into();
+        let mut report = Report::default();
+        reconcile_rule(&targets, &sources, &Quiet(None), rule, Some(c1), &Options::default(), &mut report).await.unwrap();
+        let profile = |c: &str| store.item(&[&format!("CUST#{c}"), "PROFILE"]).unwrap_or_default();
+        assert_eq!(profile("c1").get("largestOrder"), Some(&MemValue::Num(d("9"))), "{report:?}");
+        assert_eq!(profile("c1").get("firstOrderDay"), Some(&MemValue::Str("2026-11-29".into())));
+        assert_eq!(profile("c1").get("lastStatus"), Some(&MemValue::Str("PENDING".into())));
+        assert_eq!(profile("c1").get("activeDays"), Some(&MemValue::Num(d("2"))));
+        assert_eq!(store.item(&["CUST#c1", &stale]).unwrap()[helper::REFS], MemValue::Num(d("0")), "the stale helper zeroed");
+        assert!(report.drifts.iter().any(|x| x.target.0[1].as_ref() == stale && x.corrected), "the helper's drift is reported");
+        assert!(profile("c2").is_empty(), "only c1 was asked for");
+        let all = Options { all: true, ..Options::default() };
+        reconcile_rule(&targets, &sources, &Quiet(None), rule, None, &all, &mut Report::default()).await.unwrap();
+        assert_eq!(profile("c2").get("largestOrder"), Some(&MemValue::Num(d("3"))), "backfilled");
+        assert_eq!(profile("c2").get("lastStatus"), Some(&MemValue::Str("PAID".into())));
+        assert_eq!(profile("c1").get("largestOrder"), Some(&MemValue::Num(d("9"))), "a second pass changes nothing");
     }
 }

@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 use serde_json::{json, Map, Value};
 
 use crate::decimal::Decimal;
+use crate::rules::helper::{self, Derive};
 use crate::rules::record::StreamRecord;
 use crate::rules::template::VarValue;
-use crate::rules::{Poison, Rule, TargetKey};
+use crate::rules::{MeasureKind, Poison, Rule, TargetKey};
 
 /// Attribute values per target.
 pub type Values = BTreeMap<TargetKey, BTreeMap<String, Decimal>>;
@@ -67,16 +68,46 @@ pub fn target_for(rule: &Rule, vars: &BTreeMap<String, String>) -> Option<Target
     Some(TargetKey(parts.into_boxed_slice()))
 }
 
-/// Whether an item key (values in the table's key order) could be one of the rule's targets.
+/// Whether an item key (values in the table's key order) could be one of the rule's targets,
+/// or one of their helper items (of a `max`, `min`, `latest` or `distinct` of the rule).
 pub fn is_target(rule: &Rule, key: &[&str]) -> bool {
-    rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v))
+    let owner = |key: &[&str]| rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v));
+    match key.split_last().and_then(|(sk, rest)| helper::parse(sk).map(|h| (h, rest))) {
+        Some((h, rest)) => {
+            let mut o: Vec<&str> = rest.to_vec();
+            o.push(h.owner_sk);
+            owner(&o) && helper_measure(rule, h.measure).is_some()
+        }
+        None => owner(key),
+    }
 }
 
-/// Whether an attribute could be written by one of the rule's measures.
+/// The rule's helper measure an expanded name belongs to.
+pub fn helper_measure(rule: &Rule, name: &str) -> Option<Derive> {
+    rule.measures.iter().find_map(|m| match &m.kind {
+        MeasureKind::Helper(h) if m.name.matches_expansion(name) => Some(h.derive),
+        _ => None,
+    })
+}
+
+/// The target a key belongs to: a helper item's target, or the key itself.
+pub fn owner_of(key: &TargetKey) -> TargetKey {
+    match key.0.split_last().and_then(|(sk, rest)| helper::parse(sk).map(|h| (h, rest))) {
+        Some((h, rest)) => {
+            let mut o = rest.to_vec();
+            o.push(Box::from(h.owner_sk));
+            TargetKey(o.into_boxed_slice())
+        }
+        None => key.clone(),
+    }
+}
+
+/// Whether an attribute could be written by one of the rule's counting measures (the derived
+/// attributes of helper measures are derived again, not compared as counters).
 pub fn owns_attribute(rule: &Rule, attribute: &str) -> bool {
     !attribute.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX)
         && !rule.target.iter().any(|(k, _)| k == attribute)
-        && rule.measures.iter().any(|m| m.name.matches_expansion(attribute))
+        && rule.measures.iter().any(|m| !matches!(m.kind, MeasureKind::Helper(_)) && m.name.matches_expansion(attribute))
 }
 
 /// Whether reconcile may compare and correct `attribute` on one of the rule's targets: a
