@@ -2,6 +2,7 @@
 //!
 //! Exit codes: 0 done, 1 the work failed, 2 bad input (arguments, config, pattern, records).
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -10,6 +11,7 @@ use anyhow::{anyhow, Context};
 use clap::{Parser, Subcommand};
 use ddb_aggregator::config::Config;
 use ddb_aggregator::pattern::{Pattern, PatternOptions};
+use ddb_aggregator::rules::helper::{self, Scalar};
 use ddb_aggregator::rules::{Coalescer, Engine, TargetKey};
 use serde::ser::{SerializeMap, Serializer};
 use serde_json::Value;
@@ -548,6 +550,23 @@ fn validate(path: &Path) -> anyhow::Result<()> {
         let target: Vec<String> = rule.target.iter().map(|(k, t)| format!("{k}={t}")).collect();
         let measures: Vec<String> = rule.measures.iter().map(|m| m.name.to_string()).collect();
         writeln!(out, "  rule {}: target {} measures {}", rule.name, target.join(" "), measures.join(", "))?;
+        let helpers: Vec<String> = rule
+            .measures
+            .iter()
+            .filter_map(|m| match &m.kind {
+                ddb_aggregator::rules::MeasureKind::Helper(h) => Some(format!("{} ({})", m.name, h.derive.as_str())),
+                _ => None,
+            })
+            .collect();
+        if let (false, Some((_, sk))) = (helpers.is_empty(), rule.target.last()) {
+            writeln!(
+                out,
+                "    kept in helper items next to each target (same partition key, sort key {}{}<measure>#<value>): {}",
+                sk,
+                helper::MARK,
+                helpers.join(", ")
+            )?;
+        }
         if let Some(why) = ddb_aggregator::reconcile::refusal(rule) {
             writeln!(out, "  warning: {why}; drift in it is never repaired")?;
         }
@@ -622,11 +641,23 @@ impl serde::Serialize for TargetJson<'_> {
     }
 }
 
+/// What `simulate` shows for one target attribute.
+enum Shown {
+    Delta(String),
+    /// None: nothing contributes (the attribute would be removed).
+    Value(Option<String>),
+}
+
+/// One line of `simulate`: a counter's summed `delta`, or the `value` of a max, min, latest or
+/// distinct (null: nothing contributes).
 #[derive(serde::Serialize)]
-struct DeltaLine<'a> {
+struct SimLine<'a> {
     target: TargetJson<'a>,
     attribute: &'a str,
-    delta: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<Option<String>>,
 }
 
 fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {
@@ -651,14 +682,32 @@ fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {
     }
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
-    let mut lines = 0u64;
-    for (target, delta) in batch.into_targets() {
+    let targets = batch.into_targets();
+    // (target, attribute) -> delta, or value: helper items are the service's own, not shown.
+    let mut shown: BTreeMap<(&TargetKey, String), Shown> = BTreeMap::new();
+    for (target, delta) in targets.iter().filter(|(k, _)| !k.0.last().is_some_and(|sk| sk.contains(helper::MARK))) {
         for (attribute, value) in &delta.attributes {
-            let line = DeltaLine { target: TargetJson(&engine.key_names, &target), attribute, delta: value.to_string() };
-            serde_json::to_writer(&mut out, &line).context("writing output")?;
-            out.write_all(b"\n")?;
-            lines += 1;
+            shown.insert((target, attribute.clone()), Shown::Delta(value.to_string()));
         }
+    }
+    let values = ddb_aggregator::sink::derive::values_of_batch(engine, &targets);
+    for (target, attribute, value) in &values {
+        let text = value.as_ref().map(|v| match v {
+            Scalar::N(n) => n.to_string(),
+            Scalar::S(s) => s.clone(),
+        });
+        shown.insert((target, attribute.clone()), Shown::Value(text));
+    }
+    let mut lines = 0u64;
+    for ((target, attribute), what) in shown {
+        let (delta, value) = match what {
+            Shown::Delta(d) => (Some(d), None),
+            Shown::Value(v) => (None, Some(v)),
+        };
+        let line = SimLine { target: TargetJson(&engine.key_names, target), attribute: &attribute, delta, value };
+        serde_json::to_writer(&mut out, &line).context("writing output")?;
+        out.write_all(b"\n")?;
+        lines += 1;
     }
     out.flush()?;
     writeln!(err, "simulate: {} records, {matched} matched a rule, {poisoned} poison, {lines} target attributes changed", records.len())?;

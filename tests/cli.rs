@@ -44,6 +44,9 @@ fn deltas(text: &str) -> BTreeMap<(String, String, String), Decimal> {
     let mut out = BTreeMap::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        if v.get("value").is_some() {
+            continue; // a max, min, latest or distinct: see values()
+        }
         let key = (
             v["target"]["PK"].as_str().unwrap().to_string(),
             v["target"]["SK"].as_str().unwrap().to_string(),
@@ -452,4 +455,52 @@ fn a_ttl_delete_under_ignore_changes_nothing_and_reconcile_refuses_the_rule() {
     let o = run(&["reconcile", "--config", &config, "--rule", "orders-placed", "--customer", "c1"]);
     assert_eq!(o.status.code(), Some(2), "{}{}", stdout(&o), stderr(&o));
     assert!(stderr(&o).contains("the items that remain cannot recompute it"), "{}", stderr(&o));
+}
+
+/// max, min, latest and distinct print their final `"value"` (null: nothing contributes)
+/// instead of a `"delta"`, sorted with the counters; helper items are not shown.
+#[test]
+fn simulate_prints_the_value_of_max_min_latest_and_distinct() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = root().join("config/commerce-measures.yaml").to_string_lossy().into_owned();
+    let rec = |seq: u32, event: &str, c: &str, day: &str, total: &str, status: &str| {
+        let image = format!(
+            r#"{{"PK":{{"S":"CUST#{c}"}},"SK":{{"S":"ORDER#{day}#o{seq}"}},"status":{{"S":"{status}"}},"total":{{"N":"{total}"}},"updatedAt":{{"N":"{seq}"}}}}"#
+        );
+        let which = if event == "REMOVE" { "OldImage" } else { "NewImage" };
+        format!(
+            r#"{{"eventName":"{event}","dynamodb":{{"Keys":{{"PK":{{"S":"CUST#{c}"}},"SK":{{"S":"ORDER#{day}#o{seq}"}}}},"{which}":{image},"SequenceNumber":"{}"}}}}"#,
+            seq + if event == "REMOVE" { 100 } else { 0 }
+        )
+    };
+    let lines = [
+        rec(1, "INSERT", "c1", "2026-11-29", "10", "PAID"),
+        rec(2, "INSERT", "c1", "2026-11-30", "25", "PENDING"),
+        rec(2, "REMOVE", "c1", "2026-11-30", "25", "PENDING"),
+        rec(3, "INSERT", "c2", "2026-11-30", "4", "PAID"),
+        rec(3, "REMOVE", "c2", "2026-11-30", "4", "PAID"),
+    ];
+    let out = run(&["simulate", "--config", &config, "--records", &write(dir.path(), "r.jsonl", &lines.join("\n"))]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let profile = |c: &str, a: &str, v: &str| format!(r#"{{"target":{{"PK":"CUST#{c}","SK":"PROFILE"}},"attribute":"{a}","value":{v}}}"#);
+    let c1: Vec<&str> = text.lines().filter(|l| l.contains("CUST#c1") && l.contains("PROFILE")).collect();
+    assert_eq!(
+        c1,
+        [
+            profile("c1", "activeDays", r#""1""#).as_str(),
+            r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"avgOrder_count","delta":"1"}"#,
+            r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"avgOrder_sum","delta":"10"}"#,
+            r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"avgPaidOrder_count","delta":"1"}"#,
+            r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"avgPaidOrder_sum","delta":"10"}"#,
+            profile("c1", "firstOrderDay", r#""2026-11-29""#).as_str(),
+            profile("c1", "largestOrder", r#""10""#).as_str(),
+            profile("c1", "lastStatus", r#""PAID""#).as_str(),
+            r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"orderCount","delta":"1"}"#,
+            r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"revenue","delta":"10"}"#,
+        ],
+        "the deleted order of 25 gives the largest back to 10: {text}"
+    );
+    assert!(text.contains(&profile("c2", "largestOrder", "null")), "c2's only order was deleted: {text}");
+    assert!(!text.contains("_agg"), "helper items are the service's own: {text}");
 }

@@ -1,4 +1,6 @@
 use super::*;
+use crate::rules::helper::Derive;
+use crate::rules::ValueOf;
 
 const DEMO: &str = include_str!("../../config/commerce.yaml");
 
@@ -308,4 +310,43 @@ fn ttl_deletes_count_by_default_and_can_be_ignored() {
     assert_eq!(load(&ignore).unwrap().engine.rules[0].ttl_deletes, TtlDeletes::Ignore);
     let e = load_err(&demo_with(at, &format!("{at}    ttl_deletes: skip\n")));
     assert!(e.starts_with("rules[0].ttl_deletes: \"skip\": give count"), "{e}");
+}
+
+/// max, min, latest (with by) and distinct: what each takes, and a table with a sort key.
+#[test]
+fn helper_measures_take_an_attribute_or_a_template_and_need_a_sort_key() {
+    let with = |spec: &str| demo_with("      orderCount: count\n", &format!("      orderCount: count\n      m: {spec}\n"));
+    let c = load(&with("{ latest: status, by: updatedAt, where: { status: { S: [PAID] } } }")).unwrap();
+    let m = c.engine.rules[0].measures.iter().find(|m| m.name.text() == "m").unwrap();
+    assert!(
+        matches!(&m.kind, MeasureKind::Helper(h) if h.derive == Derive::Latest && h.by.as_deref() == Some("updatedAt") && h.value == ValueOf::Attribute("status".into()))
+    );
+    assert!(m.filter.is_some());
+    let c = load(&with("{ distinct: \"{date|day}\" }")).unwrap();
+    let m = c.engine.rules[0].measures.iter().find(|m| m.name.text() == "m").unwrap();
+    assert!(matches!(&m.kind, MeasureKind::Helper(h) if h.derive == Derive::Distinct && matches!(h.value, ValueOf::Template(_))));
+    for (spec, why) in [
+        ("{ latest: status }", "measures.m: latest needs by"),
+        ("{ latest: status, by: 5 }", "measures.m.by: must be an attribute name"),
+        ("{ max: total, by: updatedAt }", "measures.m.by: unknown key; max takes an attribute or a template"),
+        ("{ max: \"a b\" }", "measures.m.max: give an attribute name"),
+        ("{ min: [total] }", "measures.m.min: give an attribute name"),
+    ] {
+        let e = load_err(&with(spec));
+        assert!(e.contains(why), "{spec}: {e}");
+    }
+    let hash = demo_with("      orderCount: count\n", "      orderCount: count\n      \"m#x\": { max: total }\n");
+    assert!(load_err(&hash).contains("may not hold '#'"), "{}", load_err(&hash));
+    let no_sort_key = r#"
+source: { table: orders }
+state: { table: state }
+aggregates: { table: aggregates }
+rules:
+  - name: r
+    source_key: { PK: "CUST#{customer}" }
+    target: { PK: "CUST#{customer}" }
+    measures: { largest: { max: total } }
+"#;
+    let e = load_err(no_sort_key);
+    assert!(e.contains("rules[0].measures.largest: max keeps helper items") && e.contains("needs a sort key"), "{e}");
 }

@@ -57,6 +57,25 @@ pub fn targets_to_derive(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) 
     out.into_iter().map(|(key, measures)| DeriveTarget { key, measures }).collect()
 }
 
+/// The derived values one batch gives on its own, from an empty table (each helper's count is
+/// the batch's delta): `simulate`'s `"value"` lines. None: nothing contributes.
+pub fn values_of_batch(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) -> Vec<(TargetKey, String, Option<Scalar>)> {
+    let mut out = Vec::new();
+    for t in targets_to_derive(engine, targets) {
+        let Some((owner_sk, partition)) = t.key.0.split_last() else { continue };
+        for (name, how) in &t.measures {
+            let prefix = helper::prefix(owner_sk, name);
+            let helpers = targets.iter().filter_map(|(k, d)| {
+                let (sk, p) = k.0.split_last()?;
+                let tail = sk.strip_prefix(prefix.as_str()).filter(|_| p == partition)?;
+                Some((tail, d.attributes.get(helper::REFS).copied().unwrap_or(crate::decimal::Decimal::ZERO)))
+            });
+            out.push((t.key.clone(), name.clone(), helper::derive(*how, helpers)));
+        }
+    }
+    out
+}
+
 /// What one derivation cost.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DeriveStats {
