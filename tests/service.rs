@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -435,7 +436,9 @@ fn measures_truth_and_stored(items: &[std::collections::HashMap<String, aws_sdk_
     want.retain(|_, v| !v.is_zero());
     let mut got: Values = Default::default();
     for item in items.iter().filter(|i| matches!(s(i, "SK").as_str(), "PROFILE" | "PLACED")) {
-        for (a, v) in item.iter().filter(|(a, _)| !a.starts_with("_agg")) {
+        // The derived attributes (max, distinct) are numbers too: helper_truth_and_stored's.
+        let counter = |a: &str| !a.starts_with("_agg") && !matches!(a, "largestOrder" | "activeDays");
+        for (a, v) in item.iter().filter(|(a, _)| counter(a)) {
             if let Ok(n) = v.as_n() {
                 let d = ddb_aggregator::decimal::Decimal::parse(n).unwrap();
                 if !d.is_zero() {
@@ -456,8 +459,11 @@ async fn averages_survive_sigkills_exactly() {
     let c = client().await;
     let dir = test_dir();
     let table = unique("avg");
+    let aggregates = format!("{table}-agg");
     create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
     let config = write_example_config(dir.path(), "config/commerce-measures.yaml", &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
     let writer = {
         let (c, table) = (c.clone(), table.clone());
         tokio::spawn(async move { workload(&c, &table, 2500, 30, 4, 11).await })
@@ -472,7 +478,8 @@ async fn averages_survive_sigkills_exactly() {
     assert!(writer.await.unwrap() >= 2500);
     let started = Instant::now();
     loop {
-        let (want, got) = measures_truth_and_stored(&scan(&c, &table).await);
+        let items = [scan(&c, &table).await, scan(&c, &aggregates).await].concat();
+        let (want, got) = measures_truth_and_stored(&items);
         assert!(want.keys().any(|(_, _, a)| a == "avgPaidOrder_count"), "the workload pays orders");
         if want == got {
             break;
@@ -483,5 +490,148 @@ async fn averages_survive_sigkills_exactly() {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    drop(svc);
+}
+
+/// A derived attribute as stored or as the truth has it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Derived {
+    N(ddb_aggregator::decimal::Decimal),
+    S(String),
+}
+
+/// (PK, attribute) -> derived value.
+type DerivedValues = BTreeMap<(String, String), Derived>;
+
+/// Per customer, from a scan: largestOrder, firstOrderDay, lastStatus and activeDays as the
+/// orders give them (written without the engine), and as the PROFILE items hold them.
+fn helper_truth_and_stored(
+    items: &[std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>],
+) -> (DerivedValues, DerivedValues) {
+    use ddb_aggregator::decimal::Decimal;
+    let s = |item: &std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>, k: &str| {
+        item.get(k).and_then(|v| v.as_s().ok()).cloned().unwrap_or_default()
+    };
+    let n = |item: &std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>, k: &str| {
+        item.get(k).and_then(|v| v.as_n().ok()).map(|v| Decimal::parse(v).unwrap())
+    };
+    let mut largest: BTreeMap<String, Decimal> = BTreeMap::new();
+    let mut first_day: BTreeMap<String, String> = BTreeMap::new();
+    let mut last: BTreeMap<String, (Decimal, String)> = BTreeMap::new();
+    let mut days: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for item in items.iter().filter(|i| s(i, "SK").starts_with("ORDER#")) {
+        let pk = s(item, "PK");
+        let day = s(item, "SK").split('#').nth(1).unwrap().to_string();
+        if let Some(t) = n(item, "total") {
+            let e = largest.entry(pk.clone()).or_insert(t);
+            *e = (*e).max(t);
+        }
+        let e = first_day.entry(pk.clone()).or_insert_with(|| day.clone());
+        if day < *e {
+            *e = day.clone();
+        }
+        days.entry(pk.clone()).or_default().insert(day);
+        if let Some(at) = n(item, "updatedAt") {
+            let e = last.entry(pk.clone()).or_insert((at, s(item, "status")));
+            *e = e.clone().max((at, s(item, "status")));
+        }
+    }
+    let mut want = BTreeMap::new();
+    for (pk, v) in largest {
+        want.insert((pk, "largestOrder".to_string()), Derived::N(v));
+    }
+    for (pk, v) in first_day {
+        want.insert((pk, "firstOrderDay".to_string()), Derived::S(v));
+    }
+    for (pk, (_, v)) in last {
+        want.insert((pk, "lastStatus".to_string()), Derived::S(v));
+    }
+    for (pk, v) in days {
+        want.insert((pk, "activeDays".to_string()), Derived::N(Decimal::from_i64(v.len() as i64)));
+    }
+    let mut got = BTreeMap::new();
+    for item in items.iter().filter(|i| s(i, "SK") == "PROFILE") {
+        for a in ["largestOrder", "firstOrderDay", "lastStatus", "activeDays"] {
+            let v = match item.get(a) {
+                Some(aws_sdk_dynamodb::types::AttributeValue::N(v)) => Derived::N(Decimal::parse(v).unwrap()),
+                Some(aws_sdk_dynamodb::types::AttributeValue::S(v)) => Derived::S(v.clone()),
+                _ => continue,
+            };
+            got.insert((s(item, "PK"), a.to_string()), v);
+        }
+    }
+    (want, got)
+}
+
+/// max, min, latest and distinct through the commerce workload and SIGKILLs, then every
+/// customer's largest order deleted (another SIGKILL among the deletes): largestOrder falls
+/// back to the next largest order exactly, and firstOrderDay, lastStatus, activeDays and the
+/// averages equal a scan's truth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("helpers");
+    let aggregates = format!("{table}-agg");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let config = write_example_config(dir.path(), "config/commerce-measures.yaml", &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    let writer = {
+        let (c, table) = (c.clone(), table.clone());
+        tokio::spawn(async move { workload(&c, &table, 2000, 20, 4, 17).await })
+    };
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    let mut rng = fastrand::Rng::with_seed(5);
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(rng.u64(500..2000))).await;
+        svc.kill();
+        svc = Service::start(&config, dir.path(), "svc", &[]);
+    }
+    assert!(writer.await.unwrap() >= 2000);
+    // Each customer's largest order goes (its total ties: one of them), a SIGKILL halfway.
+    let items = scan(&c, &table).await;
+    let mut largest: BTreeMap<String, (ddb_aggregator::decimal::Decimal, String)> = BTreeMap::new();
+    for item in items.iter().filter(|i| i["SK"].as_s().unwrap().starts_with("ORDER#")) {
+        let total = ddb_aggregator::decimal::Decimal::parse(item["total"].as_n().unwrap()).unwrap();
+        let (pk, sk) = (item["PK"].as_s().unwrap().clone(), item["SK"].as_s().unwrap().clone());
+        let e = largest.entry(pk).or_insert((total, sk.clone()));
+        if total > e.0 {
+            *e = (total, sk);
+        }
+    }
+    assert!(largest.len() >= 15, "most customers ordered: {}", largest.len());
+    for (i, (pk, (_, sk))) in largest.iter().enumerate() {
+        c.delete_item()
+            .table_name(&table)
+            .key("PK", AttributeValue::S(pk.clone()))
+            .key("SK", AttributeValue::S(sk.clone()))
+            .send()
+            .await
+            .unwrap();
+        if i == largest.len() / 2 {
+            svc.kill();
+            svc = Service::start(&config, dir.path(), "svc", &[]);
+        }
+    }
+    let started = Instant::now();
+    loop {
+        let items = [scan(&c, &table).await, scan(&c, &aggregates).await].concat();
+        let (want, got) = helper_truth_and_stored(&items);
+        let (avg_want, avg_got) = measures_truth_and_stored(&items);
+        if want == got && avg_want == avg_got {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(90) {
+            let diff: Vec<_> = want.iter().filter(|(k, v)| got.get(*k) != Some(v)).take(5).collect();
+            let extra: Vec<_> = got.iter().filter(|(k, _)| !want.contains_key(*k)).take(5).collect();
+            panic!("helper measures differ from the truth: {diff:?} (stored, no truth: {extra:?})\n{}", svc.log_tail());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let metrics = svc.metrics();
+    assert!(metric(&metrics, "ddb_aggregator_derivations_total{outcome=\"written\"}") > 0.0, "{metrics}");
     drop(svc);
 }
