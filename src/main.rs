@@ -101,6 +101,10 @@ enum Command {
     Validate {
         #[arg(long, value_name = "FILE", help = CONFIG_HELP)]
         config: PathBuf,
+        /// Also read the rule fingerprints in the state table (needs AWS access) and say which
+        /// rules a deploy of this config would rebuild (added or changed since recorded).
+        #[arg(long)]
+        against_state: bool,
     },
     /// Test a filter pattern against one event, like `aws events test-event-pattern`.
     /// Prints `true` or `false` and exits 0; an invalid pattern or event exits 2.
@@ -297,7 +301,7 @@ fn main() -> ExitCode {
         }
         Command::Dlq { action: DlqAction::Replay { config, max, wait } } => dlq_replay(&config, max, wait.as_deref()),
         Command::Run { config, log_format } => run(&config, log_format),
-        Command::Validate { config } => validate(&config),
+        Command::Validate { config, against_state } => validate(&config, against_state),
         Command::Healthcheck { url } => healthcheck(&url),
         Command::TestPattern { pattern, event, numeric_strings } => test_pattern(&pattern, &event, numeric_strings),
         Command::Simulate { config, records } => simulate(&config, &records),
@@ -537,8 +541,11 @@ fn load_config(path: &Path) -> anyhow::Result<Config> {
     Config::load(path).map_err(|e| bad(format!("{}: {e}", path.display())))
 }
 
-fn validate(path: &Path) -> anyhow::Result<()> {
+fn validate(path: &Path, against_state: bool) -> anyhow::Result<()> {
     let config = load_config(path)?;
+    if against_state {
+        print_rebuilds(&config)?;
+    }
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}: valid", path.display())?;
     writeln!(
@@ -658,6 +665,33 @@ struct SimLine<'a> {
     delta: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     value: Option<Option<String>>,
+}
+
+/// `validate --against-state`: which rules a deploy would rebuild.
+fn print_rebuilds(config: &Config) -> anyhow::Result<()> {
+    let plan = runtime()?.block_on(async {
+        let sdk = ddb_aggregator::aws::sdk_config(&config.aws).await;
+        ddb_aggregator::reconcile::rebuild::against_state(&sdk, config).await
+    });
+    let plan = plan.with_context(|| format!("reading the rule fingerprints in state table {}", config.state.table))?;
+    let mut out = std::io::stdout().lock();
+    let Some(plan) = plan else {
+        writeln!(
+            out,
+            "state table {}: no rule fingerprints recorded yet; a first start records them and rebuilds nothing",
+            config.state.table
+        )?;
+        return Ok(());
+    };
+    for (rule, why) in plan {
+        let what = match why {
+            None => "unchanged".to_string(),
+            Some(ddb_aggregator::rules::fingerprint::Rebuild::New) => "would be rebuilt: new since the fingerprints were recorded".into(),
+            Some(ddb_aggregator::rules::fingerprint::Rebuild::Changed { was }) => format!("would be rebuilt: changed (recorded {was})"),
+        };
+        writeln!(out, "rule {rule}: {what}")?;
+    }
+    Ok(())
 }
 
 fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {

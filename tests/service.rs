@@ -635,3 +635,86 @@ async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
     assert!(metric(&metrics, "ddb_aggregator_derivations_total{outcome=\"written\"}") > 0.0, "{metrics}");
     drop(svc);
 }
+
+/// The commerce truth with daily-sales bucketed by month (`SALES#2026-11`).
+fn monthly(truth: Values) -> Values {
+    let mut out: Values = Default::default();
+    for ((pk, sk, a), v) in truth {
+        let pk = match pk.strip_prefix("SALES#") {
+            Some(day) => format!("SALES#{}", &day[..7]),
+            None => pk,
+        };
+        let e = out.entry((pk, sk, a)).or_insert(ddb_aggregator::decimal::Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    }
+    out
+}
+
+/// `{date|day}` changed to `{date|month}` in a running deployment: the service sees the rule's
+/// fingerprint changed and rebuilds it while orders keep coming, ending with every old daily
+/// target at zero, every monthly target exact and ddb_aggregator_rule_rebuild_pending back at 0;
+/// `validate --against-state` tells beforehand what the deploy rebuilds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_bucket_is_rebuilt_and_the_old_daily_targets_end_at_zero() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("rebuild");
+    let aggregates = format!("{table}-agg");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    assert!(workload(&c, &table, 600, 10, 2, 23).await >= 600);
+    let started = Instant::now();
+    while aggregates_of(&c, &aggregates).await != truth(&scan(&c, &table).await) {
+        assert!(started.elapsed() < Duration::from_secs(60), "daily targets never caught up\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let days = aggregates_of(&c, &aggregates)
+        .await
+        .keys()
+        .filter(|(pk, _, _)| pk.starts_with("SALES#"))
+        .map(|(pk, _, _)| pk.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    assert!(days > 20, "the workload spreads over the month's days: {days}");
+    let state = |out: &std::process::Output| String::from_utf8_lossy(&out.stdout).into_owned();
+    let check = run_cli(&["validate", "--config", config.to_str().unwrap(), "--against-state"]);
+    assert!(state(&check).contains("rule daily-sales: unchanged"), "{}", state(&check));
+    svc.terminate();
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("SALES#{date|day}", "SALES#{date|month}")).unwrap();
+    let check = run_cli(&["validate", "--config", config.to_str().unwrap(), "--against-state"]);
+    assert!(state(&check).contains("rule daily-sales: would be rebuilt: changed"), "{}", state(&check));
+    assert!(state(&check).contains("rule customer-orders: unchanged"), "{}", state(&check));
+    let svc = Service::start(&config, dir.path(), "svc2", &[]);
+    // Orders keep coming while the rebuild runs.
+    assert!(workload(&c, &table, 200, 10, 2, 29).await >= 200);
+    let started = Instant::now();
+    loop {
+        let pending = metric(&svc.metrics(), "ddb_aggregator_rule_rebuild_pending{rule=\"daily-sales\"}");
+        let exact = aggregates_of(&c, &aggregates).await == monthly(truth(&scan(&c, &table).await));
+        if exact && pending == 0.0 && svc.log_tail().contains("rule rebuilt") {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "no rebuild (pending {pending}, exact {exact})\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The daily items are still there, at zero; the monthly ones hold everything.
+    let items = scan(&c, &aggregates).await;
+    let daily: Vec<_> = items.iter().filter(|i| i["PK"].as_s().is_ok_and(|p| p.len() == "SALES#2026-11-01".len())).collect();
+    assert_eq!(daily.len(), days, "every old daily target was kept and zeroed");
+    assert!(daily.iter().all(|i| i["orders"].as_n().is_ok_and(|n| n == "0")), "zeroed");
+    let log = std::fs::read_to_string(&svc.log).unwrap_or_default();
+    let rebuilt = log.lines().find(|l| l.contains("rule rebuilt")).unwrap_or_default();
+    println!("rebuild: {rebuilt}");
+    let check = run_cli(&["validate", "--config", config.to_str().unwrap(), "--against-state"]);
+    assert!(state(&check).contains("rule daily-sales: unchanged"), "recorded: {}", state(&check));
+}
+
+/// The aggregates of `table` (PROFILE and TOTAL items), as [`aggregates`] reads them.
+async fn aggregates_of(c: &aws_sdk_dynamodb::Client, table: &str) -> Values {
+    aggregates(&scan(c, table).await)
+}

@@ -570,7 +570,8 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
         },
     };
     let stream_only = r.filter.as_ref().map(stream_only_fields).unwrap_or_default();
-    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile, stream_only, ttl_deletes })
+    let fingerprint = crate::rules::fingerprint::of(r);
+    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile, stream_only, ttl_deletes, fingerprint })
 }
 
 fn pattern_err(outer: &str, e: PatternError) -> ConfigError {

@@ -12,6 +12,7 @@ pub mod caught_up;
 pub mod dynamodb;
 pub mod memory;
 pub mod protocol;
+pub mod rebuild;
 pub mod replay;
 pub mod report;
 pub mod schedule;

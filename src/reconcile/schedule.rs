@@ -31,12 +31,17 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     // When the full run of a requested repair started that left targets not quiet (written
     // all through it): only those are retried, as targets, until every one was compared.
     let mut partial: Option<Partial> = None;
+    // Rules added or changed since their fingerprints were recorded: rebuilt first, with the
+    // schedule on or off.
+    let mut rebuilds = Rebuilds::default();
+    rebuilds.step(&shared, &reconciler).await;
     loop {
         tokio::select! {
             biased; // deterministic: a simulation's seed replays exactly
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(check) => {}
         }
+        rebuilds.step(&shared, &reconciler).await;
         since += check;
         // A persisted request (data was lost) runs a full reconcile even with the schedule
         // off (interval 0s), and after restarts.
@@ -128,6 +133,51 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
             }
         }
         let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
+    }
+}
+
+/// The rebuilds of rules added or changed, as the schedule carries them out.
+#[derive(Default)]
+struct Rebuilds {
+    /// All done (or none were due): nothing more to check until the next start.
+    done: bool,
+    failures: u32,
+    not_before: Option<tokio::time::Instant>,
+}
+
+impl Rebuilds {
+    /// Reads which rules are still due (another replica may have rebuilt them) and, holding
+    /// the schedule's lease, rebuilds them. A failure waits as long as a failed reconcile.
+    async fn step<S, L: crate::state::LeaseStore, A>(&mut self, shared: &Shared<S, L, A>, reconciler: &Reconciler) {
+        if self.done || self.not_before.is_some_and(|t| tokio::time::Instant::now() < t) {
+            return;
+        }
+        let due = match super::rebuild::due(&shared.leases, &shared.config.engine.rules).await {
+            Ok(due) => due,
+            Err(e) => {
+                warn!(error = %e, "cannot read the rule fingerprints; trying again");
+                return self.failed();
+            }
+        };
+        if due.is_empty() {
+            self.done = true;
+            return;
+        }
+        if !hold(shared, HOLD).await {
+            return; // another replica rebuilds
+        }
+        let left = renewing(shared, super::rebuild::rebuild_all(reconciler, &shared.leases, due, shared.config.reconcile_wait)).await;
+        let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
+        if left.is_empty() {
+            self.done = true;
+        } else {
+            self.failed();
+        }
+    }
+
+    fn failed(&mut self) {
+        self.failures = self.failures.saturating_add(1);
+        self.not_before = Some(tokio::time::Instant::now() + retry_after(self.failures));
     }
 }
 

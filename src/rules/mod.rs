@@ -6,6 +6,7 @@
 //! [`Poison`] naming the rule, the measure and the attribute, never a silent zero.
 
 pub mod coalesce;
+pub mod fingerprint;
 pub mod helper;
 pub mod record;
 pub mod template;
@@ -165,6 +166,9 @@ pub struct Rule {
     /// a rule from the items, so it refuses it.
     pub stream_only: Vec<String>,
     pub ttl_deletes: TtlDeletes,
+    /// What the rule's targets hold follows from this ([`fingerprint`]): kept in the state
+    /// table, so `run` rebuilds a rule whose definition changed.
+    pub fingerprint: String,
 }
 
 /// How a rule counts a delete by DynamoDB's TTL service (`ttl_deletes`).

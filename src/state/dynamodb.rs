@@ -1,6 +1,6 @@
 //! The state table in DynamoDB: hash key `shard_id`, one item per shard of one stream.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::types::{
@@ -129,6 +129,11 @@ impl DynamoDbLeases {
         RECONCILE_REQUEST.to_string()
     }
 }
+
+/// Key of the state-table item holding the rule fingerprints (no `stream_arn`: never a lease),
+/// one attribute `rule:<name>` per rule.
+pub const RULE_FINGERPRINTS: &str = "rule-fingerprints";
+const FINGERPRINT_PREFIX: &str = "rule:";
 
 /// Key of the state-table item holding a pending request to reconcile everything.
 pub const RECONCILE_REQUEST: &str = "reconcile-request";
@@ -451,6 +456,33 @@ impl LeaseStore for DynamoDbLeases {
         match resp {
             Ok(_) => Ok(true),
             Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    async fn rule_fingerprints(&self) -> Result<Option<BTreeMap<String, String>>, StateError> {
+        let resp = self.client.get_item().table_name(&self.table).key("shard_id", s(RULE_FINGERPRINTS)).consistent_read(true).send().await;
+        match resp {
+            Ok(r) => Ok(r.item().map(|item| {
+                item.iter().filter_map(|(k, v)| Some((k.strip_prefix(FINGERPRINT_PREFIX)?.to_string(), v.as_s().ok()?.clone()))).collect()
+            })),
+            Err(e) => map_err(e, &self.table).map(|_| None),
+        }
+    }
+
+    async fn record_fingerprints(&self, fingerprints: &BTreeMap<String, String>) -> Result<(), StateError> {
+        // One attribute per rule: replicas recording different rules do not overwrite each other.
+        let mut req = self.client.update_item().table_name(&self.table).key("shard_id", s(RULE_FINGERPRINTS));
+        let mut sets = vec!["#at = :at".to_string()];
+        req = req.expression_attribute_names("#at", "recorded_at").expression_attribute_values(":at", n(crate::state::now_ms()));
+        for (i, (rule, fp)) in fingerprints.iter().enumerate() {
+            sets.push(format!("#r{i} = :r{i}"));
+            req = req
+                .expression_attribute_names(format!("#r{i}"), format!("{FINGERPRINT_PREFIX}{rule}"))
+                .expression_attribute_values(format!(":r{i}"), s(fp));
+        }
+        match req.update_expression(format!("SET {}", sets.join(", "))).send().await {
+            Ok(_) => Ok(()),
+            Err(e) => map_err(e, &self.table).map(|_| ()),
         }
     }
 

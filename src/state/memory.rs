@@ -13,6 +13,8 @@ pub struct MemoryLeases {
     unowned: Mutex<Unowned>,
     /// Named leases: name -> (owner, until).
     named: Mutex<BTreeMap<String, (String, u64)>>,
+    /// Rule fingerprints recorded; None: never any.
+    fingerprints: Mutex<Option<BTreeMap<String, String>>>,
 }
 
 /// When each lease became free to take, to measure how long shards went unowned.
@@ -201,6 +203,16 @@ impl LeaseStore for MemoryLeases {
         if named.get(name).is_some_and(|(o, _)| o == owner) {
             named.remove(name);
         }
+        Ok(())
+    }
+
+    async fn rule_fingerprints(&self) -> Result<Option<BTreeMap<String, String>>, StateError> {
+        Ok(self.fingerprints.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    async fn record_fingerprints(&self, fingerprints: &BTreeMap<String, String>) -> Result<(), StateError> {
+        let mut f = self.fingerprints.lock().unwrap_or_else(|e| e.into_inner());
+        f.get_or_insert_with(BTreeMap::new).extend(fingerprints.iter().map(|(k, v)| (k.clone(), v.clone())));
         Ok(())
     }
 }

@@ -10,6 +10,7 @@ pub mod dynamodb;
 mod items;
 pub mod memory;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 
 /// Where a shard has been read to.
@@ -148,6 +149,11 @@ pub trait LeaseStore: Send + Sync + 'static {
     fn hold_named(&self, name: &str, owner: &str, until_ms: u64, now_ms: u64) -> impl Future<Output = Result<bool, StateError>> + Send;
     /// Gives a named lease up, if `owner` holds it.
     fn release_named(&self, name: &str, owner: &str) -> impl Future<Output = Result<(), StateError>> + Send;
+    /// The rule fingerprints recorded (rule name -> fingerprint); None: never any (a
+    /// deployment's first start).
+    fn rule_fingerprints(&self) -> impl Future<Output = Result<Option<BTreeMap<String, String>>, StateError>> + Send;
+    /// Records fingerprints (others already recorded stay).
+    fn record_fingerprints(&self, fingerprints: &BTreeMap<String, String>) -> impl Future<Output = Result<(), StateError>> + Send;
 }
 
 thread_local! {

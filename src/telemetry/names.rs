@@ -12,6 +12,7 @@ pub const RECORDS_MATCHED: &str = "ddb_aggregator_records_matched_total";
 pub const RECORDS_SKIPPED: &str = "ddb_aggregator_records_skipped_total";
 pub const AGGREGATE_WRITES: &str = "ddb_aggregator_aggregate_writes_total";
 pub const DERIVATIONS: &str = "ddb_aggregator_derivations_total";
+pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
 pub const COALESCED_UPDATES: &str = "ddb_aggregator_coalesced_record_updates_total";
 pub const WRITE_CAPACITY_UNITS: &str = "ddb_aggregator_write_capacity_units_total";
 pub const BATCH_DURATION_SECONDS: &str = "ddb_aggregator_batch_duration_seconds";
@@ -55,6 +56,10 @@ pub fn describe() {
     describe_counter!(RECORDS_MATCHED, "Records whose filter matched, per rule.");
     describe_counter!(RECORDS_SKIPPED, "Records not applied, by reason (poison, trimmed, too_old).");
     describe_counter!(AGGREGATE_WRITES, "Aggregate UpdateItem calls, by outcome (applied, stale, error).");
+    describe_gauge!(
+        RULE_REBUILD_PENDING,
+        "1 while a rule added or changed since its fingerprint was recorded is being rebuilt from the items (reconcile of the rule over the whole table), then 0."
+    );
     describe_counter!(
         DERIVATIONS,
         "Derivations of max, min, latest and distinct attributes from their helper items, by outcome (written; lost_race: another derivation of the target landed first, retried; error)."

@@ -154,6 +154,12 @@ impl LeaseStore for ArcLeases {
     async fn release_named(&self, name: &str, owner: &str) -> Result<(), crate::state::StateError> {
         self.0.release_named(name, owner).await
     }
+    async fn rule_fingerprints(&self) -> Result<Option<BTreeMap<String, String>>, crate::state::StateError> {
+        self.0.rule_fingerprints().await
+    }
+    async fn record_fingerprints(&self, fingerprints: &BTreeMap<String, String>) -> Result<(), crate::state::StateError> {
+        self.0.record_fingerprints(fingerprints).await
+    }
 }
 
 /// Waits (bounded) until the aggregates equal `want` and every closed shard is finished.

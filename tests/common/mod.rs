@@ -76,6 +76,11 @@ pub fn aws_env() -> Vec<(String, String)> {
     ]
 }
 
+/// Runs a `ddb-aggregator` command against the test emulators (blocking).
+pub fn run_cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ddb-aggregator")).args(args).envs(aws_env()).output().expect("run ddb-aggregator")
+}
+
 pub async fn client() -> Client {
     emulators();
     let creds = aws_sdk_dynamodb::config::Credentials::new("local", "local", None, None, "tests");

@@ -183,6 +183,12 @@ impl<L: LeaseStore> LeaseStore for Leases<L> {
     async fn release_named(&self, name: &str, owner: &str) -> Result<(), StateError> {
         call(&self.fate, &self.faults, self.inner.release_named(name, owner), state_fault, state_fault).await
     }
+    async fn rule_fingerprints(&self) -> Result<Option<std::collections::BTreeMap<String, String>>, StateError> {
+        call(&self.fate, &self.faults, self.inner.rule_fingerprints(), state_fault, state_fault).await
+    }
+    async fn record_fingerprints(&self, fingerprints: &std::collections::BTreeMap<String, String>) -> Result<(), StateError> {
+        call(&self.fate, &self.faults, self.inner.record_fingerprints(fingerprints), state_fault, state_fault).await
+    }
 }
 
 pub struct Sink<A> {
