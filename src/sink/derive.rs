@@ -82,6 +82,8 @@ pub struct DeriveStats {
     pub queries: u64,
     pub writes: u64,
     pub read_capacity: f64,
+    /// Of the write that landed.
+    pub write_capacity: f64,
     /// Rounds another derivation of the same target won.
     pub lost: u32,
 }
@@ -97,8 +99,11 @@ pub async fn derive_target<S: AggregateStore>(
     let mut transient = 0;
     for _ in 0..ROUNDS + TRANSIENT_RETRIES {
         match derive_once(store, key_names, ledger, target, &mut stats).await {
-            Ok(true) => return Ok(stats),
-            Ok(false) => {
+            Ok(Some(capacity)) => {
+                stats.write_capacity += capacity;
+                return Ok(stats);
+            }
+            Ok(None) => {
                 stats.lost += 1;
                 if stats.lost >= ROUNDS {
                     break;
@@ -114,14 +119,14 @@ pub async fn derive_target<S: AggregateStore>(
     Err(SinkError::Transient(format!("deriving {:?}: other derivations kept landing first", target.key.0)))
 }
 
-/// One round: read the counter, query the helpers, write on condition. False: lost the race.
+/// One round: read the counter, query the helpers, write on condition. None: lost the race.
 async fn derive_once<S: AggregateStore>(
     store: &S,
     key_names: &[String],
     ledger: &Ledger,
     target: &DeriveTarget,
     stats: &mut DeriveStats,
-) -> Result<bool, SinkError> {
+) -> Result<Option<f64>, SinkError> {
     let (Some(pk), Some(owner_sk)) = (target.key.0.first(), target.key.0.last().filter(|_| target.key.0.len() > 1)) else {
         return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
     };
@@ -240,9 +245,13 @@ mod tests {
         let value = |v: i64| vec![("largestOrder".to_string(), Some(Scalar::N(Decimal::from_i64(v))))];
         let old = store.generation(&key, g).await.unwrap();
         let newer = store.generation(&key, g).await.unwrap();
-        assert!(store.set_derived(&DerivedWrite { key: &key, generation: g, seen: newer.as_deref(), values: &value(9) }).await.unwrap());
+        assert!(store
+            .set_derived(&DerivedWrite { key: &key, generation: g, seen: newer.as_deref(), values: &value(9) })
+            .await
+            .unwrap()
+            .is_some());
         assert!(
-            !store.set_derived(&DerivedWrite { key: &key, generation: g, seen: old.as_deref(), values: &value(5) }).await.unwrap(),
+            store.set_derived(&DerivedWrite { key: &key, generation: g, seen: old.as_deref(), values: &value(5) }).await.unwrap().is_none(),
             "read before the newer one landed: refused"
         );
         assert_eq!(store.item(&["CUST#c1", "PROFILE"]).unwrap().get("largestOrder"), Some(&MemValue::Num(Decimal::from_i64(9))));

@@ -142,10 +142,15 @@ impl AggregateStore for DynamoDbAggregates {
         Ok(out.item().and_then(|i| i.get(generation)).and_then(|v| v.as_n().ok()).cloned())
     }
 
-    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<bool, SinkError> {
+    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
         let mut sets = vec!["#g = if_not_exists(#g, :zero) + :one".to_string()];
         let mut removes = Vec::new();
-        let mut req = self.client.update_item().table_name(&self.table).expression_attribute_names("#g", w.generation);
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .return_consumed_capacity(ReturnConsumedCapacity::Total)
+            .expression_attribute_names("#g", w.generation);
         for (i, (name, value)) in w.values.iter().enumerate() {
             req = req.expression_attribute_names(format!("#d{i}"), name);
             match value {
@@ -176,8 +181,8 @@ impl AggregateStore for DynamoDbAggregates {
             req = req.key(name, AttributeValue::S(value.clone()));
         }
         match req.send().await {
-            Ok(_) => Ok(true),
-            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
+            Ok(out) => Ok(Some(out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0))),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(None),
             Err(e) => Err(self.error(classify(&e))),
         }
     }

@@ -342,7 +342,7 @@ impl AggregateStore for MemoryAggregates {
         })
     }
 
-    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<bool, SinkError> {
+    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
         let mut s = self.lock();
         s.calls += 1;
         if s.fail_next > 0 {
@@ -356,7 +356,7 @@ impl AggregateStore for MemoryAggregates {
             _ => None,
         };
         if current.map(|n| n.to_string()).as_deref() != w.seen {
-            return Ok(false);
+            return Ok(None);
         }
         let next = current.unwrap_or(Decimal::ZERO).checked_add(Decimal::ONE).unwrap_or(Decimal::ZERO);
         item.insert(w.generation.to_string(), MemValue::Num(next));
@@ -367,6 +367,6 @@ impl AggregateStore for MemoryAggregates {
                 None => item.remove(name),
             };
         }
-        Ok(true)
+        Ok(Some(1.0))
     }
 }

@@ -92,8 +92,9 @@ pub trait AggregateStore: Send + Sync + 'static {
     fn generation(&self, key: &[(String, String)], generation: &str) -> impl Future<Output = Result<Option<String>, SinkError>> + Send;
 
     /// Sets (Some) or removes (None) the derived attributes and advances the counter, if it
-    /// is still `seen` (None: absent). False when another derivation moved it first.
-    fn set_derived(&self, write: &DerivedWrite<'_>) -> impl Future<Output = Result<bool, SinkError>> + Send;
+    /// is still `seen` (None: absent): the write capacity it consumed. None when another
+    /// derivation moved the counter first.
+    fn set_derived(&self, write: &DerivedWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
 }
 
 /// One Query for a target measure's helpers.

@@ -565,6 +565,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             match r {
                 Ok(stats) => {
                     metrics::counter!(names::DERIVATIONS, "outcome" => "written").increment(stats.writes - u64::from(stats.lost));
+                    metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.write_capacity.round() as u64);
+                    shared.capacity_milli.fetch_add((stats.write_capacity * 1000.0).round() as u64, Ordering::Relaxed);
                     metrics::counter!(names::DERIVATIONS, "outcome" => "lost_race").increment(u64::from(stats.lost));
                 }
                 Err(e) => {
