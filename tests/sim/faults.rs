@@ -211,7 +211,7 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
         self.inner.generation(key, generation).await
     }
 
-    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<bool, SinkError> {
+    async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
         let t = || SinkError::Transient("simulated".into());
         call(&self.fate, &self.faults, self.inner.set_derived(w), t, t).await
     }
