@@ -326,7 +326,10 @@ async fn derive_all<T: TargetStore>(
     report: &mut Report,
 ) {
     let key_names: Vec<String> = rule.target.iter().map(|(k, _)| k.clone()).collect();
-    let due: Vec<DeriveTarget> = derivations(rule, keys).into_iter().filter(|d| !changed.contains(&d.key)).collect();
+    // Also the targets tried again next round: a derivation is safe at any time, and one a
+    // correction of this round needs must not wait for a round that may never come.
+    let _ = changed;
+    let due: Vec<DeriveTarget> = derivations(rule, keys);
     let key_names = &key_names;
     let mut runs = Vec::with_capacity(due.len());
     for d in &due {
