@@ -450,15 +450,21 @@ fn measures_truth_and_stored(items: &[std::collections::HashMap<String, aws_sdk_
     (want, got)
 }
 
-/// Averages (kept as sums and counts) and the rule that ignores TTL deletes, through the
-/// commerce workload (status and total changes, deletes) and SIGKILLs: every customer's
-/// avgOrder_sum/_count, avgPaidOrder_sum/_count and PLACED counts equal a scan's truth.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn averages_survive_sigkills_exactly() {
-    let _serial = SERIAL.lock().await;
+/// A deployment of config/commerce-measures.yaml (aggregates in a table without a stream) after
+/// the commerce workload ran through 3 SIGKILLs of its service.
+struct MeasuresRun {
+    c: aws_sdk_dynamodb::Client,
+    dir: tempfile::TempDir,
+    table: String,
+    aggregates: String,
+    config: std::path::PathBuf,
+    svc: Service,
+}
+
+async fn measures_under_sigkills(prefix: &str, writes: usize, customers: usize, seed: u64, kill_seed: u64) -> MeasuresRun {
     let c = client().await;
     let dir = test_dir();
-    let table = unique("avg");
+    let table = unique(prefix);
     let aggregates = format!("{table}-agg");
     create_source_table(&c, &table).await;
     create_aggregates_table(&c, &aggregates).await;
@@ -466,16 +472,26 @@ async fn averages_survive_sigkills_exactly() {
     use_aggregates_table(&config, &table, &aggregates);
     let writer = {
         let (c, table) = (c.clone(), table.clone());
-        tokio::spawn(async move { workload(&c, &table, 2500, 30, 4, 11).await })
+        tokio::spawn(async move { workload(&c, &table, writes, customers, 4, seed).await })
     };
     let mut svc = Service::start(&config, dir.path(), "svc", &[]);
-    let mut rng = fastrand::Rng::with_seed(3);
+    let mut rng = fastrand::Rng::with_seed(kill_seed);
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(rng.u64(500..2000))).await;
         svc.kill();
         svc = Service::start(&config, dir.path(), "svc", &[]);
     }
-    assert!(writer.await.unwrap() >= 2500);
+    assert!(writer.await.unwrap() >= writes);
+    MeasuresRun { c, dir, table, aggregates, config, svc }
+}
+
+/// Averages (kept as sums and counts) and the rule that ignores TTL deletes, through the
+/// commerce workload (status and total changes, deletes) and SIGKILLs: every customer's
+/// avgOrder_sum/_count, avgPaidOrder_sum/_count and PLACED counts equal a scan's truth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn averages_survive_sigkills_exactly() {
+    let _serial = SERIAL.lock().await;
+    let MeasuresRun { c, dir: _dir, table, aggregates, config: _, svc } = measures_under_sigkills("avg", 2500, 30, 11, 3).await;
     let started = Instant::now();
     loop {
         let items = [scan(&c, &table).await, scan(&c, &aggregates).await].concat();
@@ -571,26 +587,7 @@ fn helper_truth_and_stored(
 async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
     use aws_sdk_dynamodb::types::AttributeValue;
     let _serial = SERIAL.lock().await;
-    let c = client().await;
-    let dir = test_dir();
-    let table = unique("helpers");
-    let aggregates = format!("{table}-agg");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let config = write_example_config(dir.path(), "config/commerce-measures.yaml", &table, &format!("{table}-state"), LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
-    let writer = {
-        let (c, table) = (c.clone(), table.clone());
-        tokio::spawn(async move { workload(&c, &table, 2000, 20, 4, 17).await })
-    };
-    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
-    let mut rng = fastrand::Rng::with_seed(5);
-    for _ in 0..3 {
-        tokio::time::sleep(Duration::from_millis(rng.u64(500..2000))).await;
-        svc.kill();
-        svc = Service::start(&config, dir.path(), "svc", &[]);
-    }
-    assert!(writer.await.unwrap() >= 2000);
+    let MeasuresRun { c, dir, table, aggregates, config, mut svc } = measures_under_sigkills("helpers", 2000, 20, 17, 5).await;
     // Each customer's largest order goes (its total ties: one of them), a SIGKILL halfway.
     let items = scan(&c, &table).await;
     let mut largest: BTreeMap<String, (ddb_aggregator::decimal::Decimal, String)> = BTreeMap::new();
