@@ -305,15 +305,35 @@ async fn retriable_faults_are_retried_not_dead_lettered() {
             ("AWS_ENDPOINT_URL_DYNAMODB_STREAMS", &proxy.endpoint()),
         ],
     );
-    let writes = workload(&c, &table, 1000, 40, 4, 9).await;
-    wait_exact_or(&c, &table, Duration::from_secs(120), || svc.log_tail()).await;
+    let kinds_met = || {
+        let kinds = proxy.by_kind.lock().unwrap().clone();
+        ["ProvisionedThroughputExceededException", "InternalServerError", "LimitExceededException"]
+            .iter()
+            .all(|k| kinds.get(*k).copied().unwrap_or(0) >= 1)
+    };
+    let mut writes = 0;
+    // More waves until every kind of fault was met (how often depends on how many requests
+    // the service makes; a 10% fault on a call made 30 times is missed one run in ten).
+    for wave in 0..5 {
+        writes += workload(&c, &table, 1000, 40, 4, 9 + wave).await;
+        wait_exact_or(&c, &table, Duration::from_secs(120), || svc.log_tail()).await;
+        if kinds_met() {
+            break;
+        }
+    }
     let injected = proxy.injected.load(std::sync::atomic::Ordering::SeqCst);
     let m = svc.metrics();
     println!(
         "{writes} writes; {injected} faults injected; {} requests forwarded; aggregates exact",
         proxy.forwarded.load(std::sync::atomic::Ordering::SeqCst)
     );
-    assert!(injected >= 40, "the proxy injected faults ({injected})");
+    // Which kinds were met, not how many: the count follows how many requests the service
+    // makes (fewer as batching improved: 33 faults in 134 requests in one CI run).
+    let kinds = proxy.by_kind.lock().unwrap().clone();
+    println!("faults by kind: {kinds:?}");
+    for kind in ["ProvisionedThroughputExceededException", "InternalServerError", "LimitExceededException"] {
+        assert!(kinds.get(kind).copied().unwrap_or(0) >= 1, "the proxy injected {kind} ({kinds:?})");
+    }
     assert_eq!(metric(&m, "ddb_aggregator_dead_letters_total"), 0.0, "retriable faults are never dead-lettered");
     assert!(drain_queue(&sqs, &queue).await.is_empty());
 }

@@ -576,7 +576,7 @@ impl TargetStore for Reconciler {
         let store = DynamoDbAggregates::new(self.ddb.clone(), self.config.aggregates_table.clone());
         crate::sink::derive::derive_target(&store, key_names, &self.ledger, target)
             .await
-            .map(|_| ())
+            .and_then(crate::sink::derive::DeriveStats::refused_as_error)
             .map_err(|e| ReconcileError::Aws(format!("deriving {:?}: {e}", target.key.0)))
     }
 }

@@ -1,29 +1,37 @@
 //! The attributes of `max`, `min`, `latest` and `distinct`, derived from their helper items
 //! ([`crate::rules::helper`]) after a batch's writes.
 //!
-//! A derivation reads the target's counter (`_aggd:<namespace>`), queries each measure's live
-//! helpers, and writes the values on condition that the counter is unchanged, advancing it. Why
-//! this is exact with many shards, replicas and crashes:
+//! A derivation reads the target's derivation counters (`_aggd:<namespace>:<attribute>`, one
+//! per derived attribute), queries each measure's live helpers, and writes the values on
+//! condition that their counters are unchanged, advancing them. Why this is exact with many
+//! shards, replicas and crashes:
 //! - every helper write is followed, before its batch's checkpoint moves, by a derivation of
 //!   its target that succeeds; a crash in between replays the batch, which derives again (its
 //!   helper writes are refused by the ledger, the derivation is not);
-//! - a derivation lands only if no other landed since it read the counter, and it queried the
-//!   helpers after that read. So the last one to land queried after every earlier one landed,
-//!   hence after every helper write whose derivation landed before it: it saw them all. A view
-//!   older than another derivation's can never overwrite it.
+//! - a derivation lands only if no other landed on the same attribute since it read the
+//!   counter, and it queried the helpers after that read. So the last one to land queried
+//!   after every earlier one landed, hence after every helper write whose derivation landed
+//!   before it: it saw them all. A view older than another derivation's can never overwrite it;
+//! - a derivation need not land itself once the counter moved twice past its first read
+//!   ([`covered`]): the second of those two read the counter, and so queried the helpers,
+//!   after this one's helper writes. On a target that many shards write at once this bounds
+//!   every derivation to three rounds, where waiting for its own landing could lose for ever.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use super::{AggregateStore, DerivedWrite, HelperQuery, SinkError};
+use super::{AggregateStore, Derived, DerivedWrite, HelperQuery, SinkError};
 use crate::rules::helper::{self, Derive, Scalar};
 use crate::rules::{Engine, MeasureKind, TargetDelta, TargetKey};
 use crate::sink::ledger::Ledger;
 
-/// Rounds lost to other derivations of the same target before the batch gives up (and is
-/// retried from its checkpoint).
-const ROUNDS: u32 = 32;
+/// Rounds a derivation may take before the batch gives up (and is retried from its
+/// checkpoint). Three are enough ([`covered`]); more only if counters are not numbers.
+const ROUNDS: u32 = 8;
 /// Transient failures retried within one derivation.
 const TRANSIENT_RETRIES: u32 = 8;
+/// Derived attributes in one write: its expressions stay under DynamoDB's 4 KB
+/// ([`derived_expressions`], tested with the longest placeholders).
+pub const MEASURES_PER_WRITE: usize = 32;
 
 /// A target whose derived attributes a batch changed, with the measures to derive.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,38 +85,119 @@ pub fn values_of_batch(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) ->
 }
 
 /// What one derivation cost.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Default)]
 pub struct DeriveStats {
     pub queries: u64,
     pub writes: u64,
     pub read_capacity: f64,
-    /// Of the write that landed.
+    /// Of the writes that landed.
     pub write_capacity: f64,
-    /// Rounds another derivation of the same target won.
-    pub lost: u32,
+    /// Writes that landed.
+    pub landed: u64,
+    /// Writes refused because another derivation moved a counter first.
+    pub lost: u64,
+    /// Attributes another derivation was known to have derived from a view holding this
+    /// one's helper writes ([`covered`]).
+    pub covered: u64,
+    /// Attributes the table refused to take (the error says why): counted and logged, not
+    /// retried for ever; reconcile derives them again.
+    pub refused: Vec<(Vec<String>, SinkError)>,
 }
 
-/// Derives `target`'s attributes from its live helpers until a write lands.
+impl DeriveStats {
+    /// The first refused write as an error (reconcile reports it as a failed target).
+    pub fn refused_as_error(self) -> Result<(), SinkError> {
+        match self.refused.into_iter().next() {
+            None => Ok(()),
+            Some((names, e)) => Err(SinkError::Invalid(format!("{}: {e}", names.join(", ")))),
+        }
+    }
+}
+
+/// Whether a derivation that first read a counter as `first` (after its helper writes) can
+/// stop now that it reads `now`: two derivations landed since, and the second read the counter,
+/// and so queried the helpers, after `first` was read. An absent counter is 0; a counter that
+/// is not a whole number covers nothing.
+pub fn covered(first: Option<&str>, now: Option<&str>) -> bool {
+    let number = |c: Option<&str>| c.map_or(Some(0u64), |c| c.parse().ok());
+    match (number(first), number(now)) {
+        (Some(first), Some(now)) => first.checked_add(2).is_some_and(|two_later| now >= two_later),
+        _ => false,
+    }
+}
+
+/// The update and condition of a derivation's write: value `i` is `#d{i}` (`:d{i}`), its
+/// counter `#g{i}` (read as `:s{i}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DerivedExpressions {
+    pub update: String,
+    pub condition: String,
+    /// Whether `:zero` is used (a counter this write creates).
+    pub uses_zero: bool,
+}
+
+pub fn derived_expressions(values: &[Derived]) -> DerivedExpressions {
+    let (mut sets, mut removes, mut conditions) = (Vec::new(), Vec::new(), Vec::new());
+    let mut uses_zero = false;
+    for (i, d) in values.iter().enumerate() {
+        if d.seen.is_some() {
+            sets.push(format!("#g{i} = #g{i} + :one"));
+            conditions.push(format!("#g{i} = :s{i}"));
+        } else {
+            uses_zero = true;
+            sets.push(format!("#g{i} = if_not_exists(#g{i}, :zero) + :one"));
+            conditions.push(format!("attribute_not_exists(#g{i})"));
+        }
+        match d.value {
+            Some(_) => sets.push(format!("#d{i} = :d{i}")),
+            None => removes.push(format!("#d{i}")),
+        }
+    }
+    let mut update = format!("SET {}", sets.join(", "));
+    if !removes.is_empty() {
+        update.push_str(&format!(" REMOVE {}", removes.join(", ")));
+    }
+    DerivedExpressions { update, condition: conditions.join(" AND "), uses_zero }
+}
+
+/// One target's derivation as it goes: the attributes still to derive and what each
+/// one's counter read first.
+struct Progress<'a> {
+    target: &'a DeriveTarget,
+    key: Vec<(String, String)>,
+    pk: &'a str,
+    owner_sk: &'a str,
+    counter_prefix: String,
+    pending: BTreeSet<String>,
+    first: BTreeMap<String, Option<String>>,
+}
+
+/// Derives `target`'s attributes from its live helpers until each one landed, was covered
+/// by another derivation, or was refused by the table.
 pub async fn derive_target<S: AggregateStore>(
     store: &S,
     key_names: &[String],
     ledger: &Ledger,
     target: &DeriveTarget,
 ) -> Result<DeriveStats, SinkError> {
+    let (Some(pk), Some(owner_sk)) = (target.key.0.first(), target.key.0.last().filter(|_| target.key.0.len() > 1)) else {
+        return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
+    };
+    let mut p = Progress {
+        target,
+        key: key_names.iter().cloned().zip(target.key.0.iter().map(|v| v.to_string())).collect(),
+        pk,
+        owner_sk,
+        counter_prefix: ledger.derived_prefix(),
+        pending: target.measures.keys().cloned().collect(),
+        first: BTreeMap::new(),
+    };
     let mut stats = DeriveStats::default();
-    let mut transient = 0;
-    for _ in 0..ROUNDS + TRANSIENT_RETRIES {
-        match derive_once(store, key_names, ledger, target, &mut stats).await {
-            Ok(Some(capacity)) => {
-                stats.write_capacity += capacity;
-                return Ok(stats);
-            }
-            Ok(None) => {
-                stats.lost += 1;
-                if stats.lost >= ROUNDS {
-                    break;
-                }
-            }
+    let (mut rounds, mut transient) = (0, 0);
+    while rounds < ROUNDS {
+        match derive_round(store, key_names, &mut p, &mut stats).await {
+            Ok(()) if p.pending.is_empty() => return Ok(stats),
+            Ok(()) => rounds += 1,
             Err(e) if e.is_retriable() && transient < TRANSIENT_RETRIES => {
                 transient += 1;
                 tokio::time::sleep(super::backoff(transient)).await;
@@ -119,30 +208,57 @@ pub async fn derive_target<S: AggregateStore>(
     Err(SinkError::Transient(format!("deriving {:?}: other derivations kept landing first", target.key.0)))
 }
 
-/// One round: read the counter, query the helpers, write on condition. None: lost the race.
-async fn derive_once<S: AggregateStore>(
+/// One round: read the counters, drop the covered attributes, query the helpers of the
+/// others and write them on condition, in chunks.
+async fn derive_round<S: AggregateStore>(
     store: &S,
     key_names: &[String],
-    ledger: &Ledger,
-    target: &DeriveTarget,
+    p: &mut Progress<'_>,
     stats: &mut DeriveStats,
-) -> Result<Option<f64>, SinkError> {
-    let (Some(pk), Some(owner_sk)) = (target.key.0.first(), target.key.0.last().filter(|_| target.key.0.len() > 1)) else {
-        return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
-    };
-    let key: Vec<(String, String)> = key_names.iter().cloned().zip(target.key.0.iter().map(|v| v.to_string())).collect();
-    let generation = ledger.derived_attribute();
-    let seen = store.generation(&key, &generation).await?;
-    let mut values: Vec<(String, Option<Scalar>)> = Vec::with_capacity(target.measures.len());
-    for (name, derive) in &target.measures {
-        let prefix = helper::prefix(owner_sk, name);
-        let live = store.live_helpers(&HelperQuery { key_names, pk, prefix: &prefix, scan: derive.scan() }).await?;
+) -> Result<(), SinkError> {
+    let now = store.derivation_counters(&p.key, &p.counter_prefix).await?;
+    let mut due = Vec::with_capacity(p.pending.len());
+    for name in &p.pending {
+        let first = p.first.entry(name.clone()).or_insert_with(|| now.get(name).cloned());
+        if covered(first.as_deref(), now.get(name).map(String::as_str)) {
+            stats.covered += 1;
+        } else {
+            due.push(name.clone());
+        }
+    }
+    p.pending.retain(|n| due.contains(n));
+    let mut values = Vec::with_capacity(due.len());
+    for name in due {
+        let Some(derive) = p.target.measures.get(&name) else { continue };
+        let prefix = helper::prefix(p.owner_sk, &name);
+        let live = store.live_helpers(&HelperQuery { key_names, pk: p.pk, prefix: &prefix, scan: derive.scan() }).await?;
         stats.queries += 1;
         stats.read_capacity += live.capacity;
-        values.push((name.clone(), derive.value(live.first.as_deref(), live.count)));
+        let value = derive.value(live.first.as_deref(), live.count);
+        values.push(Derived { counter: format!("{}{name}", p.counter_prefix), seen: now.get(&name).cloned(), value, name });
     }
-    stats.writes += 1;
-    store.set_derived(&DerivedWrite { key: &key, generation: &generation, seen: seen.as_deref(), values: &values }).await
+    for chunk in values.chunks(MEASURES_PER_WRITE) {
+        stats.writes += 1;
+        let names = || chunk.iter().map(|d| d.name.clone()).collect::<Vec<_>>();
+        match store.set_derived(&DerivedWrite { key: &p.key, values: chunk }).await {
+            Ok(Some(capacity)) => {
+                stats.landed += 1;
+                stats.write_capacity += capacity;
+                for d in chunk {
+                    p.pending.remove(&d.name);
+                }
+            }
+            Ok(None) => stats.lost += 1,
+            Err(e @ SinkError::Invalid(_)) => {
+                for d in chunk {
+                    p.pending.remove(&d.name);
+                }
+                stats.refused.push((names(), e));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -237,23 +353,151 @@ mod tests {
         assert_eq!(profile().get("largestOrder"), None);
     }
 
+    fn profile_key() -> Vec<(String, String)> {
+        vec![("PK".to_string(), "CUST#c1".to_string()), ("SK".to_string(), "PROFILE".to_string())]
+    }
+
+    fn derived(seen: Option<String>, v: i64) -> Vec<Derived> {
+        let value = Some(Scalar::N(Decimal::from_i64(v)));
+        vec![Derived { name: "largestOrder".into(), counter: "_aggd:t:largestOrder".into(), seen, value }]
+    }
+
     #[tokio::test]
     async fn a_derivation_from_an_older_view_never_lands_after_a_newer_one() {
         let store = MemoryAggregates::new();
-        let key = vec![("PK".to_string(), "CUST#c1".to_string()), ("SK".to_string(), "PROFILE".to_string())];
-        let g = "_aggd:t";
-        let value = |v: i64| vec![("largestOrder".to_string(), Some(Scalar::N(Decimal::from_i64(v))))];
-        let old = store.generation(&key, g).await.unwrap();
-        let newer = store.generation(&key, g).await.unwrap();
-        assert!(store
-            .set_derived(&DerivedWrite { key: &key, generation: g, seen: newer.as_deref(), values: &value(9) })
-            .await
-            .unwrap()
-            .is_some());
+        let key = profile_key();
+        let old = store.derivation_counters(&key, "_aggd:t:").await.unwrap().remove("largestOrder");
+        let newer = store.derivation_counters(&key, "_aggd:t:").await.unwrap().remove("largestOrder");
+        assert!(store.set_derived(&DerivedWrite { key: &key, values: &derived(newer, 9) }).await.unwrap().is_some());
         assert!(
-            store.set_derived(&DerivedWrite { key: &key, generation: g, seen: old.as_deref(), values: &value(5) }).await.unwrap().is_none(),
+            store.set_derived(&DerivedWrite { key: &key, values: &derived(old, 5) }).await.unwrap().is_none(),
             "read before the newer one landed: refused"
         );
         assert_eq!(store.item(&["CUST#c1", "PROFILE"]).unwrap().get("largestOrder"), Some(&MemValue::Num(Decimal::from_i64(9))));
+        let counters = store.derivation_counters(&key, "_aggd:t:").await.unwrap();
+        assert_eq!(counters, BTreeMap::from([("largestOrder".to_string(), "1".to_string())]));
+    }
+
+    #[test]
+    fn two_landings_after_the_first_read_cover_a_derivation_one_does_not() {
+        assert!(!covered(None, None));
+        assert!(!covered(None, Some("1")), "the one landing may have queried before our helper writes");
+        assert!(covered(None, Some("2")));
+        assert!(!covered(Some("7"), Some("8")));
+        assert!(covered(Some("7"), Some("9")));
+        assert!(covered(Some("7"), Some("120")));
+        assert!(!covered(Some("7"), Some("7")));
+        assert!(!covered(Some("x"), Some("9")), "not a number: never covered");
+        assert!(!covered(Some("18446744073709551615"), Some("18446744073709551615")), "no overflow");
+    }
+
+    #[test]
+    fn a_full_chunk_of_derived_attributes_fits_one_expression() {
+        let values: Vec<Derived> = (0..MEASURES_PER_WRITE)
+            .map(|i| Derived {
+                name: format!("m{i}"),
+                counter: format!("_aggd:t:m{i}"),
+                seen: None,
+                value: (i % 2 == 0).then(|| Scalar::S("x".into())),
+            })
+            .collect();
+        let e = derived_expressions(&values);
+        let limit = crate::sink::ledger::MAX_EXPRESSION_BYTES;
+        assert!(e.update.len() <= limit && e.condition.len() <= limit, "{} and {} bytes", e.update.len(), e.condition.len());
+        assert!(e.uses_zero && e.update.contains(" REMOVE #d1, #d3"), "{e:?}");
+        let seen = derived_expressions(&derived(Some("4".into()), 1));
+        assert_eq!(seen.update, "SET #g0 = #g0 + :one, #d0 = :d0");
+        assert_eq!(seen.condition, "#g0 = :s0");
+        assert!(!seen.uses_zero);
+    }
+
+    /// A store whose every call yields first, so concurrent derivations interleave call by
+    /// call (the memory store answers at once), and which refuses writes of one attribute.
+    struct Interleaved {
+        inner: MemoryAggregates,
+        refuse: Option<&'static str>,
+    }
+
+    impl AggregateStore for Interleaved {
+        async fn apply(&self, w: &crate::sink::LedgerWrite) -> Result<crate::sink::WriteOutcome, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.apply(w).await
+        }
+        async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<crate::sink::LiveHelpers, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.live_helpers(q).await
+        }
+        async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.derivation_counters(key, prefix).await
+        }
+        async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
+            tokio::task::yield_now().await;
+            if w.values.iter().any(|d| Some(d.name.as_str()) == self.refuse) {
+                return Err(SinkError::Invalid("Item size has exceeded the maximum allowed size".into()));
+            }
+            self.inner.set_derived(w).await
+        }
+    }
+
+    /// `n` helpers of `measure` (a max) under the profile, valued 1..=n.
+    fn put_helpers(store: &MemoryAggregates, measure: &str, n: i64) {
+        for v in 1..=n {
+            let sk = format!("{}{}", helper::prefix("PROFILE", measure), Derive::Max.tail(&Scalar::N(Decimal::from_i64(v)), None));
+            store.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::ONE));
+        }
+    }
+
+    fn target_of(measures: impl IntoIterator<Item = String>) -> DeriveTarget {
+        let key = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice());
+        DeriveTarget { key, measures: measures.into_iter().map(|m| (m, Derive::Max)).collect() }
+    }
+
+    /// A hot target: 64 shards derive it at once. Each writes at most twice (it lands, or two
+    /// others land after its first read and cover it), where waiting for a landing of its own
+    /// lost 32 rounds and failed its batch.
+    #[tokio::test]
+    async fn sixty_four_concurrent_derivations_of_one_target_each_write_at_most_twice() {
+        let store = Interleaved { inner: MemoryAggregates::new(), refuse: None };
+        put_helpers(&store.inner, "largestOrder", 5);
+        let target = target_of(["largestOrder".to_string()]);
+        let key_names = ["PK".to_string(), "SK".to_string()];
+        let ledger = Ledger::new("t");
+        let runs = (0..64).map(|_| derive_target(&store, &key_names, &ledger, &target));
+        let results = futures::future::join_all(runs).await;
+        let mut covered = 0;
+        for r in results {
+            let stats = r.expect("every derivation finishes");
+            assert!(stats.writes <= 2, "{stats:?}");
+            assert_eq!(stats.landed + stats.covered, 1, "{stats:?}");
+            covered += stats.covered;
+        }
+        assert!(covered > 0, "some were covered by others' landings");
+        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert_eq!(profile.get("largestOrder"), Some(&MemValue::Num(Decimal::from_i64(5))));
+    }
+
+    /// 70 templated attributes: three writes of at most 32, and one the table refuses is
+    /// counted without holding back the others.
+    #[tokio::test]
+    async fn many_attributes_are_written_in_chunks_and_a_refused_one_does_not_fail_the_rest() {
+        let store = Interleaved { inner: MemoryAggregates::new(), refuse: Some("largest_s69") };
+        let names: Vec<String> = (0..70).map(|i| format!("largest_s{i}")).collect();
+        for (i, n) in names.iter().enumerate() {
+            put_helpers(&store.inner, n, 1 + i as i64);
+        }
+        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target_of(names.clone()))
+            .await
+            .expect("a refused chunk does not fail the derivation");
+        assert_eq!((stats.writes, stats.landed), (3, 2), "{stats:?}");
+        assert_eq!(stats.refused.len(), 1);
+        assert_eq!(stats.refused[0].0.len(), 70 - 2 * MEASURES_PER_WRITE, "the last chunk");
+        let refused = &stats.refused[0].0;
+        assert!(refused.contains(&"largest_s69".to_string()), "{refused:?}");
+        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+        for (i, n) in names.iter().enumerate() {
+            let expected = (!refused.contains(n)).then(|| MemValue::Num(Decimal::from_i64(1 + i as i64)));
+            assert_eq!(profile.get(n), expected.as_ref(), "{n}");
+        }
     }
 }

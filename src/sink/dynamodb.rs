@@ -1,5 +1,7 @@
 //! The aggregate table in DynamoDB: the ledger-guarded write as one UpdateItem.
 
+use std::collections::BTreeMap;
+
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::Client;
@@ -7,6 +9,7 @@ use aws_sdk_dynamodb::Client;
 use super::{AggregateStore, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::aws::{classify, FailureKind};
 use crate::rules::helper::{HelperScan, Scalar, REFS};
+use crate::sink::derive::derived_expressions;
 use crate::sink::ledger::{applied_of, expressions, ExprValue, Seen};
 
 pub struct DynamoDbAggregates {
@@ -127,56 +130,48 @@ impl AggregateStore for DynamoDbAggregates {
         Err(SinkError::Fatal(format!("querying helper items under {} did not end", q.prefix)))
     }
 
-    async fn generation(&self, key: &[(String, String)], generation: &str) -> Result<Option<String>, SinkError> {
-        let mut req = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .consistent_read(true)
-            .projection_expression("#g")
-            .expression_attribute_names("#g", generation);
+    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
+        // The whole item: a projection would cost the same read capacity, and its expression
+        // would have to hold every counter's name.
+        let mut req = self.client.get_item().table_name(&self.table).consistent_read(true);
         for (name, value) in key {
             req = req.key(name, AttributeValue::S(value.clone()));
         }
         let out = req.send().await.map_err(|e| self.error(classify(&e)))?;
-        Ok(out.item().and_then(|i| i.get(generation)).and_then(|v| v.as_n().ok()).cloned())
+        let counters = out
+            .item()
+            .into_iter()
+            .flatten()
+            .filter_map(|(name, value)| Some((name.strip_prefix(prefix)?.to_string(), value.as_n().ok()?.clone())));
+        Ok(counters.collect())
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
-        let mut sets = vec!["#g = if_not_exists(#g, :zero) + :one".to_string()];
-        let mut removes = Vec::new();
+        let e = derived_expressions(w.values);
         let mut req = self
             .client
             .update_item()
             .table_name(&self.table)
             .return_consumed_capacity(ReturnConsumedCapacity::Total)
-            .expression_attribute_names("#g", w.generation);
-        for (i, (name, value)) in w.values.iter().enumerate() {
-            req = req.expression_attribute_names(format!("#d{i}"), name);
-            match value {
-                Some(v) => {
-                    sets.push(format!("#d{i} = :d{i}"));
-                    let v = match v {
-                        Scalar::N(n) => AttributeValue::N(n.to_string()),
-                        Scalar::S(s) => AttributeValue::S(s.clone()),
-                    };
-                    req = req.expression_attribute_values(format!(":d{i}"), v);
-                }
-                None => removes.push(format!("#d{i}")),
+            .update_expression(e.update)
+            .condition_expression(e.condition)
+            .expression_attribute_values(":one", AttributeValue::N("1".into()));
+        for (i, d) in w.values.iter().enumerate() {
+            req = req.expression_attribute_names(format!("#d{i}"), &d.name).expression_attribute_names(format!("#g{i}"), &d.counter);
+            if let Some(seen) = &d.seen {
+                req = req.expression_attribute_values(format!(":s{i}"), AttributeValue::N(seen.clone()));
+            }
+            if let Some(v) = &d.value {
+                let v = match v {
+                    Scalar::N(n) => AttributeValue::N(n.to_string()),
+                    Scalar::S(s) => AttributeValue::S(s.clone()),
+                };
+                req = req.expression_attribute_values(format!(":d{i}"), v);
             }
         }
-        let mut update = format!("SET {}", sets.join(", "));
-        if !removes.is_empty() {
-            update.push_str(&format!(" REMOVE {}", removes.join(", ")));
+        if e.uses_zero {
+            req = req.expression_attribute_values(":zero", AttributeValue::N("0".into()));
         }
-        req = req
-            .update_expression(update)
-            .expression_attribute_values(":zero", AttributeValue::N("0".into()))
-            .expression_attribute_values(":one", AttributeValue::N("1".into()));
-        req = match w.seen {
-            None => req.condition_expression("attribute_not_exists(#g)"),
-            Some(seen) => req.condition_expression("#g = :seen").expression_attribute_values(":seen", AttributeValue::N(seen.to_string())),
-        };
         for (name, value) in w.key {
             req = req.key(name, AttributeValue::S(value.clone()));
         }

@@ -117,11 +117,12 @@ impl Ledger {
         format!("_aggv:{}", self.namespace)
     }
 
-    /// `_aggd:<namespace>`: the counter every derivation of `max`, `min`, `latest` and
-    /// `distinct` advances, so a derivation from an older view of the helpers never lands
-    /// after a newer one ([`crate::sink::derive`]).
-    pub fn derived_attribute(&self) -> String {
-        format!("_aggd:{}", self.namespace)
+    /// `_aggd:<namespace>:`: the prefix of the counters that derivations of `max`, `min`,
+    /// `latest` and `distinct` advance, one per derived attribute (`_aggd:<namespace>:<name>`),
+    /// so a derivation from an older view of the helpers never lands after a newer one
+    /// ([`crate::sink::derive`]).
+    pub fn derived_prefix(&self) -> String {
+        format!("_aggd:{}:", self.namespace)
     }
 
     /// `_aggm:<namespace>`: the set of measure attributes this deployment wrote on the item;

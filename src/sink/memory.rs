@@ -333,13 +333,17 @@ impl AggregateStore for MemoryAggregates {
         Ok(LiveHelpers { first: first.map(|t| t.to_string()), count: tails.len() as u64, capacity: 0.5 })
     }
 
-    async fn generation(&self, key: &[(String, String)], generation: &str) -> Result<Option<String>, SinkError> {
+    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
         let s = self.lock();
         let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
-        Ok(match s.items.get(&key).and_then(|i| i.get(generation)) {
-            Some(MemValue::Num(n)) => Some(n.to_string()),
-            _ => None,
-        })
+        let Some(item) = s.items.get(&key) else { return Ok(BTreeMap::new()) };
+        Ok(item
+            .iter()
+            .filter_map(|(name, value)| match value {
+                MemValue::Num(n) => Some((name.strip_prefix(prefix)?.to_string(), n.to_string())),
+                _ => None,
+            })
+            .collect())
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
@@ -351,20 +355,20 @@ impl AggregateStore for MemoryAggregates {
         }
         let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
         let item = s.items.entry(key).or_default();
-        let current = match item.get(w.generation) {
+        let counter = |item: &BTreeMap<String, MemValue>, name: &str| match item.get(name) {
             Some(MemValue::Num(n)) => Some(*n),
             _ => None,
         };
-        if current.map(|n| n.to_string()).as_deref() != w.seen {
+        if w.values.iter().any(|d| counter(item, &d.counter).map(|n| n.to_string()) != d.seen) {
             return Ok(None);
         }
-        let next = current.unwrap_or(Decimal::ZERO).checked_add(Decimal::ONE).unwrap_or(Decimal::ZERO);
-        item.insert(w.generation.to_string(), MemValue::Num(next));
-        for (name, value) in w.values {
-            match value {
-                Some(Scalar::N(n)) => item.insert(name.clone(), MemValue::Num(*n)),
-                Some(Scalar::S(v)) => item.insert(name.clone(), MemValue::Str(v.clone())),
-                None => item.remove(name),
+        for d in w.values {
+            let next = counter(item, &d.counter).unwrap_or(Decimal::ZERO).checked_add(Decimal::ONE).unwrap_or(Decimal::ZERO);
+            item.insert(d.counter.clone(), MemValue::Num(next));
+            match &d.value {
+                Some(Scalar::N(n)) => item.insert(d.name.clone(), MemValue::Num(*n)),
+                Some(Scalar::S(v)) => item.insert(d.name.clone(), MemValue::Str(v.clone())),
+                None => item.remove(&d.name),
             };
         }
         Ok(Some(1.0))

@@ -7,6 +7,7 @@ pub mod dynamodb;
 pub mod ledger;
 pub mod memory;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
@@ -88,12 +89,17 @@ pub trait AggregateStore: Send + Sync + 'static {
     /// (`First`) or greatest (`Last`), or how many there are (`Count`).
     fn live_helpers(&self, key: &HelperQuery<'_>) -> impl Future<Output = Result<LiveHelpers, SinkError>> + Send;
 
-    /// The item's derivation counter (`generation`), strongly consistent; None: absent.
-    fn generation(&self, key: &[(String, String)], generation: &str) -> impl Future<Output = Result<Option<String>, SinkError>> + Send;
+    /// The item's derivation counters (attributes starting with `prefix`, numbers as
+    /// stored), strongly consistent, by the name after the prefix; absent ones are missing.
+    fn derivation_counters(
+        &self,
+        key: &[(String, String)],
+        prefix: &str,
+    ) -> impl Future<Output = Result<BTreeMap<String, String>, SinkError>> + Send;
 
-    /// Sets (Some) or removes (None) the derived attributes and advances the counter, if it
-    /// is still `seen` (None: absent): the write capacity it consumed. None when another
-    /// derivation moved the counter first.
+    /// Sets (Some) or removes (None) the derived attributes and advances each one's counter,
+    /// if every counter is still as `seen` (None: absent): the write capacity it consumed.
+    /// None when another derivation moved one of them first.
     fn set_derived(&self, write: &DerivedWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
 }
 
@@ -120,9 +126,19 @@ pub struct LiveHelpers {
 #[derive(Debug, Clone, Copy)]
 pub struct DerivedWrite<'a> {
     pub key: &'a [(String, String)],
-    pub generation: &'a str,
-    pub seen: Option<&'a str>,
-    pub values: &'a [(String, Option<Scalar>)],
+    pub values: &'a [Derived],
+}
+
+/// One derived attribute in a [`DerivedWrite`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Derived {
+    pub name: String,
+    /// Its derivation counter's attribute, and the value read before the helpers were
+    /// queried (None: absent).
+    pub counter: String,
+    pub seen: Option<String>,
+    /// None: nothing contributes, the attribute is removed.
+    pub value: Option<Scalar>,
 }
 
 /// What writing one target cost.

@@ -120,7 +120,7 @@ pub fn init_series(rules: &[String]) {
     for outcome in WriteOutcome::ALL {
         counter!(AGGREGATE_WRITES, "outcome" => outcome.as_str()).increment(0);
     }
-    for outcome in ["written", "lost_race", "error"] {
+    for outcome in ["written", "lost_race", "covered", "refused", "error"] {
         counter!(DERIVATIONS, "outcome" => outcome).increment(0);
     }
     for outcome in ReadOutcome::ALL {

@@ -564,10 +564,17 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         for r in results {
             match r {
                 Ok(stats) => {
-                    metrics::counter!(names::DERIVATIONS, "outcome" => "written").increment(stats.writes - u64::from(stats.lost));
+                    metrics::counter!(names::DERIVATIONS, "outcome" => "written").increment(stats.landed);
                     metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.write_capacity.round() as u64);
                     shared.capacity_milli.fetch_add((stats.write_capacity * 1000.0).round() as u64, Ordering::Relaxed);
-                    metrics::counter!(names::DERIVATIONS, "outcome" => "lost_race").increment(u64::from(stats.lost));
+                    metrics::counter!(names::DERIVATIONS, "outcome" => "lost_race").increment(stats.lost);
+                    metrics::counter!(names::DERIVATIONS, "outcome" => "covered").increment(stats.covered);
+                    for (attributes, e) in &stats.refused {
+                        // Not a reason to hold the shard: the helpers are exact, and reconcile
+                        // derives again.
+                        tracing::error!(?attributes, error = %e, "the table refused a derived attribute; it stays as it was");
+                        metrics::counter!(names::DERIVATIONS, "outcome" => "refused").increment(attributes.len() as u64);
+                    }
                 }
                 Err(e) => {
                     metrics::counter!(names::DERIVATIONS, "outcome" => "error").increment(1);

@@ -2,6 +2,7 @@
 //! returns, before or after it took effect; paused: it waits, then goes through) and seeded
 //! faults (errors before the call, time-outs after it took effect, expired iterators).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -207,8 +208,8 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
         self.inner.live_helpers(q).await
     }
 
-    async fn generation(&self, key: &[(String, String)], generation: &str) -> Result<Option<String>, SinkError> {
-        self.inner.generation(key, generation).await
+    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
+        self.inner.derivation_counters(key, prefix).await
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
