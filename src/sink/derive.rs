@@ -15,7 +15,9 @@
 //! - a derivation need not land itself once the counter moved twice past its first read
 //!   ([`covered`]): the second of those two read the counter, and so queried the helpers,
 //!   after this one's helper writes. On a target that many shards write at once this bounds
-//!   every derivation to three rounds, where waiting for its own landing could lose for ever.
+//!   every attribute written alone to two writes (three rounds), where waiting for its own
+//!   landing could lose for ever. Attributes go 32 to a write until one such write loses, then
+//!   one to a write (a write of k loses when any of its k counters moved).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -25,7 +27,8 @@ use crate::rules::{Engine, MeasureKind, TargetDelta, TargetKey};
 use crate::sink::ledger::Ledger;
 
 /// Rounds a derivation may take before the batch gives up (and is retried from its
-/// checkpoint). Three are enough ([`covered`]); more only if counters are not numbers.
+/// checkpoint). Four are enough: a chunk that lost is split into single attributes, and a
+/// single attribute lands or is covered within three more ([`covered`]).
 const ROUNDS: u32 = 8;
 /// Transient failures retried within one derivation.
 const TRANSIENT_RETRIES: u32 = 8;
@@ -170,6 +173,8 @@ struct Progress<'a> {
     counter_prefix: String,
     pending: BTreeSet<String>,
     first: BTreeMap<String, Option<String>>,
+    /// A chunk lost a race: from then on each attribute is written alone.
+    alone: bool,
 }
 
 /// Derives `target`'s attributes from its live helpers until each one landed, was covered
@@ -191,6 +196,7 @@ pub async fn derive_target<S: AggregateStore>(
         counter_prefix: ledger.derived_prefix(),
         pending: target.measures.keys().cloned().collect(),
         first: BTreeMap::new(),
+        alone: false,
     };
     let mut stats = DeriveStats::default();
     let (mut rounds, mut transient) = (0, 0);
@@ -237,28 +243,59 @@ async fn derive_round<S: AggregateStore>(
         let value = derive.value(live.first.as_deref(), live.count);
         values.push(Derived { counter: format!("{}{name}", p.counter_prefix), seen: now.get(&name).cloned(), value, name });
     }
-    for chunk in values.chunks(MEASURES_PER_WRITE) {
-        stats.writes += 1;
-        let names = || chunk.iter().map(|d| d.name.clone()).collect::<Vec<_>>();
-        match store.set_derived(&DerivedWrite { key: &p.key, values: chunk }).await {
-            Ok(Some(capacity)) => {
-                stats.landed += 1;
-                stats.write_capacity += capacity;
-                for d in chunk {
-                    p.pending.remove(&d.name);
+    // After a chunk lost, one attribute a write: a chunk loses when any of its counters
+    // moved, so k attributes together could lose 2k rounds to derivations of one each.
+    let size = if p.alone { 1 } else { MEASURES_PER_WRITE };
+    for chunk in values.chunks(size) {
+        match write_chunk(store, p, chunk, stats).await? {
+            Written::Lost if chunk.len() > 1 => p.alone = true,
+            Written::Refused(_) if chunk.len() > 1 => {
+                // Find the attribute the table refuses: the others of the chunk still land.
+                for one in chunk.chunks(1) {
+                    if let Written::Refused(e) = write_chunk(store, p, one, stats).await? {
+                        stats.refused.push((vec![one[0].name.clone()], e));
+                    }
                 }
             }
-            Ok(None) => stats.lost += 1,
-            Err(e @ SinkError::Invalid(_)) => {
-                for d in chunk {
-                    p.pending.remove(&d.name);
-                }
-                stats.refused.push((names(), e));
-            }
-            Err(e) => return Err(e),
+            Written::Refused(e) => stats.refused.push((chunk.iter().map(|d| d.name.clone()).collect(), e)),
+            Written::Landed | Written::Lost => {}
         }
     }
     Ok(())
+}
+
+/// How one derivation write ended.
+enum Written {
+    Landed,
+    Lost,
+    Refused(SinkError),
+}
+
+/// Writes one chunk: its attributes leave `pending` when it lands or is refused.
+async fn write_chunk<S: AggregateStore>(
+    store: &S,
+    p: &mut Progress<'_>,
+    chunk: &[Derived],
+    stats: &mut DeriveStats,
+) -> Result<Written, SinkError> {
+    stats.writes += 1;
+    let written = match store.set_derived(&DerivedWrite { key: &p.key, values: chunk }).await {
+        Ok(Some(capacity)) => {
+            stats.landed += 1;
+            stats.write_capacity += capacity;
+            Written::Landed
+        }
+        Ok(None) => {
+            stats.lost += 1;
+            return Ok(Written::Lost);
+        }
+        Err(e @ SinkError::Invalid(_)) => Written::Refused(e),
+        Err(e) => return Err(e),
+    };
+    for d in chunk {
+        p.pending.remove(&d.name);
+    }
+    Ok(written)
 }
 
 #[cfg(test)]
@@ -413,9 +450,13 @@ mod tests {
 
     /// A store whose every call yields first, so concurrent derivations interleave call by
     /// call (the memory store answers at once), and which refuses writes of one attribute.
+    #[derive(Default)]
     struct Interleaved {
         inner: MemoryAggregates,
         refuse: Option<&'static str>,
+        /// Before each write of several attributes, another derivation of one of them lands.
+        race_chunks: bool,
+        raced: std::sync::atomic::AtomicUsize,
     }
 
     impl AggregateStore for Interleaved {
@@ -435,6 +476,15 @@ mod tests {
             tokio::task::yield_now().await;
             if w.values.iter().any(|d| Some(d.name.as_str()) == self.refuse) {
                 return Err(SinkError::Invalid("Item size has exceeded the maximum allowed size".into()));
+            }
+            if self.race_chunks && w.values.len() > 1 {
+                // Another derivation of one of these attributes lands first, a different one
+                // each time.
+                let n = self.raced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let d = &w.values[n % w.values.len()];
+                let seen = self.inner.derivation_counters(w.key, "").await?.remove(&d.counter);
+                let other = Derived { seen, ..d.clone() };
+                assert!(self.inner.set_derived(&DerivedWrite { key: w.key, values: &[other] }).await?.is_some());
             }
             self.inner.set_derived(w).await
         }
@@ -458,7 +508,7 @@ mod tests {
     /// lost 32 rounds and failed its batch.
     #[tokio::test]
     async fn sixty_four_concurrent_derivations_of_one_target_each_write_at_most_twice() {
-        let store = Interleaved { inner: MemoryAggregates::new(), refuse: None };
+        let store = Interleaved::default();
         put_helpers(&store.inner, "largestOrder", 5);
         let target = target_of(["largestOrder".to_string()]);
         let key_names = ["PK".to_string(), "SK".to_string()];
@@ -478,10 +528,10 @@ mod tests {
     }
 
     /// 70 templated attributes: three writes of at most 32, and one the table refuses is
-    /// counted without holding back the others.
+    /// counted without holding back the others, those of its own chunk included.
     #[tokio::test]
     async fn many_attributes_are_written_in_chunks_and_a_refused_one_does_not_fail_the_rest() {
-        let store = Interleaved { inner: MemoryAggregates::new(), refuse: Some("largest_s69") };
+        let store = Interleaved { refuse: Some("largest_s69"), ..Interleaved::default() };
         let names: Vec<String> = (0..70).map(|i| format!("largest_s{i}")).collect();
         for (i, n) in names.iter().enumerate() {
             put_helpers(&store.inner, n, 1 + i as i64);
@@ -489,15 +539,47 @@ mod tests {
         let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target_of(names.clone()))
             .await
             .expect("a refused chunk does not fail the derivation");
-        assert_eq!((stats.writes, stats.landed), (3, 2), "{stats:?}");
-        assert_eq!(stats.refused.len(), 1);
-        assert_eq!(stats.refused[0].0.len(), 70 - 2 * MEASURES_PER_WRITE, "the last chunk");
-        let refused = &stats.refused[0].0;
-        assert!(refused.contains(&"largest_s69".to_string()), "{refused:?}");
+        let last_chunk = 70 - 2 * MEASURES_PER_WRITE;
+        assert_eq!((stats.writes, stats.landed), (3 + last_chunk as u64, 2 + last_chunk as u64 - 1), "{stats:?}");
+        let refused: Vec<String> = stats.refused.iter().flat_map(|(names, _)| names.clone()).collect();
+        assert_eq!(refused, ["largest_s69"], "the refused chunk is split: its other attributes land");
         let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
         for (i, n) in names.iter().enumerate() {
             let expected = (!refused.contains(n)).then(|| MemValue::Num(Decimal::from_i64(1 + i as i64)));
             assert_eq!(profile.get(n), expected.as_ref(), "{n}");
         }
+    }
+
+    /// Six attributes in one write, and before every such write a derivation of just one of
+    /// them lands: together they would lose up to twelve rounds (each loss moves one counter
+    /// once). Written one by one after the first loss, they all land in the next round.
+    #[tokio::test]
+    async fn attributes_of_a_chunk_that_lost_are_written_one_by_one() {
+        let store = Interleaved { race_chunks: true, ..Interleaved::default() };
+        let names: Vec<String> = (0..6).map(|i| format!("largest_s{i}")).collect();
+        for (i, n) in names.iter().enumerate() {
+            put_helpers(&store.inner, n, 1 + i as i64);
+        }
+        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target_of(names.clone()))
+            .await
+            .expect("no batch fails on a busy target");
+        assert_eq!((stats.writes, stats.lost, stats.landed), (7, 1, 6), "{stats:?}");
+        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+        for (i, n) in names.iter().enumerate() {
+            assert_eq!(profile.get(n), Some(&MemValue::Num(Decimal::from_i64(1 + i as i64))), "{n}");
+        }
+    }
+
+    /// A counter someone overwrote with a string is refused at once (counted, logged), not
+    /// lost to a race round after round until the batch fails.
+    #[tokio::test]
+    async fn a_counter_that_is_not_a_number_is_refused_not_raced() {
+        let store = MemoryAggregates::new();
+        put_helpers(&store, "largestOrder", 3);
+        store.put(&["CUST#c1", "PROFILE"], "_aggd:t:largestOrder", MemValue::Str("x".into()));
+        let target = target_of(["largestOrder".to_string()]);
+        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target).await.unwrap();
+        assert_eq!((stats.writes, stats.lost), (1, 0), "{stats:?}");
+        assert_eq!(stats.refused.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), [vec!["largestOrder".to_string()]]);
     }
 }

@@ -138,11 +138,13 @@ impl AggregateStore for DynamoDbAggregates {
             req = req.key(name, AttributeValue::S(value.clone()));
         }
         let out = req.send().await.map_err(|e| self.error(classify(&e)))?;
-        let counters = out
-            .item()
-            .into_iter()
-            .flatten()
-            .filter_map(|(name, value)| Some((name.strip_prefix(prefix)?.to_string(), value.as_n().ok()?.clone())));
+        // A counter that is not a number (written by someone else) comes back as text that
+        // is not one either: the write conditioned on it is refused (a ValidationException),
+        // not lost to a race round after round.
+        let counters = out.item().into_iter().flatten().filter_map(|(name, value)| {
+            let value = value.as_n().cloned().unwrap_or_else(|_| format!("not a number: {value:?}"));
+            Some((name.strip_prefix(prefix)?.to_string(), value))
+        });
         Ok(counters.collect())
     }
 

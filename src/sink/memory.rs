@@ -339,9 +339,12 @@ impl AggregateStore for MemoryAggregates {
         let Some(item) = s.items.get(&key) else { return Ok(BTreeMap::new()) };
         Ok(item
             .iter()
-            .filter_map(|(name, value)| match value {
-                MemValue::Num(n) => Some((name.strip_prefix(prefix)?.to_string(), n.to_string())),
-                _ => None,
+            .filter_map(|(name, value)| {
+                let value = match value {
+                    MemValue::Num(n) => n.to_string(),
+                    other => format!("not a number: {other:?}"),
+                };
+                Some((name.strip_prefix(prefix)?.to_string(), value))
             })
             .collect())
     }
@@ -352,6 +355,10 @@ impl AggregateStore for MemoryAggregates {
         if s.fail_next > 0 {
             s.fail_next -= 1;
             return Err(SinkError::Transient("simulated throttling".into()));
+        }
+        if let Some(bad) = w.values.iter().filter_map(|d| d.seen.as_deref()).find(|n| n.parse::<Decimal>().is_err()) {
+            // As DynamoDB answers a number literal that is not one.
+            return Err(SinkError::Invalid(format!("ValidationException: {bad:?} is not a number")));
         }
         let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
         let item = s.items.entry(key).or_default();
