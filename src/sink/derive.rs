@@ -222,7 +222,9 @@ async fn derive_round<S: AggregateStore>(
     p: &mut Progress<'_>,
     stats: &mut DeriveStats,
 ) -> Result<(), SinkError> {
-    let now = store.derivation_counters(&p.key, &p.counter_prefix).await?;
+    let counters = store.derivation_counters(&p.key, &p.counter_prefix).await?;
+    stats.read_capacity += counters.capacity;
+    let now = counters.values;
     let mut due = Vec::with_capacity(p.pending.len());
     for name in &p.pending {
         let first = p.first.entry(name.clone()).or_insert_with(|| now.get(name).cloned());
@@ -403,15 +405,15 @@ mod tests {
     async fn a_derivation_from_an_older_view_never_lands_after_a_newer_one() {
         let store = MemoryAggregates::new();
         let key = profile_key();
-        let old = store.derivation_counters(&key, "_aggd:t:").await.unwrap().remove("largestOrder");
-        let newer = store.derivation_counters(&key, "_aggd:t:").await.unwrap().remove("largestOrder");
+        let old = store.derivation_counters(&key, "_aggd:t:").await.unwrap().values.remove("largestOrder");
+        let newer = store.derivation_counters(&key, "_aggd:t:").await.unwrap().values.remove("largestOrder");
         assert!(store.set_derived(&DerivedWrite { key: &key, values: &derived(newer, 9) }).await.unwrap().is_some());
         assert!(
             store.set_derived(&DerivedWrite { key: &key, values: &derived(old, 5) }).await.unwrap().is_none(),
             "read before the newer one landed: refused"
         );
         assert_eq!(store.item(&["CUST#c1", "PROFILE"]).unwrap().get("largestOrder"), Some(&MemValue::Num(Decimal::from_i64(9))));
-        let counters = store.derivation_counters(&key, "_aggd:t:").await.unwrap();
+        let counters = store.derivation_counters(&key, "_aggd:t:").await.unwrap().values;
         assert_eq!(counters, BTreeMap::from([("largestOrder".to_string(), "1".to_string())]));
     }
 
@@ -468,7 +470,7 @@ mod tests {
             tokio::task::yield_now().await;
             self.inner.live_helpers(q).await
         }
-        async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
+        async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<crate::sink::Counters, SinkError> {
             tokio::task::yield_now().await;
             self.inner.derivation_counters(key, prefix).await
         }
@@ -482,7 +484,7 @@ mod tests {
                 // each time.
                 let n = self.raced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let d = &w.values[n % w.values.len()];
-                let seen = self.inner.derivation_counters(w.key, "").await?.remove(&d.counter);
+                let seen = self.inner.derivation_counters(w.key, "").await?.values.remove(&d.counter);
                 let other = Derived { seen, ..d.clone() };
                 assert!(self.inner.set_derived(&DerivedWrite { key: w.key, values: &[other] }).await?.is_some());
             }

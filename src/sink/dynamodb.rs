@@ -1,12 +1,10 @@
 //! The aggregate table in DynamoDB: the ledger-guarded write as one UpdateItem.
 
-use std::collections::BTreeMap;
-
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::Client;
 
-use super::{AggregateStore, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::aws::{classify, FailureKind};
 use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::derive::derived_expressions;
@@ -130,10 +128,11 @@ impl AggregateStore for DynamoDbAggregates {
         Err(SinkError::Fatal(format!("querying helper items under {} did not end", q.prefix)))
     }
 
-    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
+    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<Counters, SinkError> {
         // The whole item: a projection would cost the same read capacity, and its expression
         // would have to hold every counter's name.
-        let mut req = self.client.get_item().table_name(&self.table).consistent_read(true);
+        let mut req =
+            self.client.get_item().table_name(&self.table).consistent_read(true).return_consumed_capacity(ReturnConsumedCapacity::Total);
         for (name, value) in key {
             req = req.key(name, AttributeValue::S(value.clone()));
         }
@@ -145,7 +144,7 @@ impl AggregateStore for DynamoDbAggregates {
             let value = value.as_n().cloned().unwrap_or_else(|_| format!("not a number: {value:?}"));
             Some((name.strip_prefix(prefix)?.to_string(), value))
         });
-        Ok(counters.collect())
+        Ok(Counters { values: counters.collect(), capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0) })
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {

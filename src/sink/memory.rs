@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
-use super::{AggregateStore, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::ledger::{admits, applied_of, expressions, is_any_entry, Seen, MAX_EXPRESSION_BYTES};
@@ -333,11 +333,11 @@ impl AggregateStore for MemoryAggregates {
         Ok(LiveHelpers { first: first.map(|t| t.to_string()), count: tails.len() as u64, capacity: 0.5 })
     }
 
-    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
+    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<Counters, SinkError> {
         let s = self.lock();
         let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
-        let Some(item) = s.items.get(&key) else { return Ok(BTreeMap::new()) };
-        Ok(item
+        let Some(item) = s.items.get(&key) else { return Ok(Counters { values: BTreeMap::new(), capacity: 0.5 }) };
+        let values = item
             .iter()
             .filter_map(|(name, value)| {
                 let value = match value {
@@ -346,7 +346,8 @@ impl AggregateStore for MemoryAggregates {
                 };
                 Some((name.strip_prefix(prefix)?.to_string(), value))
             })
-            .collect())
+            .collect();
+        Ok(Counters { values, capacity: 0.5 })
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {

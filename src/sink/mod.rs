@@ -91,11 +91,7 @@ pub trait AggregateStore: Send + Sync + 'static {
 
     /// The item's derivation counters (attributes starting with `prefix`, numbers as
     /// stored), strongly consistent, by the name after the prefix; absent ones are missing.
-    fn derivation_counters(
-        &self,
-        key: &[(String, String)],
-        prefix: &str,
-    ) -> impl Future<Output = Result<BTreeMap<String, String>, SinkError>> + Send;
+    fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> impl Future<Output = Result<Counters, SinkError>> + Send;
 
     /// Sets (Some) or removes (None) the derived attributes and advances each one's counter,
     /// if every counter is still as `seen` (None: absent): the write capacity it consumed.
@@ -119,6 +115,14 @@ pub struct LiveHelpers {
     pub first: Option<String>,
     pub count: u64,
     /// Read capacity the query consumed.
+    pub capacity: f64,
+}
+
+/// A target's derivation counters, by the name after their prefix, and the read capacity
+/// reading them consumed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Counters {
+    pub values: BTreeMap<String, String>,
     pub capacity: f64,
 }
 

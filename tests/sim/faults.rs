@@ -2,12 +2,11 @@
 //! returns, before or after it took effect; paused: it waits, then goes through) and seeded
 //! faults (errors before the call, time-outs after it took effect, expired iterators).
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ddb_aggregator::sink::{AggregateStore, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use ddb_aggregator::sink::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
 
@@ -208,7 +207,7 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
         self.inner.live_helpers(q).await
     }
 
-    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<BTreeMap<String, String>, SinkError> {
+    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<Counters, SinkError> {
         self.inner.derivation_counters(key, prefix).await
     }
 
