@@ -120,9 +120,16 @@ def _amount(cents: int) -> str:
 class Workload:
     """A deterministic sequence of writes over a model of the table it has written so far."""
 
-    def __init__(self, customers: int = 500, skew: float = 1.1, seed: int = 1, days: int = 30, mix: Mix = Mix()):
+    def __init__(
+        self, customers: int = 500, skew: float = 1.1, seed: int = 1, days: int = 30, mix: Mix = Mix(), updated_at: bool = False
+    ):
+        """`updated_at`: every insert and change also sets updatedAt (N), a number that grows
+        with each write (the `by` of a `latest` measure); off by default, so the main
+        benchmark's items keep their size."""
         if customers < 1 or days < 1:
             raise ValueError("customers and days must be at least 1")
+        self.updated_at = updated_at
+        self._clock = 0
         self.rng = random.Random(seed)
         self.mix = mix
         self.days = days
@@ -134,6 +141,12 @@ class Workload:
         self.open: dict[str, list[ItemKey]] = {}  # the customer's PENDING or PAID orders
         self.expiring: list[ItemKey] = []  # orders with an expiresAt, awaiting the sweeper
         self._next_order = 0
+
+    def _stamp(self, item: Item) -> Item:
+        if self.updated_at:
+            self._clock += 1
+            item["updatedAt"] = {"N": str(self._clock)}
+        return item
 
     def customer(self) -> str:
         return self.customers[bisect.bisect_left(self._customer_cum, self.rng.random() * self._customer_cum[-1])]
@@ -163,6 +176,7 @@ class Workload:
             "status": {"S": self.rng.choice(("PENDING", "PAID"))},
             "total": {"N": _amount(self.rng.randint(100, 50_000))},
         }
+        self._stamp(item)
         if expiring:
             midnight = datetime.datetime.combine(day, datetime.time(), tzinfo=datetime.UTC)
             item["expiresAt"] = {"N": str(int(midnight.timestamp()) + 3600 * self.rng.randint(1, 24))}
@@ -175,7 +189,7 @@ class Workload:
     def _set_status(self, key: ItemKey) -> Write:
         old = self.items[key]
         status = self.rng.choice(NEXT_STATUSES[old["status"]["S"]])
-        new = {**old, "status": {"S": status}}
+        new = self._stamp({**old, "status": {"S": status}})
         self.items[key] = new
         if status not in NEXT_STATUSES:
             self.open[_customer(key)].remove(key)
@@ -186,7 +200,7 @@ class Workload:
         cents = self.rng.randint(100, 50_000)
         while _amount(cents) == old["total"]["N"]:
             cents = self.rng.randint(100, 50_000)
-        new = {**old, "total": {"N": _amount(cents)}}
+        new = self._stamp({**old, "total": {"N": _amount(cents)}})
         self.items[key] = new
         return Write("total", _customer(key), _key(*key), old, new)
 
@@ -216,12 +230,16 @@ def apply(client: Any, table: str, write: Write) -> None:
         client.put_item(TableName=table, Item=write.new)
     elif write.kind in ("status", "total"):
         assert write.new is not None
+        names, values, sets = {"#a": write.kind}, {":v": write.new[write.kind]}, ["#a = :v"]
+        if "updatedAt" in write.new:
+            names["#u"], values[":u"] = "updatedAt", write.new["updatedAt"]
+            sets.append("#u = :u")
         client.update_item(
             TableName=table,
             Key=write.key,
-            UpdateExpression="SET #a = :v",
-            ExpressionAttributeNames={"#a": write.kind},
-            ExpressionAttributeValues={":v": write.new[write.kind]},
+            UpdateExpression="SET " + ", ".join(sets),
+            ExpressionAttributeNames=names,
+            ExpressionAttributeValues=values,
         )
     else:
         client.delete_item(TableName=table, Key=write.key)
