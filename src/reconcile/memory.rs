@@ -90,10 +90,9 @@ impl TargetStore for MemoryTargets<'_> {
         let Some((sk, rest)) = owner.split_last() else { return Ok(BTreeMap::new()) };
         let prefix = format!("{sk}{}", crate::rules::helper::MARK);
         let mut out = BTreeMap::new();
-        for k in self.store.keys() {
+        for k in self.store.keys_with_prefix(rest, &prefix) {
             let parts: Vec<&str> = k.iter().map(String::as_str).collect();
-            let mine = parts.split_last().is_some_and(|(s, r)| s.starts_with(&prefix) && r == rest);
-            if mine && is_target(rule, &parts) {
+            if is_target(rule, &parts) {
                 out.insert(TargetKey(k.iter().map(|s| Box::from(s.as_str())).collect()), self.item(&k));
             }
         }

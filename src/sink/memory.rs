@@ -18,7 +18,8 @@ pub enum MemValue {
 
 #[derive(Debug, Default)]
 struct State {
-    items: HashMap<Vec<String>, BTreeMap<String, MemValue>>,
+    /// By key, in key order: a partition's helper items are a range (as a Query reads them).
+    items: BTreeMap<Vec<String>, BTreeMap<String, MemValue>>,
     fail_next: u32,
     calls: u64,
     /// Largest item size written, bytes, and the ledger entries (of any namespace) it held.
@@ -88,15 +89,18 @@ impl MemoryAggregates {
         s.usage.iter().max_by(|a, b| a.1 .0.cmp(&b.1 .0).then_with(|| b.0.cmp(a.0))).map(|(k, (n, c))| (k.clone(), *n, c / *n as f64))
     }
 
-    /// Overwrites numeric attributes (the simulation's stand-in for a reconcile correction).
-    pub fn set_numbers(&self, values: &BTreeMap<(Vec<String>, String), Decimal>) {
-        let mut s = self.lock();
-        for item in s.items.values_mut() {
-            item.retain(|a, v| !matches!(v, MemValue::Num(_)) || a.starts_with('_'));
-        }
-        for ((k, a), v) in values {
-            s.items.entry(k.clone()).or_default().insert(a.clone(), MemValue::Num(*v));
-        }
+    /// The keys of the items whose key is `rest` followed by a last part that begins with
+    /// `prefix` (a partition's helper items), in key order: a range, not a pass over the table.
+    pub fn keys_with_prefix(&self, rest: &[String], prefix: &str) -> Vec<Vec<String>> {
+        let mut start = rest.to_vec();
+        start.push(prefix.to_string());
+        self.lock()
+            .items
+            .range(start..)
+            .map(|(k, _)| k)
+            .take_while(|k| k.len() == rest.len() + 1 && k[..rest.len()] == *rest && k[rest.len()].starts_with(prefix))
+            .cloned()
+            .collect()
     }
 
     /// Every item's key values.
@@ -313,24 +317,28 @@ impl AggregateStore for MemoryAggregates {
             s.fail_next -= 1;
             return Err(SinkError::Transient("simulated throttling".into()));
         }
-        let mut tails: Vec<&str> = s
-            .items
-            .iter()
-            .filter(|(k, item)| {
-                k.len() == 2
-                    && k[0] == q.pk
-                    && k[1].starts_with(q.prefix)
-                    && matches!(item.get(REFS), Some(MemValue::Num(n)) if *n > Decimal::ZERO)
-            })
-            .map(|(k, _)| &k[1][q.prefix.len()..])
-            .collect();
-        tails.sort_unstable();
-        let first = match q.scan {
-            HelperScan::First => tails.first(),
-            HelperScan::Last => tails.last(),
-            HelperScan::Count => None,
+        // The range of keys [pk, prefix..], in key order as a Query reads them; First and Last
+        // stop at the first live helper from their end, as the Query does.
+        let start = vec![q.pk.to_string(), q.prefix.to_string()];
+        let mine = |k: &Vec<String>| k.len() == 2 && k[0] == q.pk && k[1].starts_with(q.prefix);
+        let live = |item: &BTreeMap<String, MemValue>| matches!(item.get(REFS), Some(MemValue::Num(n)) if *n > Decimal::ZERO);
+        let tail = |k: &Vec<String>| k[1][q.prefix.len()..].to_string();
+        let range = s.items.range(start..).take_while(|(k, _)| mine(k));
+        let out = match (q.scan, successor(q.prefix)) {
+            (HelperScan::First, _) => {
+                LiveHelpers { first: range.filter(|(_, i)| live(i)).map(|(k, _)| tail(k)).next(), ..Default::default() }
+            }
+            (HelperScan::Last, Some(end)) => {
+                let bounds = vec![q.pk.to_string(), q.prefix.to_string()]..vec![q.pk.to_string(), end];
+                let last = s.items.range(bounds).rev().filter(|(k, i)| mine(k) && live(i)).map(|(k, _)| tail(k)).next();
+                LiveHelpers { first: last, ..Default::default() }
+            }
+            (HelperScan::Last, None) => {
+                LiveHelpers { first: range.filter(|(_, i)| live(i)).map(|(k, _)| tail(k)).last(), ..Default::default() }
+            }
+            (HelperScan::Count, _) => LiveHelpers { count: range.filter(|(_, i)| live(i)).count() as u64, ..Default::default() },
         };
-        Ok(LiveHelpers { first: first.map(|t| t.to_string()), count: tails.len() as u64, capacity: 0.5 })
+        Ok(LiveHelpers { capacity: 0.5, ..out })
     }
 
     async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<Counters, SinkError> {
@@ -381,4 +389,11 @@ impl AggregateStore for MemoryAggregates {
         }
         Ok(Some(1.0))
     }
+}
+
+/// The least string above every string that begins with `prefix`: `prefix` with its last byte
+/// raised by one, when that byte is ASCII below DEL (helper prefixes end with `#`).
+fn successor(prefix: &str) -> Option<String> {
+    let (last, rest) = prefix.as_bytes().split_last()?;
+    (*last < 0x7f).then(|| format!("{}{}", &prefix[..rest.len()], char::from(last + 1)))
 }

@@ -278,7 +278,12 @@ fn config_a() -> Config {
     filter: {ORDERS}
     source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
     target: {{ PK: "CUST#{{customer}}", SK: "PROFILE" }}
-    measures: {{ orderCount: count, revenue: {{ sum: total }}, "orders_{{status}}": count }}
+    measures:
+      orderCount: count
+      revenue: {{ sum: total }}
+      "orders_{{status}}": count
+      largestOrder: {{ max: total }}
+      activeDays: {{ distinct: "{{date|day}}" }}
     reconcile: {{ scan: true }}
   - name: customer-spend
     filter: {ORDERS}
@@ -1210,7 +1215,7 @@ impl World {
         let late = self.old_checkpoints().into_iter().filter(|(k, c)| self.old_stream_at_switch.get(k) != Some(c)).count();
         self.report.old_stream_read_late = self.report.old_stream_read_late.max(late as u64);
         let truth = self.truth();
-        let stored = self.aggregates.numbers();
+        let stored = numbers(&self.aggregates);
         let requested = self.leases_a.reconcile_request().await.ok().flatten().is_some();
         let requested_b = self.leases_b.reconcile_request().await.ok().flatten().is_some();
         if requested || requested_b {
@@ -1242,7 +1247,7 @@ impl World {
                 }
                 self.count_round(Some(Ok(r)), true);
             }
-            let after = self.aggregates.numbers();
+            let after = numbers(&self.aggregates);
             let keys: std::collections::BTreeSet<&(Vec<String>, String)> = truth.keys().chain(after.keys()).collect();
             let held_from = &mut self.held_from;
             let still: Vec<String> = keys
@@ -1282,6 +1287,8 @@ impl World {
             *e = e.checked_add(v).expect("in range");
         };
         let one = Decimal::from_i64(1);
+        let mut largest: BTreeMap<String, Decimal> = BTreeMap::new();
+        let mut days: BTreeMap<String, std::collections::BTreeSet<&str>> = BTreeMap::new();
         for ((customer, day, _), o) in &self.items {
             let pk = format!("CUST#c{customer}");
             add(pk.clone(), "PROFILE", "ordersB".into(), one);
@@ -1290,9 +1297,19 @@ impl World {
             add(pk.clone(), "PROFILE", "orderCount".into(), one);
             add(pk.clone(), "PROFILE", "revenue".into(), total);
             add(pk.clone(), "PROFILE", "spend".into(), total);
-            add(pk, "PROFILE", format!("orders_{}", o.status), one);
+            add(pk.clone(), "PROFILE", format!("orders_{}", o.status), one);
+            let max = largest.entry(pk.clone()).or_insert(total);
+            *max = (*max).max(total);
+            days.entry(pk).or_default().insert(day);
             add(format!("SALES#{day}"), "TOTAL", "orders".into(), one);
             add(format!("SALES#{day}"), "TOTAL", "revenue".into(), total);
+        }
+        // max and distinct, as values (their helper items are not compared: `numbers`).
+        for (pk, v) in largest {
+            t.insert((vec![pk, "PROFILE".to_string()], "largestOrder".into()), v);
+        }
+        for (pk, d) in days {
+            t.insert((vec![pk, "PROFILE".to_string()], "activeDays".into()), Decimal::from_i64(d.len() as i64));
         }
         t.retain(|_, v| !v.is_zero());
         t
@@ -1364,6 +1381,15 @@ type RoundResult = Result<ddb_aggregator::reconcile::Report, ReconcileError>;
 /// application's string (not compared); a status count HELD moves left from may stand above
 /// the truth by the moves reconcile has not corrected yet (`held_from`), and is exact once
 /// reconcile has (then the allowance ends).
+/// The table's numbers as the oracle compares them: every aggregate, derived ones included, but
+/// not the helper items of max and distinct (their counts are how the values are kept, not
+/// what the rules define).
+fn numbers(aggregates: &MemoryAggregates) -> BTreeMap<(Vec<String>, String), Decimal> {
+    let mut n = aggregates.numbers();
+    n.retain(|(key, _), _| !key.last().is_some_and(|sk| sk.contains(ddb_aggregator::rules::helper::MARK)));
+    n
+}
+
 fn agrees(
     held_from: &mut BTreeMap<(Vec<String>, String), u64>,
     k: &(Vec<String>, String),
