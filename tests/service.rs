@@ -509,6 +509,98 @@ async fn averages_survive_sigkills_exactly() {
     drop(svc);
 }
 
+/// `ttl_deletes` on DynamoDB Local, with the TTL service's records as AWS writes them (a proxy
+/// in front of the streams endpoint marks the deletes of orders whose key holds `#ttl`; the
+/// emulator has no TTL): each customer's largest orders expire. customer-orders counts a TTL
+/// delete as any delete (orderCount, revenue and averages drop them, largestOrder falls back
+/// to the largest order left); orders-placed (`ttl_deletes: ignore`) still counts them, while a
+/// user's delete subtracts from both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_delete_changes_nothing_under_ignore_and_is_a_delete_under_count() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    use ddb_aggregator::decimal::Decimal;
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("ttl");
+    let aggregates = format!("{table}-agg");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let config = write_example_config(dir.path(), "config/commerce-measures.yaml", &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    let proxy = common::proxy::start_marking_ttl_deletes(ddb_port(), "#ttl").await;
+    let svc = Service::start(&config, dir.path(), "svc", &[("AWS_ENDPOINT_URL_DYNAMODB_STREAMS", &proxy.endpoint())]);
+    // Per customer: 3 orders that stay (one deleted later by a user) and 2 larger ones that expire.
+    let mut orders = Vec::new();
+    for k in 1..=4 {
+        for i in 1..=5u32 {
+            let (sk, total) = if i <= 3 {
+                (format!("ORDER#2026-11-0{i}#o{k}{i}"), format!("{}.{i}0", 10 * k))
+            } else {
+                (format!("ORDER#2026-11-1{i}#ttl{k}{i}"), format!("{}.05", 1000 * k + i as usize))
+            };
+            orders.push((format!("CUST#c{k}"), sk, total));
+        }
+    }
+    for (n, (pk, sk, total)) in orders.iter().enumerate() {
+        c.put_item()
+            .table_name(&table)
+            .item("PK", AttributeValue::S(pk.clone()))
+            .item("SK", AttributeValue::S(sk.clone()))
+            .item("status", AttributeValue::S("PAID".into()))
+            .item("total", AttributeValue::N(total.clone()))
+            .item("updatedAt", AttributeValue::N((n + 1).to_string()))
+            .send()
+            .await
+            .unwrap();
+    }
+    let expired: Vec<_> = orders.iter().filter(|(_, sk, _)| sk.contains("#ttl")).cloned().collect();
+    let by_user: Vec<_> = orders.iter().filter(|(_, sk, _)| sk.ends_with("1")).filter(|(_, sk, _)| !sk.contains("#ttl")).cloned().collect();
+    assert_eq!((expired.len(), by_user.len()), (8, 4));
+    for (pk, sk, _) in expired.iter().chain(&by_user) {
+        c.delete_item()
+            .table_name(&table)
+            .key("PK", AttributeValue::S(pk.clone()))
+            .key("SK", AttributeValue::S(sk.clone()))
+            .send()
+            .await
+            .unwrap();
+    }
+    let started = Instant::now();
+    loop {
+        let items = [scan(&c, &table).await, scan(&c, &aggregates).await].concat();
+        let (mut want, got) = measures_truth_and_stored(&items);
+        // What orders-placed keeps: the expired orders, placed and never taken back.
+        for (pk, _, total) in &expired {
+            for (a, v) in [("ordersPlaced", Decimal::ONE), ("revenuePlaced", Decimal::parse(total).unwrap())] {
+                let e = want.entry((pk.clone(), "PLACED".to_string(), a.to_string())).or_insert(Decimal::ZERO);
+                *e = e.checked_add(v).unwrap();
+            }
+        }
+        let (want_derived, got_derived) = helper_truth_and_stored(&items);
+        if want == got && want_derived == got_derived {
+            let placed = |k: u32| got.get(&(format!("CUST#c{k}"), "PLACED".to_string(), "ordersPlaced".to_string())).copied();
+            let count = |k: u32| got.get(&(format!("CUST#c{k}"), "PROFILE".to_string(), "orderCount".to_string())).copied();
+            for k in 1..=4 {
+                assert_eq!((count(k), placed(k)), (Some(Decimal::from_i64(2)), Some(Decimal::from_i64(4))), "customer c{k}");
+                let largest = got_derived.get(&(format!("CUST#c{k}"), "largestOrder".to_string()));
+                assert_eq!(largest, Some(&Derived::N(Decimal::parse(&format!("{}.30", 10 * k)).unwrap())), "fell back past the expired");
+            }
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(90) {
+            let diff: Vec<_> = want.iter().filter(|(k, v)| got.get(*k) != Some(v)).take(5).collect();
+            let seen = (proxy.by_kind.lock().unwrap().clone(), proxy.forwarded.load(std::sync::atomic::Ordering::SeqCst));
+            panic!("aggregates differ from the truth: {diff:?}\nproxy (marked, forwarded): {seen:?}\n{}", svc.log_tail());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let marked = proxy.by_kind.lock().unwrap().get("ttl_delete").copied().unwrap_or(0);
+    assert!(marked >= expired.len() as u64, "the proxy marked {marked} TTL deletes");
+    println!("{} TTL deletes ({marked} records marked), {} user deletes: exact", expired.len(), by_user.len());
+    drop(svc);
+}
+
 /// A derived attribute as stored or as the truth has it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Derived {

@@ -43,6 +43,9 @@ enum Policy {
     RefuseSqsBodies(Vec<Vec<u8>>),
     /// Every DynamoDB UpdateItem whose body holds this byte string (e.g. one table's name).
     FailUpdates(Vec<u8>),
+    /// GetRecords answers: each REMOVE record whose sort key holds this text gets the
+    /// `userIdentity` of DynamoDB's TTL service, as a TTL expiry's record has it.
+    MarkTtlDeletes(String),
 }
 
 /// U+FFFF as UTF-8: a character SQS refuses in a message body.
@@ -126,6 +129,65 @@ pub async fn start_refusing_sqs_bodies(upstream_port: u16, needles: Vec<Vec<u8>>
 /// InternalServerError (an aggregate table that refuses every write); all else is forwarded.
 pub async fn start_failing_updates_to(upstream_port: u16, table: &str, max_faults: u64) -> FaultProxy {
     launch(upstream_port, Policy::FailUpdates(format!("\"TableName\":\"{table}\"").into_bytes()), max_faults).await
+}
+
+/// In front of DynamoDB Local's streams: REMOVE records whose sort key holds `needle` come out
+/// of GetRecords as deletes by DynamoDB's TTL service (DynamoDB Local does not emulate TTL, so
+/// it never writes that `userIdentity`); everything else is forwarded unchanged. `by_kind`
+/// counts the records marked under "ttl_delete".
+pub async fn start_marking_ttl_deletes(upstream_port: u16, needle: &str) -> FaultProxy {
+    launch(upstream_port, Policy::MarkTtlDeletes(needle.to_string()), 0).await
+}
+
+/// `response` (a whole HTTP message) with the REMOVE records of its GetRecords body whose sort
+/// key holds `needle` marked as TTL deletes, and how many it marked. Unchanged when none is (or
+/// the body is not JSON). The CRC32 header goes: the body it covered is gone.
+fn mark_ttl_deletes(response: Vec<u8>, needle: &str) -> (Vec<u8>, u64) {
+    let Some(end) = response.windows(4).position(|w| w == b"\r\n\r\n") else { return (response, 0) };
+    let head = String::from_utf8_lossy(&response[..end]).to_string();
+    let raw = &response[end + 4..];
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    let body = if chunked { dechunk(raw) } else { raw.to_vec() };
+    let Ok(mut json) = serde_json::from_slice::<serde_json::Value>(&body) else { return (response, 0) };
+    let mut marked = 0;
+    for r in json.get_mut("Records").and_then(|r| r.as_array_mut()).into_iter().flatten() {
+        let sk = r["dynamodb"]["Keys"]["SK"]["S"].as_str().unwrap_or("");
+        if r["eventName"] == "REMOVE" && sk.contains(needle) {
+            // The API's shape (`Identity`: PrincipalId, Type), not the Lambda event's.
+            r["userIdentity"] = serde_json::json!({"Type": "Service", "PrincipalId": "dynamodb.amazonaws.com"});
+            marked += 1;
+        }
+    }
+    if marked == 0 {
+        return (response, 0);
+    }
+    let body = serde_json::to_vec(&json).unwrap();
+    let kept: Vec<&str> = head
+        .split("\r\n")
+        .filter(|l| {
+            let l = l.to_ascii_lowercase();
+            !l.starts_with("content-length:") && !l.starts_with("transfer-encoding:") && !l.starts_with("x-amz-crc32:")
+        })
+        .collect();
+    let mut out = format!("{}\r\nContent-Length: {}\r\n\r\n", kept.join("\r\n"), body.len()).into_bytes();
+    out.extend_from_slice(&body);
+    (out, marked)
+}
+
+/// The payload of a complete chunked body.
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    // Bounded by the body: each pass consumes at least a size line.
+    while let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") {
+        let size_text = String::from_utf8_lossy(&body[..line_end]).to_string();
+        let Ok(size) = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16) else { break };
+        if size == 0 || body.len() < line_end + 2 + size {
+            break;
+        }
+        out.extend_from_slice(&body[line_end + 2..line_end + 2 + size]);
+        body = &body[(line_end + 4 + size).min(body.len())..];
+    }
+    out
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
@@ -268,6 +330,7 @@ async fn serve(mut client: TcpStream, upstream_port: u16, policy: &Policy, count
             }
             Policy::FailUpdates(needle) => (target.ends_with(".UpdateItem") && contains(&request, needle))
                 .then(|| ("InternalServerError".to_string(), Action::Error(500, "InternalServerError".into()))),
+            Policy::MarkTtlDeletes(_) => None,
         };
         let action = action.filter(|(kind, _)| counters.take(kind)).map(|(_, a)| a);
         match &action {
@@ -308,6 +371,14 @@ async fn serve(mut client: TcpStream, upstream_port: u16, policy: &Policy, count
         if matches!(action, Some(Action::DropAfter)) {
             return Ok(());
         }
+        let response = match policy {
+            Policy::MarkTtlDeletes(needle) if target.ends_with(".GetRecords") => {
+                let (response, marked) = mark_ttl_deletes(response, needle);
+                *counters.by_kind.lock().unwrap_or_else(|e| e.into_inner()).entry("ttl_delete".to_string()).or_default() += marked;
+                response
+            }
+            _ => response,
+        };
         client.write_all(&response).await?;
     }
     Ok(())
