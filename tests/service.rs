@@ -461,15 +461,23 @@ struct MeasuresRun {
     svc: Service,
 }
 
-async fn measures_under_sigkills(prefix: &str, writes: usize, customers: usize, seed: u64, kill_seed: u64) -> MeasuresRun {
-    let c = client().await;
+/// A deployment of `example` (a file under config/) for a test: a source table and an
+/// aggregates table of its own (no stream, as DESIGN recommends), with the config pointing at
+/// them. (directory, source table, aggregates table, config)
+async fn deployment(c: &aws_sdk_dynamodb::Client, prefix: &str, example: &str) -> (tempfile::TempDir, String, String, std::path::PathBuf) {
     let dir = test_dir();
     let table = unique(prefix);
     let aggregates = format!("{table}-agg");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let config = write_example_config(dir.path(), "config/commerce-measures.yaml", &table, &format!("{table}-state"), LEASE);
+    create_source_table(c, &table).await;
+    create_aggregates_table(c, &aggregates).await;
+    let config = write_example_config(dir.path(), example, &table, &format!("{table}-state"), LEASE);
     use_aggregates_table(&config, &table, &aggregates);
+    (dir, table, aggregates, config)
+}
+
+async fn measures_under_sigkills(prefix: &str, writes: usize, customers: usize, seed: u64, kill_seed: u64) -> MeasuresRun {
+    let c = client().await;
+    let (dir, table, aggregates, config) = deployment(&c, prefix, "config/commerce-measures.yaml").await;
     let writer = {
         let (c, table) = (c.clone(), table.clone());
         tokio::spawn(async move { workload(&c, &table, writes, customers, 4, seed).await })
@@ -521,13 +529,7 @@ async fn a_ttl_delete_changes_nothing_under_ignore_and_is_a_delete_under_count()
     use ddb_aggregator::decimal::Decimal;
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("ttl");
-    let aggregates = format!("{table}-agg");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let config = write_example_config(dir.path(), "config/commerce-measures.yaml", &table, &format!("{table}-state"), LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
+    let (dir, table, aggregates, config) = deployment(&c, "ttl", "config/commerce-measures.yaml").await;
     let proxy = common::proxy::start_marking_ttl_deletes(ddb_port(), "#ttl").await;
     let svc = Service::start(&config, dir.path(), "svc", &[("AWS_ENDPOINT_URL_DYNAMODB_STREAMS", &proxy.endpoint())]);
     // Per customer: 3 orders that stay (one deleted later by a user) and 2 larger ones that expire.
@@ -747,13 +749,7 @@ fn monthly(truth: Values) -> Values {
 async fn a_changed_bucket_is_rebuilt_and_the_old_daily_targets_end_at_zero() {
     let _serial = SERIAL.lock().await;
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("rebuild");
-    let aggregates = format!("{table}-agg");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
+    let (dir, table, aggregates, config) = deployment(&c, "rebuild", "config/commerce.yaml").await;
     let mut svc = Service::start(&config, dir.path(), "svc", &[]);
     assert!(workload(&c, &table, 600, 10, 2, 23).await >= 600);
     let started = Instant::now();
