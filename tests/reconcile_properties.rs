@@ -18,6 +18,7 @@ use ddb_aggregator::reconcile::protocol::{self, Consumer, Correction, SourceItem
 use ddb_aggregator::reconcile::truth::Truth;
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Coalescer, Engine, Rule, TargetKey};
+use ddb_aggregator::sink::derive::DeriveTarget;
 use ddb_aggregator::sink::ledger::Ledger;
 use ddb_aggregator::sink::memory::{MemValue, MemoryAggregates};
 use ddb_aggregator::sink::{write_target, ShardContext};
@@ -311,6 +312,16 @@ impl TargetStore for Harness {
             }
         }
         Ok(true)
+    }
+
+    async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+        self.step().await?;
+        self.targets().helpers(rule, owner).await
+    }
+
+    async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
+        self.step().await?;
+        self.targets().derive(key_names, target).await
     }
 }
 

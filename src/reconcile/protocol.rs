@@ -65,21 +65,15 @@ pub trait TargetStore: Sync {
     /// when it moved.
     fn correct(&self, key: &TargetKey, c: &Correction) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
     /// The helper items of `owner` (of `max`, `min`, `latest`, `distinct` measures), strongly
-    /// consistent. Stores without helper items have none.
+    /// consistent. No default: a wrapper that forgot it would repair no helper and the
+    /// simulation's reconcile once did exactly that.
     fn helpers(
         &self,
         rule: &Rule,
         owner: &TargetKey,
-    ) -> impl Future<Output = Result<BTreeMap<TargetKey, TargetItem>, ReconcileError>> + Send {
-        let _ = (rule, owner);
-        async { Ok(BTreeMap::new()) }
-    }
-    /// Derives `target`'s attributes from its helpers ([`crate::sink::derive`]). Stores
-    /// without helper items derive nothing.
-    fn derive(&self, key_names: &[String], target: &DeriveTarget) -> impl Future<Output = Result<(), ReconcileError>> + Send {
-        let _ = (key_names, target);
-        async { Ok(()) }
-    }
+    ) -> impl Future<Output = Result<BTreeMap<TargetKey, TargetItem>, ReconcileError>> + Send;
+    /// Derives `target`'s attributes from its helpers ([`crate::sink::derive`]).
+    fn derive(&self, key_names: &[String], target: &DeriveTarget) -> impl Future<Output = Result<(), ReconcileError>> + Send;
 }
 
 /// The targets among `keys` (and the targets of the helper items among them) whose helper
@@ -604,6 +598,12 @@ mod tests {
                 return Err(ReconcileError::Aws("ValidationException: Item size has exceeded the maximum allowed size".into()));
             }
             self.inner.correct(key, c).await
+        }
+        async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+            self.inner.helpers(rule, owner).await
+        }
+        async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
+            self.inner.derive(key_names, target).await
         }
     }
 

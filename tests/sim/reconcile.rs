@@ -11,6 +11,7 @@ use ddb_aggregator::reconcile::memory::{MemorySources, MemoryTargets};
 use ddb_aggregator::reconcile::protocol::{self, Consumer, Correction, TargetItem, TargetStore};
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Rule, TargetKey};
+use ddb_aggregator::sink::derive::DeriveTarget;
 use ddb_aggregator::sink::ledger::Ledger;
 use ddb_aggregator::sink::memory::MemoryAggregates;
 use ddb_aggregator::state::memory::MemoryLeases;
@@ -40,6 +41,14 @@ impl TargetStore for SimTargets {
 
     async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
         self.view().correct(key, c).await
+    }
+
+    async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+        self.view().helpers(rule, owner).await
+    }
+
+    async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
+        self.view().derive(key_names, target).await
     }
 }
 
