@@ -557,11 +557,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let (store, key_names, ledger) = (shared.sink.as_ref(), &shared.engine.key_names, &shared.ledger);
         let mut runs = Vec::with_capacity(derive.len());
         for t in &derive {
-            runs.push(async move { crate::sink::derive::derive_target(store, key_names, ledger, t).await });
+            runs.push(async move { (&t.key, crate::sink::derive::derive_target(store, key_names, ledger, t).await) });
         }
         let results: Vec<_> = stream::iter(runs).buffer_unordered(WRITE_CONCURRENCY).collect().await;
         let mut first_error = None;
-        for r in results {
+        for (key, r) in results {
             match r {
                 Ok(stats) => {
                     metrics::counter!(names::DERIVATIONS, "outcome" => "written").increment(stats.landed);
@@ -572,7 +572,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                     for (attributes, e) in &stats.refused {
                         // Not a reason to hold the shard: the helpers are exact, and reconcile
                         // derives again.
-                        tracing::error!(?attributes, error = %e, "the table refused a derived attribute; it stays as it was");
+                        tracing::error!(target_key = ?key.0, ?attributes, error = %e, "the table refused a derived attribute; it stays as it was");
                         metrics::counter!(names::DERIVATIONS, "outcome" => "refused").increment(attributes.len() as u64);
                     }
                 }
