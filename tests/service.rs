@@ -475,6 +475,12 @@ async fn deployment(c: &aws_sdk_dynamodb::Client, prefix: &str, example: &str) -
     (dir, table, aggregates, config)
 }
 
+/// Deletes one order (a user's delete).
+async fn delete_order(c: &aws_sdk_dynamodb::Client, table: &str, pk: &str, sk: &str) {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    c.delete_item().table_name(table).key("PK", AttributeValue::S(pk.into())).key("SK", AttributeValue::S(sk.into())).send().await.unwrap();
+}
+
 async fn measures_under_sigkills(prefix: &str, writes: usize, customers: usize, seed: u64, kill_seed: u64) -> MeasuresRun {
     let c = client().await;
     let (dir, table, aggregates, config) = deployment(&c, prefix, "config/commerce-measures.yaml").await;
@@ -560,13 +566,7 @@ async fn a_ttl_delete_changes_nothing_under_ignore_and_is_a_delete_under_count()
     let by_user: Vec<_> = orders.iter().filter(|(_, sk, _)| sk.ends_with("1")).filter(|(_, sk, _)| !sk.contains("#ttl")).cloned().collect();
     assert_eq!((expired.len(), by_user.len()), (8, 4));
     for (pk, sk, _) in expired.iter().chain(&by_user) {
-        c.delete_item()
-            .table_name(&table)
-            .key("PK", AttributeValue::S(pk.clone()))
-            .key("SK", AttributeValue::S(sk.clone()))
-            .send()
-            .await
-            .unwrap();
+        delete_order(&c, &table, pk, sk).await;
     }
     let started = Instant::now();
     loop {
@@ -679,7 +679,6 @@ fn helper_truth_and_stored(
 /// averages equal a scan's truth.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
-    use aws_sdk_dynamodb::types::AttributeValue;
     let _serial = SERIAL.lock().await;
     let MeasuresRun { c, dir, table, aggregates, config, mut svc } = measures_under_sigkills("helpers", 2000, 20, 17, 5).await;
     // Each customer's largest order goes (its total ties: one of them), a SIGKILL halfway.
@@ -695,13 +694,7 @@ async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
     }
     assert!(largest.len() >= 15, "most customers ordered: {}", largest.len());
     for (i, (pk, (_, sk))) in largest.iter().enumerate() {
-        c.delete_item()
-            .table_name(&table)
-            .key("PK", AttributeValue::S(pk.clone()))
-            .key("SK", AttributeValue::S(sk.clone()))
-            .send()
-            .await
-            .unwrap();
+        delete_order(&c, &table, pk, sk).await;
         if i == largest.len() / 2 {
             svc.kill();
             svc = Service::start(&config, dir.path(), "svc", &[]);
