@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from typing import Any
 
 from bench import workload as wl
 from bench.local_aws import client, create_table, delete_table
+from bench.run import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,12 +63,6 @@ RULE = """  - name: customer-orders
 
 def log(msg: str) -> None:
     print(f"[bench-measures {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def head(source: str, state: str, aggregates: str, port: int, batch_size: int) -> str:
