@@ -31,8 +31,14 @@
 //!
 //! Seeded bugs ([`Bugs`]) switch single rules off, so the tests show the checker finds the
 //! failure each rule prevents.
+//!
+//! A rule definition change during a rolling deploy (old and new replicas side by side, two
+//! target items, a generation in the state table, a rebuild) is a separate model:
+//! [`definitions`].
 
 use stateright::{Model, Property};
+
+pub mod definitions;
 
 /// Shards: P = 0, C1 = 1, C2 = 2.
 pub const SHARDS: usize = 3;
