@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use indexmap::IndexMap;
 use serde_json::Value;
 
 use crate::pattern::{Pattern, PatternError, PatternOptions, PatternSet};
@@ -570,8 +571,48 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
         },
     };
     let stream_only = r.filter.as_ref().map(stream_only_fields).unwrap_or_default();
-    let fingerprint = crate::rules::fingerprint::of(r);
-    Ok(Rule { name: r.name.as_str().into(), filter, source_key, target, measures, reconcile, stream_only, ttl_deletes, fingerprint })
+    let definition = crate::rules::fingerprint::canonical(r);
+    let fingerprint = crate::rules::fingerprint::of_definition(&definition);
+    Ok(Rule {
+        name: r.name.as_str().into(),
+        filter,
+        source_key,
+        target,
+        measures,
+        reconcile,
+        stream_only,
+        ttl_deletes,
+        fingerprint,
+        definition: definition.into(),
+    })
+}
+
+/// A rule read back from its canonical definition (kept in the state table by an earlier
+/// generation): what its targets hold, with no reconcile query (a full scan finds its items).
+pub fn rule_from_definition(name: &str, definition: &str, key_names: &[String]) -> Result<Rule, ConfigError> {
+    let at = format!("definition of rule {name}");
+    let v: serde_json::Value = serde_json::from_str(definition).map_err(|e| err(&at, format!("not JSON: {e}")))?;
+    let pairs = |field: &str| -> Result<IndexMap<String, String>, ConfigError> {
+        let list = v.get(field).and_then(|x| x.as_array()).ok_or_else(|| err(&at, format!("{field} is missing")))?;
+        list.iter()
+            .map(|p| match p.as_array().map(Vec::as_slice) {
+                Some([serde_json::Value::String(k), serde_json::Value::String(t)]) => Ok((k.clone(), t.clone())),
+                _ => Err(err(&at, format!("{field} holds something other than [key, template] pairs"))),
+            })
+            .collect()
+    };
+    let measures = v.get("measures").and_then(|m| m.as_object()).ok_or_else(|| err(&at, "measures is missing"))?;
+    let raw = RawRule {
+        name: name.to_string(),
+        filter: v.get("filter").filter(|f| !f.is_null()).cloned(),
+        numeric_strings: v.get("numeric_strings").and_then(|b| b.as_bool()).unwrap_or(false),
+        source_key: pairs("source_key")?,
+        target: pairs("target")?,
+        measures: measures.iter().map(|(k, m)| (k.clone(), m.clone())).collect(),
+        reconcile: None,
+        ttl_deletes: v.get("ttl_deletes").and_then(|t| t.as_str()).map(str::to_string),
+    };
+    validate_rule(&at, &raw, key_names)
 }
 
 fn pattern_err(outer: &str, e: PatternError) -> ConfigError {

@@ -522,9 +522,20 @@ impl TargetStore for Reconciler {
                 .expression_attribute_names("#w", self.ledger.measures_attribute())
                 .expression_attribute_values(":w", AttributeValue::Ss(c.set.iter().map(|(n, _)| n.clone()).collect()));
         }
-        req = match &c.seen_version {
-            Some(v) => req.condition_expression("#v = :seen").expression_attribute_values(":seen", AttributeValue::N(v.clone())),
-            None => req.condition_expression("attribute_not_exists(#v)"),
+        req = if !c.expect.is_empty() {
+            let mut conds = vec!["attribute_exists(#v)".to_string()];
+            for (i, (name, value)) in c.expect.iter().enumerate() {
+                conds.push(format!("#e{i} = :e{i}"));
+                req = req
+                    .expression_attribute_names(format!("#e{i}"), name)
+                    .expression_attribute_values(format!(":e{i}"), AttributeValue::N(value.to_string()));
+            }
+            req.condition_expression(conds.join(" AND "))
+        } else {
+            match &c.seen_version {
+                Some(v) => req.condition_expression("#v = :seen").expression_attribute_values(":seen", AttributeValue::N(v.clone())),
+                None => req.condition_expression("attribute_not_exists(#v)"),
+            }
         };
         let set = if sets.is_empty() { String::new() } else { format!("SET {} ", sets.join(", ")) };
         match req.update_expression(format!("{set}ADD {}", adds.join(", "))).send().await {

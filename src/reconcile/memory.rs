@@ -80,6 +80,7 @@ impl TargetStore for MemoryTargets<'_> {
             &version,
             &measures,
             c.seen_version.as_deref(),
+            &c.expect,
             &c.set,
             fence.as_ref().map_or(&[][..], |f| &f[..]),
         ))

@@ -53,6 +53,11 @@ pub struct Correction {
     /// A floor value to raise the item's ledger floor to (its straggler set emptied): every
     /// shard created before it no longer writes (see [`fence_for`]).
     pub fence: Option<String>,
+    /// When not empty, the write is conditioned on these attributes still holding these
+    /// values (and on the item carrying this deployment's counter) instead of on the counter
+    /// as read: zeroing what an old definition wrote on an item the current rules keep
+    /// writing, whose counter moves all the time while those attributes do not ([`retire_rule`]).
+    pub expect: Vec<(String, Decimal)>,
 }
 
 /// The aggregates table.
@@ -190,7 +195,7 @@ pub fn corrections(drifts: &[Drift], item: &TargetItem, fence: Option<&str>) -> 
     let mut out = Vec::new();
     for (i, chunk) in set.chunks(MAX_SET_PER_CORRECTION).enumerate() {
         let fence = fence.filter(|_| i == 0).map(str::to_string);
-        out.push(Correction { seen_version: seen.clone(), set: chunk.to_vec(), fence });
+        out.push(Correction { seen_version: seen.clone(), set: chunk.to_vec(), fence, expect: Vec::new() });
         let before = seen.as_deref().and_then(|v| Decimal::parse(v).ok()).unwrap_or(Decimal::ZERO);
         seen = before.checked_add(Decimal::from_i64(1)).ok().map(|v| v.to_string());
     }
@@ -284,6 +289,88 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
         report.not_quiet.push((rule.name.to_string(), key));
     }
     Ok(())
+}
+
+/// What zeroing an old definition's leftovers did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Retirement {
+    /// Items of the old definition's shapes that carry this deployment's counter.
+    pub items: u64,
+    /// Attributes zeroed (helper items' counts included).
+    pub zeroed: u64,
+    /// Items that changed between the read and the write every time: tried again later.
+    pub changed: Vec<TargetKey>,
+}
+
+/// Zeroes what the old definition `old` wrote that no rule of `current` writes (DESIGN.md,
+/// "Changing a running deployment"): attributes of renamed or removed measures, targets of an
+/// old key shape, helper items of removed helper measures and their derived attributes, and
+/// targets of removed rules. Only items that carry this deployment's write counter, and only
+/// attributes the old definition managed ([`truth::manages`]), so nothing a user wrote. No
+/// current rule writes these attributes and no replica applies the old definition any more
+/// (the definitions were committed only once none did), so the truth of each is zero and each
+/// write is conditioned on the values read, not on the item's counter, which the current
+/// rules keep moving.
+pub async fn retire_rule<T: TargetStore>(targets: &T, old: &Rule, current: &[Rule]) -> Result<Retirement, ReconcileError> {
+    let items = targets.scan(old).await?;
+    let mut out = Retirement::default();
+    let mut owners = BTreeSet::new();
+    for (key, item) in &items {
+        if item.version.is_none() {
+            continue;
+        }
+        out.items += 1;
+        let zero = leftovers(old, current, key, item);
+        if zero.is_empty() {
+            continue;
+        }
+        let expect: Vec<(String, Decimal)> = zero.iter().map(|(a, v)| (a.clone(), *v)).collect();
+        let set: Vec<(String, Decimal)> = zero.into_iter().map(|(a, _)| (a, Decimal::ZERO)).collect();
+        let c = Correction { seen_version: None, set, fence: None, expect };
+        if targets.correct(key, &c).await? {
+            out.zeroed += c.set.len() as u64;
+            owners.insert(truth::owner_of(key));
+        } else {
+            out.changed.push(key.clone());
+        }
+    }
+    // Derived attributes of the old helper measures, from their helpers as zeroed (removed
+    // when none is live), where no current rule derives the same attribute.
+    let key_names: Vec<String> = old.target.iter().map(|(k, _)| k.clone()).collect();
+    for mut d in derivations(old, &owners) {
+        d.measures.retain(|m, _| !current.iter().any(|c| writes(c, &d.key, m)));
+        if !d.measures.is_empty() {
+            targets.derive(&key_names, &d).await?;
+        }
+    }
+    Ok(out)
+}
+
+/// Whether `rule` writes attribute `attribute` (a measure or a derived one) on `key`.
+fn writes(rule: &Rule, key: &TargetKey, attribute: &str) -> bool {
+    let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
+    truth::is_target(rule, &parts)
+        && (truth::owns_attribute(rule, attribute)
+            || rule.measures.iter().any(|m| matches!(m.kind, MeasureKind::Helper(_)) && m.name.matches_expansion(attribute)))
+}
+
+/// The attributes of `item` that `old` managed, no current rule writes, and that hold a
+/// number other than zero (pure).
+pub fn leftovers(old: &Rule, current: &[Rule], key: &TargetKey, item: &TargetItem) -> Vec<(String, Decimal)> {
+    let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
+    let is_helper = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)).is_some();
+    if is_helper && current.iter().any(|c| truth::is_target(c, &parts)) {
+        return Vec::new();
+    }
+    item.values
+        .iter()
+        .filter(|(a, _)| if is_helper { *a == helper::REFS } else { truth::manages(old, a, &item.written, false) })
+        .filter(|(a, _)| is_helper || !current.iter().any(|c| writes(c, key, a)))
+        .filter_map(|(a, v)| match v {
+            Stored::Number(n) if !n.is_zero() => Some((a.clone(), *n)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// (1) The targets as they are before the truth is read.
@@ -403,7 +490,7 @@ async fn compare_and_correct<T: TargetStore>(
         // the write from recreating an item deleted meanwhile.
         let fence_only = fence.filter(|_| opts.fence_all && now.version.is_some() && !opts.dry_run);
         if let Some(fence) = fence_only {
-            let c = Correction { seen_version: now.version.clone(), set: Vec::new(), fence: Some(fence) };
+            let c = Correction { seen_version: now.version.clone(), set: Vec::new(), fence: Some(fence), expect: Vec::new() };
             if !targets.correct(key, &c).await? {
                 return Ok(Outcome::Changed);
             }

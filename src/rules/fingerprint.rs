@@ -12,9 +12,21 @@ use crate::config::raw::RawRule;
 /// Bumped when the canonical form changes (every rule then rebuilds once).
 const VERSION: &str = "v1";
 
-/// The fingerprint of a rule as written: `v1:` and 16 hex digits of FNV-1a over the
-/// canonical JSON (object keys sorted, measures by name).
+/// The fingerprint of a rule as written: `v1:` and 16 hex digits of FNV-1a over its
+/// [`canonical`] definition.
 pub fn of(rule: &RawRule) -> String {
+    of_definition(&canonical(rule))
+}
+
+/// The fingerprint of a canonical definition (as kept in the state table).
+pub fn of_definition(canonical: &str) -> String {
+    format!("{VERSION}:{:016x}", fnv1a(canonical.as_bytes()))
+}
+
+/// A rule's definition as canonical JSON text: everything that decides what its targets hold,
+/// object keys sorted, measures by name. Kept in the state table, so a later release knows
+/// what an old definition wrote ([`crate::config::rule_from_definition`] reads it back).
+pub fn canonical(rule: &RawRule) -> String {
     let measures: BTreeMap<&str, &Value> = rule.measures.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let canonical = json!({
         "filter": rule.filter,
@@ -25,10 +37,11 @@ pub fn of(rule: &RawRule) -> String {
         "ttl_deletes": rule.ttl_deletes.as_deref().unwrap_or("count"),
     });
     // serde_json's maps are sorted by key (no preserve_order): the text is canonical.
-    format!("{VERSION}:{:016x}", fnv1a(canonical.to_string().as_bytes()))
+    canonical.to_string()
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
+/// FNV-1a, 64 bits: a stable hash (the standard library's is not stable across releases).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {
         h ^= u64::from(*b);

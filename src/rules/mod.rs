@@ -169,6 +169,9 @@ pub struct Rule {
     /// What the rule's targets hold follows from this ([`fingerprint`]): kept in the state
     /// table, so `run` rebuilds a rule whose definition changed.
     pub fingerprint: String,
+    /// The canonical definition the fingerprint hashes ([`fingerprint::canonical`]), kept in
+    /// the state table under a generation (see `state::definitions`).
+    pub definition: Arc<str>,
 }
 
 /// How a rule counts a delete by DynamoDB's TTL service (`ttl_deletes`).

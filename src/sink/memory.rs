@@ -117,6 +117,7 @@ impl MemoryAggregates {
         version_attribute: &str,
         measures_attribute: &str,
         seen: Option<&str>,
+        expect: &[(String, Decimal)],
         set: &[(String, Decimal)],
         texts: &[(String, String)],
     ) -> bool {
@@ -125,8 +126,16 @@ impl MemoryAggregates {
             Some(MemValue::Num(n)) => Some(*n),
             _ => None,
         };
-        if version.map(|v| v.to_string()).as_deref() != seen {
-            return false;
+        if expect.is_empty() {
+            if version.map(|v| v.to_string()).as_deref() != seen {
+                return false;
+            }
+        } else {
+            // As DynamoDB's `attribute_exists(#v) AND #e0 = :e0 ...`.
+            let holds = |(name, want): &(String, Decimal)| matches!(s.items.get(key).and_then(|i| i.get(name)), Some(MemValue::Num(n)) if n == want);
+            if version.is_none() || !expect.iter().all(holds) {
+                return false;
+            }
         }
         let item = s.items.entry(key.to_vec()).or_default();
         for (name, v) in set {

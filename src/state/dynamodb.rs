@@ -9,6 +9,7 @@ use aws_sdk_dynamodb::types::{
 use aws_sdk_dynamodb::Client;
 use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
 
+use super::definitions::{Beat, Committed};
 use super::{Checkpoint, Lease, LeaseStore, Progress, StateError};
 use crate::aws::{classify, FailureKind};
 
@@ -135,6 +136,12 @@ impl DynamoDbLeases {
 pub const RULE_FINGERPRINTS: &str = "rule-fingerprints";
 const FINGERPRINT_PREFIX: &str = "rule:";
 
+/// Key of the state-table item holding the committed rule definitions (JSON in `definitions`,
+/// `generation`, and `revision`, which every store advances and conditions on).
+pub const DEFINITIONS: &str = "definitions";
+/// Prefix of the state-table items holding replicas' heartbeats (`replica#<owner>`).
+pub const BEAT_PREFIX: &str = "replica#";
+
 /// Key of the state-table item holding a pending request to reconcile everything.
 pub const RECONCILE_REQUEST: &str = "reconcile-request";
 /// Key of the state-table item naming the stream this deployment reads (`followed_arn`; no
@@ -163,6 +170,17 @@ where
         FailureKind::NotFound => Err(StateError::TableMissing(table.to_string())),
         _ => Err(StateError::Fatal(f.to_string())),
     }
+}
+
+/// A heartbeat item; one of another shape is skipped (it is not a lease either).
+fn beat_of(item: &HashMap<String, AttributeValue>) -> Option<Beat> {
+    let num = |k: &str| item.get(k).and_then(|v| v.as_n().ok()).and_then(|v| v.parse::<u64>().ok());
+    Some(Beat {
+        owner: item.get("owner")?.as_s().ok()?.clone(),
+        digest: item.get("digest")?.as_s().ok()?.clone(),
+        protocol: num("protocol")?,
+        until_ms: num("expires_at")?,
+    })
 }
 
 fn s(v: &str) -> AttributeValue {
@@ -481,6 +499,103 @@ impl LeaseStore for DynamoDbLeases {
                 .expression_attribute_values(format!(":r{i}"), s(fp));
         }
         match req.update_expression(format!("SET {}", sets.join(", "))).send().await {
+            Ok(_) => Ok(()),
+            Err(e) => map_err(e, &self.table).map(|_| ()),
+        }
+    }
+
+    async fn definitions(&self) -> Result<Option<(Committed, u64)>, StateError> {
+        let resp = self.client.get_item().table_name(&self.table).key("shard_id", s(DEFINITIONS)).consistent_read(true).send().await;
+        let item = match resp {
+            Ok(r) => r.item().cloned(),
+            Err(e) => return map_err(e, &self.table).map(|_| None),
+        };
+        let Some(item) = item else { return Ok(None) };
+        let malformed = |why: String| StateError::Malformed(DEFINITIONS.into(), why);
+        let text = item.get("definitions").and_then(|v| v.as_s().ok()).ok_or_else(|| malformed("no definitions string".into()))?;
+        let committed: Committed = serde_json::from_str(text).map_err(|e| malformed(format!("definitions: {e}")))?;
+        let revision = item
+            .get("revision")
+            .and_then(|v| v.as_n().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| malformed("no revision number".into()))?;
+        Ok(Some((committed, revision)))
+    }
+
+    async fn store_definitions(&self, committed: &Committed, revision: Option<u64>) -> Result<bool, StateError> {
+        let text = serde_json::to_string(committed).map_err(|e| StateError::Fatal(format!("encoding the definitions: {e}")))?;
+        let req = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .item("shard_id", s(DEFINITIONS))
+            .item("definitions", s(&text))
+            .item("generation", n(committed.generation))
+            .item("protocol", n(committed.protocol))
+            .item("revision", n(revision.map_or(1, |r| r.saturating_add(1))))
+            .item("stored_at", n(super::now_ms()))
+            .expression_attribute_names("#r", "revision");
+        let req = match revision {
+            Some(r) => req.condition_expression("#r = :r").expression_attribute_values(":r", n(r)),
+            None => req.condition_expression("attribute_not_exists(#r)"),
+        };
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    async fn publish_beat(&self, beat: &Beat) -> Result<(), StateError> {
+        let resp = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .item("shard_id", s(&format!("{BEAT_PREFIX}{}", beat.owner)))
+            .item("owner", s(&beat.owner))
+            .item("digest", s(&beat.digest))
+            .item("protocol", n(beat.protocol))
+            .item("expires_at", n(beat.until_ms))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(()),
+            Err(e) => map_err(e, &self.table).map(|_| ()),
+        }
+    }
+
+    async fn beats(&self) -> Result<Vec<Beat>, StateError> {
+        let mut out = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        for _ in 0..10_000 {
+            let resp = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .filter_expression("begins_with(shard_id, :p)")
+                .expression_attribute_values(":p", s(BEAT_PREFIX))
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await;
+            let resp = match resp {
+                Ok(r) => r,
+                Err(e) => {
+                    map_err(e, &self.table)?;
+                    return Err(StateError::Transient("scan condition failed".into()));
+                }
+            };
+            out.extend(resp.items().iter().filter_map(beat_of));
+            match resp.last_evaluated_key() {
+                Some(k) if !k.is_empty() => start = Some(k.clone()),
+                _ => return Ok(out),
+            }
+        }
+        Err(StateError::Fatal("state table scan for heartbeats did not finish".into()))
+    }
+
+    async fn drop_beat(&self, owner: &str) -> Result<(), StateError> {
+        let resp = self.client.delete_item().table_name(&self.table).key("shard_id", s(&format!("{BEAT_PREFIX}{owner}"))).send().await;
+        match resp {
             Ok(_) => Ok(()),
             Err(e) => map_err(e, &self.table).map(|_| ()),
         }

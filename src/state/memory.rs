@@ -15,6 +15,9 @@ pub struct MemoryLeases {
     named: Mutex<BTreeMap<String, (String, u64)>>,
     /// Rule fingerprints recorded; None: never any.
     fingerprints: Mutex<Option<BTreeMap<String, String>>>,
+    /// Committed definitions and their revision.
+    definitions: Mutex<Option<(super::definitions::Committed, u64)>>,
+    beats: Mutex<BTreeMap<String, super::definitions::Beat>>,
 }
 
 /// When each lease became free to take, to measure how long shards went unowned.
@@ -213,6 +216,33 @@ impl LeaseStore for MemoryLeases {
     async fn record_fingerprints(&self, fingerprints: &BTreeMap<String, String>) -> Result<(), StateError> {
         let mut f = self.fingerprints.lock().unwrap_or_else(|e| e.into_inner());
         f.get_or_insert_with(BTreeMap::new).extend(fingerprints.iter().map(|(k, v)| (k.clone(), v.clone())));
+        Ok(())
+    }
+
+    async fn definitions(&self) -> Result<Option<(super::definitions::Committed, u64)>, StateError> {
+        Ok(self.definitions.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    async fn store_definitions(&self, committed: &super::definitions::Committed, revision: Option<u64>) -> Result<bool, StateError> {
+        let mut d = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
+        if d.as_ref().map(|(_, r)| *r) != revision {
+            return Ok(false);
+        }
+        *d = Some((committed.clone(), revision.map_or(1, |r| r + 1)));
+        Ok(true)
+    }
+
+    async fn publish_beat(&self, beat: &super::definitions::Beat) -> Result<(), StateError> {
+        self.beats.lock().unwrap_or_else(|e| e.into_inner()).insert(beat.owner.clone(), beat.clone());
+        Ok(())
+    }
+
+    async fn beats(&self) -> Result<Vec<super::definitions::Beat>, StateError> {
+        Ok(self.beats.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect())
+    }
+
+    async fn drop_beat(&self, owner: &str) -> Result<(), StateError> {
+        self.beats.lock().unwrap_or_else(|e| e.into_inner()).remove(owner);
         Ok(())
     }
 }

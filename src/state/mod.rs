@@ -6,6 +6,7 @@
 //! ledger on each target item does); leases keep readers to one per shard and say where to
 //! resume.
 
+pub mod definitions;
 pub mod dynamodb;
 mod items;
 pub mod memory;
@@ -154,6 +155,22 @@ pub trait LeaseStore: Send + Sync + 'static {
     fn rule_fingerprints(&self) -> impl Future<Output = Result<Option<BTreeMap<String, String>>, StateError>> + Send;
     /// Records fingerprints (others already recorded stay).
     fn record_fingerprints(&self, fingerprints: &BTreeMap<String, String>) -> impl Future<Output = Result<(), StateError>> + Send;
+    /// The committed rule definitions and the item's revision (every store advances it);
+    /// None: nothing committed yet.
+    fn definitions(&self) -> impl Future<Output = Result<Option<(definitions::Committed, u64)>, StateError>> + Send;
+    /// Stores `committed` if the item's revision is still `revision` (None: no item yet);
+    /// false when somebody stored another meanwhile.
+    fn store_definitions(
+        &self,
+        committed: &definitions::Committed,
+        revision: Option<u64>,
+    ) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Publishes (or refreshes) a replica's heartbeat.
+    fn publish_beat(&self, beat: &definitions::Beat) -> impl Future<Output = Result<(), StateError>> + Send;
+    /// Every heartbeat in the table, expired ones included.
+    fn beats(&self) -> impl Future<Output = Result<Vec<definitions::Beat>, StateError>> + Send;
+    /// Removes a replica's heartbeat (at shutdown, or an expired one).
+    fn drop_beat(&self, owner: &str) -> impl Future<Output = Result<(), StateError>> + Send;
 }
 
 thread_local! {

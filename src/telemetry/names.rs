@@ -13,6 +13,14 @@ pub const RECORDS_SKIPPED: &str = "ddb_aggregator_records_skipped_total";
 pub const AGGREGATE_WRITES: &str = "ddb_aggregator_aggregate_writes_total";
 pub const DERIVATIONS: &str = "ddb_aggregator_derivations_total";
 pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
+/// 1 for the reason a replica holds no lease while its rule definitions differ from the
+/// committed ones (`reason`: committed_replicas_live, leases_held, conflicting_definitions,
+/// newer_protocol), else 0.
+pub const DEFINITIONS_WAITING: &str = "ddb_aggregator_definitions_waiting";
+/// The generation of the committed rule definitions this replica last read.
+pub const DEFINITIONS_GENERATION: &str = "ddb_aggregator_definitions_generation";
+/// Old definitions whose leftovers (targets, attributes, helper items) are still to be zeroed.
+pub const DEFINITIONS_RETIRE_PENDING: &str = "ddb_aggregator_definitions_retire_pending";
 pub const COALESCED_UPDATES: &str = "ddb_aggregator_coalesced_record_updates_total";
 pub const WRITE_CAPACITY_UNITS: &str = "ddb_aggregator_write_capacity_units_total";
 pub const BATCH_DURATION_SECONDS: &str = "ddb_aggregator_batch_duration_seconds";
@@ -59,6 +67,15 @@ pub fn describe() {
     describe_gauge!(
         RULE_REBUILD_PENDING,
         "1 while a rule added or changed since its fingerprint was recorded is being rebuilt from the items (reconcile of the rule over the whole table), then 0."
+    );
+    describe_gauge!(
+        DEFINITIONS_WAITING,
+        "1 while this replica holds no lease because its rule definitions differ from the committed ones, by reason (committed_replicas_live, leases_held, conflicting_definitions, newer_protocol)."
+    );
+    describe_gauge!(DEFINITIONS_GENERATION, "Generation of the committed rule definitions, as this replica last read it.");
+    describe_gauge!(
+        DEFINITIONS_RETIRE_PENDING,
+        "Old rule definitions whose leftovers (targets, attributes and helper items the current rules do not write) are still to be zeroed."
     );
     describe_counter!(
         DERIVATIONS,
@@ -128,6 +145,9 @@ pub fn init_series(rules: &[String]) {
     }
     for outcome in RunOutcome::ALL {
         counter!(RECONCILE_RUNS, "outcome" => outcome.as_str()).increment(0);
+    }
+    for reason in crate::state::definitions::WaitReason::ALL {
+        metrics::gauge!(DEFINITIONS_WAITING, "reason" => reason.as_str()).set(0.0);
     }
     for state in ShardState::ALL {
         metrics::gauge!(SHARDS, "state" => state.as_str()).set(0.0);

@@ -4,6 +4,7 @@
 
 pub mod age;
 pub mod batch;
+pub mod gate;
 pub mod phases;
 pub mod plan;
 pub mod shard;
@@ -66,6 +67,9 @@ pub struct Shared<S, L, A> {
     /// Starts a shard without a checkpoint at its trim horizon whatever `start_position`
     /// says (reconcile's own consumer: see [`Shared::reading_from_the_horizon`]).
     pub from_horizon: bool,
+    /// This replica runs the committed rule definitions ([`gate`]): only then does it hold
+    /// leases, reconcile on schedule or rebuild.
+    pub definitions_current: std::sync::atomic::AtomicBool,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -93,6 +97,7 @@ impl<S, L, A> Shared<S, L, A> {
             polling: Polling::default(),
             balance: true,
             from_horizon: false,
+            definitions_current: Default::default(),
         }
     }
 
@@ -237,11 +242,18 @@ pub struct Worker<S, L, A> {
     last_discovery_ms: u64,
     /// When each leased shard was first seen missing from DescribeStream.
     missing_since: BTreeMap<String, u64>,
+    gate: gate::DefinitionsGate,
+    /// Leases whose readers were stopped because the definitions gate closed: released once
+    /// the reader finished its batch (shard -> fencing counter).
+    to_release: BTreeMap<String, u64>,
 }
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     pub fn new(shared: Shared<S, L, A>) -> Worker<S, L, A> {
+        let gate = gate::DefinitionsGate::new(&shared.engine.rules);
         Worker {
+            gate,
+            to_release: BTreeMap::new(),
             shared: Arc::new(shared),
             running: BTreeMap::new(),
             tasks: FuturesUnordered::new(),
@@ -294,7 +306,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 if exit == ShardExit::LeaseLost {
                     metrics::counter!(names::LEASES_LOST).increment(1);
                 }
-                self.running.remove(&shard);
+                if let Some(r) = self.running.remove(&shard) {
+                    if self.gate.waiting().is_some() && exit != ShardExit::LeaseLost {
+                        self.to_release.insert(shard.clone(), r.counter);
+                    }
+                }
                 if exit == ShardExit::Finished {
                     // Children may be ready now: discover again at the next round.
                     self.last_discovery_ms = 0;
@@ -330,6 +346,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             }
         }
         metrics::gauge!(names::LEASES_HELD).set(0.0);
+        let _ = self.shared.leases.drop_beat(&self.shared.owner).await;
         info!("stopped; leases released");
     }
 
@@ -365,6 +382,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             }
         }
         self.shared.health.aws_reachable.store(true, Ordering::Relaxed);
+        if !self.definitions_gate(&leases, now).await? {
+            self.report(&[], &leases);
+            return Ok(());
+        }
         self.finish_lost(&listed, &mut leases, now).await;
         self.delete_finished(&listed, &leases).await;
         let finished = |id: &str| leases.get(id).is_some_and(Lease::finished);
@@ -401,6 +422,25 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         }
         self.report(&ready, &leases);
         Ok(())
+    }
+
+    /// The definitions gate ([`gate`]): false while this replica's rule definitions are not
+    /// the committed ones. Then it holds no lease: its readers stop after their batch and
+    /// their leases are released, so the replicas of the committed definitions, or those
+    /// waiting to commit theirs, know it applies nothing. Readiness does not depend on it.
+    async fn definitions_gate(&mut self, leases: &BTreeMap<String, Lease>, now: u64) -> Result<bool, WorkerError> {
+        let open = self.gate.round(&self.shared.leases, &self.shared.owner, leases, now, self.lease_ms()).await.map_err(state_error)?;
+        self.shared.definitions_current.store(open, Ordering::Relaxed);
+        if open {
+            return Ok(true);
+        }
+        for r in self.running.values() {
+            r.stop.cancel();
+        }
+        for (shard, counter) in std::mem::take(&mut self.to_release) {
+            let _ = self.shared.leases.release(&shard, &self.shared.owner, counter).await;
+        }
+        Ok(false)
     }
 
     /// Renews what this replica holds; a lost lease stops its reader.

@@ -160,6 +160,25 @@ impl LeaseStore for ArcLeases {
     async fn record_fingerprints(&self, fingerprints: &BTreeMap<String, String>) -> Result<(), crate::state::StateError> {
         self.0.record_fingerprints(fingerprints).await
     }
+    async fn definitions(&self) -> Result<Option<(crate::state::definitions::Committed, u64)>, crate::state::StateError> {
+        self.0.definitions().await
+    }
+    async fn store_definitions(
+        &self,
+        c: &crate::state::definitions::Committed,
+        revision: Option<u64>,
+    ) -> Result<bool, crate::state::StateError> {
+        self.0.store_definitions(c, revision).await
+    }
+    async fn publish_beat(&self, beat: &crate::state::definitions::Beat) -> Result<(), crate::state::StateError> {
+        self.0.publish_beat(beat).await
+    }
+    async fn beats(&self) -> Result<Vec<crate::state::definitions::Beat>, crate::state::StateError> {
+        self.0.beats().await
+    }
+    async fn drop_beat(&self, owner: &str) -> Result<(), crate::state::StateError> {
+        self.0.drop_beat(owner).await
+    }
 }
 
 /// Waits (bounded) until the aggregates equal `want` and every closed shard is finished.

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ddb_aggregator::sink::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use ddb_aggregator::state::definitions::{Beat, Committed};
 use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
 
@@ -188,6 +189,21 @@ impl<L: LeaseStore> LeaseStore for Leases<L> {
     }
     async fn record_fingerprints(&self, fingerprints: &std::collections::BTreeMap<String, String>) -> Result<(), StateError> {
         call(&self.fate, &self.faults, self.inner.record_fingerprints(fingerprints), state_fault, state_fault).await
+    }
+    async fn definitions(&self) -> Result<Option<(Committed, u64)>, StateError> {
+        call(&self.fate, &self.faults, self.inner.definitions(), state_fault, state_fault).await
+    }
+    async fn store_definitions(&self, c: &Committed, revision: Option<u64>) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.store_definitions(c, revision), state_fault, state_fault).await
+    }
+    async fn publish_beat(&self, beat: &Beat) -> Result<(), StateError> {
+        call(&self.fate, &self.faults, self.inner.publish_beat(beat), state_fault, state_fault).await
+    }
+    async fn beats(&self) -> Result<Vec<Beat>, StateError> {
+        call(&self.fate, &self.faults, self.inner.beats(), state_fault, state_fault).await
+    }
+    async fn drop_beat(&self, owner: &str) -> Result<(), StateError> {
+        call(&self.fate, &self.faults, self.inner.drop_beat(owner), state_fault, state_fault).await
     }
 }
 

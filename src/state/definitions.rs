@@ -1,0 +1,394 @@
+//! Rule definitions committed by generation (DESIGN.md, "Changing a running deployment").
+//!
+//! The state table keeps the rule definitions the deployment applies (the definitions
+//! themselves, not only fingerprints) under a monotonic generation, and every live replica
+//! publishes a heartbeat ([`Beat`]) naming the definitions and protocol it runs. A replica whose
+//! definitions differ from the committed ones holds no lease, so it applies no record, until
+//! no live replica runs the committed ones and no shard lease is held; then it commits its own
+//! (generation + 1) and the deployment rebuilds. So:
+//! - no record is applied under two definitions: the old ones stop before the new ones start
+//!   (checkpoints are per shard, so "not applying a rule" can only mean "holding no lease");
+//! - the rebuild's truth covers everything the old definition wrote, and the committed item
+//!   says what that was ([`Committed::retire`]), so its leftovers are zeroed;
+//! - an old replica restarted mid-rollout still runs the committed definitions and works until
+//!   it is replaced; a rollback is a change like any other;
+//! - two different new definitions at once commit nothing, and say so.
+//!
+//! Everything here is pure: [`decide`] turns what a maintenance round read into a [`Gate`].
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::rules::fingerprint;
+
+/// The storage formats this release writes (ledger entries, counters, helper keys, state
+/// items). 1: releases before definitions were kept (no heartbeat, no committed item). A
+/// replica never runs once a newer protocol is committed, and a newer one commits its own only
+/// when no replica of the committed one holds a lease.
+pub const PROTOCOL: u64 = 2;
+
+/// One committed rule: its canonical definition and the generation since which it holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleDef {
+    pub definition: String,
+    pub since: u64,
+}
+
+/// An old definition whose leftovers (targets, attributes, helper items the current rules
+/// do not write) are still to be zeroed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retired {
+    pub name: String,
+    pub definition: String,
+}
+
+/// What the state table holds as committed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Committed {
+    pub generation: u64,
+    pub protocol: u64,
+    pub rules: BTreeMap<String, RuleDef>,
+    /// Rules whose targets are still to be rebuilt for their current definition.
+    #[serde(default)]
+    pub rebuild: BTreeSet<String>,
+    /// Old definitions still to be cleaned up after.
+    #[serde(default)]
+    pub retire: Vec<Retired>,
+}
+
+impl Committed {
+    /// The digest replicas publish: definitions and protocol together.
+    pub fn digest(&self) -> String {
+        digest(self.rules.iter().map(|(n, r)| (n.as_str(), r.definition.as_str())), self.protocol)
+    }
+
+    /// Whether the rebuild and the clean-up of this generation are done.
+    pub fn settled(&self) -> bool {
+        self.rebuild.is_empty() && self.retire.is_empty()
+    }
+}
+
+/// The definitions a replica runs: rule name -> canonical definition, and its protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Running {
+    pub rules: BTreeMap<String, String>,
+    pub protocol: u64,
+}
+
+impl Running {
+    pub fn new(rules: impl IntoIterator<Item = (String, String)>) -> Running {
+        Running { rules: rules.into_iter().collect(), protocol: PROTOCOL }
+    }
+
+    pub fn digest(&self) -> String {
+        digest(self.rules.iter().map(|(n, d)| (n.as_str(), d.as_str())), self.protocol)
+    }
+
+    /// Whether these are the committed definitions (and protocol).
+    pub fn runs(&self, c: &Committed) -> bool {
+        self.protocol == c.protocol
+            && self.rules.len() == c.rules.len()
+            && self.rules.iter().all(|(n, d)| c.rules.get(n).is_some_and(|r| r.definition == *d))
+    }
+}
+
+/// A digest of a definition set: `p<protocol>:` and FNV-1a over the names and definitions.
+fn digest<'a>(rules: impl Iterator<Item = (&'a str, &'a str)>, protocol: u64) -> String {
+    let mut text = String::new();
+    for (n, d) in rules {
+        text.push_str(n);
+        text.push('\u{0}');
+        text.push_str(d);
+        text.push('\u{0}');
+    }
+    format!("p{protocol}:{:016x}", fingerprint::fnv1a(text.as_bytes()))
+}
+
+/// A replica's heartbeat in the state table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Beat {
+    pub owner: String,
+    pub digest: String,
+    pub protocol: u64,
+    /// Epoch ms until which the replica counts as live.
+    pub until_ms: u64,
+}
+
+/// Why a replica holds no lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitReason {
+    /// A live replica still runs the committed definitions.
+    CommittedLive,
+    /// A shard lease is still held (by a replica of the committed definitions, or one of an
+    /// older release that publishes no heartbeat).
+    LeasesHeld,
+    /// Live replicas run two or more different new definitions: none is committed.
+    Conflicting,
+    /// The committed protocol is newer than this release's: a rollback past a format change
+    /// needs the newer release.
+    NewerProtocol,
+}
+
+impl WaitReason {
+    pub const ALL: [WaitReason; 4] =
+        [WaitReason::CommittedLive, WaitReason::LeasesHeld, WaitReason::Conflicting, WaitReason::NewerProtocol];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitReason::CommittedLive => "committed_replicas_live",
+            WaitReason::LeasesHeld => "leases_held",
+            WaitReason::Conflicting => "conflicting_definitions",
+            WaitReason::NewerProtocol => "newer_protocol",
+        }
+    }
+
+    pub fn explain(self) -> &'static str {
+        match self {
+            WaitReason::CommittedLive => {
+                "a live replica still runs the committed rule definitions; this one takes leases once they are gone"
+            }
+            WaitReason::LeasesHeld => {
+                "shard leases are still held under the committed rule definitions; this one takes leases once they are released or expired"
+            }
+            WaitReason::Conflicting => {
+                "live replicas run different new rule definitions: nothing is committed until they agree (deploy one config)"
+            }
+            WaitReason::NewerProtocol => "the state table records a newer storage protocol than this release writes: run the newer release",
+        }
+    }
+}
+
+/// What a replica does this round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gate {
+    /// Its definitions are the committed ones: take leases, read, rebuild what is due.
+    Run,
+    /// Hold no lease, and say why.
+    Wait(WaitReason),
+    /// Commit these (conditional on the committed item being as read), then run.
+    Commit(Committed),
+}
+
+/// What a round read from the state table.
+#[derive(Debug, Clone, Copy)]
+pub struct Seen<'a> {
+    pub committed: Option<&'a Committed>,
+    /// Fingerprints an older release recorded (`rule-fingerprints`), when nothing is committed.
+    pub legacy: Option<&'a BTreeMap<String, String>>,
+    pub beats: &'a [Beat],
+    /// Shard leases held, unexpired, by anyone.
+    pub live_leases: usize,
+    pub now_ms: u64,
+}
+
+/// The pure decision of one round for the replica `me` running `mine`.
+pub fn decide(me: &str, mine: &Running, seen: Seen<'_>) -> Gate {
+    let Some(c) = seen.committed else { return first_commit(mine, seen) };
+    if c.protocol > mine.protocol {
+        return Gate::Wait(WaitReason::NewerProtocol);
+    }
+    if mine.runs(c) {
+        return Gate::Run;
+    }
+    match blocker(me, mine, &c.digest(), seen) {
+        Some(why) => Gate::Wait(why),
+        None => Gate::Commit(next(c, mine)),
+    }
+}
+
+/// Nothing committed yet: a deployment's first start (nothing to rebuild), or the first start
+/// of this release over fingerprints an older release recorded. Same fingerprints: a plain
+/// upgrade, committed at once. Different ones: the older replicas still apply what they run, so
+/// wait as for any change, and rebuild what differs (their definitions are unknown, so nothing
+/// can be retired).
+fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
+    let rules = mine.rules.iter().map(|(n, d)| (n.clone(), RuleDef { definition: d.clone(), since: 1 })).collect();
+    let mut first = Committed { generation: 1, protocol: mine.protocol, rules, rebuild: BTreeSet::new(), retire: Vec::new() };
+    let Some(legacy) = seen.legacy else { return Gate::Commit(first) };
+    let changed: BTreeSet<String> =
+        mine.rules.iter().filter(|(n, d)| legacy.get(*n) != Some(&fingerprint::of_definition(d))).map(|(n, _)| n.clone()).collect();
+    if changed.is_empty() {
+        return Gate::Commit(first);
+    }
+    if seen.live_leases > 0 {
+        return Gate::Wait(WaitReason::LeasesHeld);
+    }
+    first.rebuild = changed;
+    Gate::Commit(first)
+}
+
+/// What keeps `mine` from being committed now, if anything.
+fn blocker(me: &str, mine: &Running, committed: &str, seen: Seen<'_>) -> Option<WaitReason> {
+    let live = || seen.beats.iter().filter(|b| b.owner != me && b.until_ms > seen.now_ms);
+    if live().any(|b| b.digest == committed) {
+        return Some(WaitReason::CommittedLive);
+    }
+    if seen.live_leases > 0 {
+        return Some(WaitReason::LeasesHeld);
+    }
+    let ours = mine.digest();
+    if live().any(|b| b.digest != ours) {
+        return Some(WaitReason::Conflicting);
+    }
+    None
+}
+
+/// The generation after `c` that runs `mine`: rules whose definition changed or that are new
+/// are rebuilt (as are those whose rebuild was still due), and old definitions that are no
+/// longer current are cleaned up after (with those still pending).
+pub fn next(c: &Committed, mine: &Running) -> Committed {
+    let generation = c.generation.saturating_add(1);
+    let mut rules = BTreeMap::new();
+    let mut rebuild = BTreeSet::new();
+    for (name, def) in &mine.rules {
+        match c.rules.get(name).filter(|r| r.definition == *def) {
+            Some(same) => {
+                rules.insert(name.clone(), same.clone());
+                if c.rebuild.contains(name) {
+                    rebuild.insert(name.clone());
+                }
+            }
+            None => {
+                rules.insert(name.clone(), RuleDef { definition: def.clone(), since: generation });
+                rebuild.insert(name.clone());
+            }
+        }
+    }
+    let mut retire: Vec<Retired> = c.retire.clone();
+    for (name, old) in &c.rules {
+        if mine.rules.get(name) != Some(&old.definition) {
+            retire.push(Retired { name: name.clone(), definition: old.definition.clone() });
+        }
+    }
+    // A definition current again (a rollback) is rebuilt, not cleaned up; each once.
+    retire.retain(|r| mine.rules.get(&r.name) != Some(&r.definition));
+    let mut seen = BTreeSet::new();
+    retire.retain(|r| seen.insert((r.name.clone(), r.definition.clone())));
+    Committed { generation, protocol: c.protocol.max(mine.protocol), rules, rebuild, retire }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running(rules: &[(&str, &str)]) -> Running {
+        Running::new(rules.iter().map(|(n, d)| (n.to_string(), d.to_string())))
+    }
+
+    fn beat(owner: &str, r: &Running, until_ms: u64) -> Beat {
+        Beat { owner: owner.into(), digest: r.digest(), protocol: r.protocol, until_ms }
+    }
+
+    fn seen<'a>(committed: Option<&'a Committed>, beats: &'a [Beat], live_leases: usize) -> Seen<'a> {
+        Seen { committed, legacy: None, beats, live_leases, now_ms: 1_000 }
+    }
+
+    fn committed(r: &Running) -> Committed {
+        match decide("x", r, seen(None, &[], 0)) {
+            Gate::Commit(c) => c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_first_start_commits_and_rebuilds_nothing() {
+        let a = running(&[("orders", "{A}")]);
+        let c = committed(&a);
+        assert_eq!(c.generation, 1);
+        assert!(c.settled(), "{c:?}");
+        assert_eq!(decide("x", &a, seen(Some(&c), &[], 3)), Gate::Run);
+    }
+
+    #[test]
+    fn a_change_waits_for_the_committed_replicas_and_their_leases() {
+        let old = running(&[("orders", "{A}"), ("daily", "{D}")]);
+        let new = running(&[("orders", "{A}"), ("monthly", "{M}")]);
+        let c = committed(&old);
+        let beats = [beat("old-1", &old, 5_000), beat("new-1", &new, 5_000)];
+        assert_eq!(decide("new-1", &new, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::CommittedLive));
+        // The old replica's beat expired (it was stopped), but its lease is not released yet.
+        let stale = [beat("old-1", &old, 999), beat("new-1", &new, 5_000)];
+        assert_eq!(decide("new-1", &new, seen(Some(&c), &stale, 1)), Gate::Wait(WaitReason::LeasesHeld));
+        // An old replica keeps running meanwhile: it is the committed one.
+        assert_eq!(decide("old-1", &old, seen(Some(&c), &beats, 4)), Gate::Run);
+        let Gate::Commit(next) = decide("new-1", &new, seen(Some(&c), &stale, 0)) else { panic!() };
+        assert_eq!(next.generation, 2);
+        assert_eq!(next.rebuild, BTreeSet::from(["monthly".to_string()]), "orders is unchanged");
+        assert_eq!(next.retire, vec![Retired { name: "daily".into(), definition: "{D}".into() }]);
+        assert_eq!(next.rules["orders"].since, 1);
+        assert_eq!(next.rules["monthly"].since, 2);
+        // Once committed, the new replicas run and an old one restarted now waits.
+        assert_eq!(decide("new-2", &new, seen(Some(&next), &[], 0)), Gate::Run);
+        assert_eq!(decide("old-2", &old, seen(Some(&next), &[beat("new-1", &new, 5_000)], 2)), Gate::Wait(WaitReason::LeasesHeld));
+        assert_eq!(decide("old-2", &old, seen(Some(&next), &[beat("new-1", &new, 5_000)], 0)), Gate::Wait(WaitReason::CommittedLive));
+    }
+
+    #[test]
+    fn two_new_definitions_at_once_commit_nothing() {
+        let old = running(&[("orders", "{A}")]);
+        let (b, c2) = (running(&[("orders", "{B}")]), running(&[("orders", "{C}")]));
+        let c = committed(&old);
+        let beats = [beat("b", &b, 5_000), beat("c", &c2, 5_000)];
+        assert_eq!(decide("b", &b, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::Conflicting));
+        assert_eq!(decide("c", &c2, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::Conflicting));
+        // Replicas that agree do not block each other.
+        let agree = [beat("b", &b, 5_000), beat("b2", &b, 5_000)];
+        assert!(matches!(decide("b", &b, seen(Some(&c), &agree, 0)), Gate::Commit(_)));
+    }
+
+    #[test]
+    fn a_rollback_rebuilds_the_old_definition_and_retires_the_new_one() {
+        let a = running(&[("orders", "{A}")]);
+        let b = running(&[("orders", "{B}")]);
+        let g1 = committed(&a);
+        let g2 = next(&g1, &b);
+        assert_eq!(g2.retire, vec![Retired { name: "orders".into(), definition: "{A}".into() }]);
+        // Rolled back before the rebuild of B finished: A is current again (rebuilt, since B
+        // was applied meanwhile), and B's leftovers are what is cleaned up.
+        let g3 = next(&g2, &a);
+        assert_eq!(g3.rules["orders"].since, 3);
+        assert_eq!(g3.rebuild, BTreeSet::from(["orders".to_string()]));
+        assert_eq!(g3.retire, vec![Retired { name: "orders".into(), definition: "{B}".into() }]);
+    }
+
+    #[test]
+    fn an_unfinished_rebuild_carries_over_to_the_next_generation() {
+        let a = running(&[("orders", "{A}"), ("daily", "{D}")]);
+        let b = running(&[("orders", "{A}"), ("daily", "{D2}")]);
+        let c = running(&[("orders", "{A}"), ("daily", "{D2}"), ("extra", "{E}")]);
+        let g2 = next(&committed(&a), &b);
+        let g3 = next(&g2, &c);
+        assert_eq!(g3.rebuild, BTreeSet::from(["daily".to_string(), "extra".to_string()]));
+        assert_eq!(g3.retire, vec![Retired { name: "daily".into(), definition: "{D}".into() }], "not cleaned up yet: still due");
+    }
+
+    #[test]
+    fn a_newer_protocol_committed_stops_an_older_release() {
+        let a = running(&[("orders", "{A}")]);
+        let mut newer = a.clone();
+        newer.protocol = PROTOCOL + 1;
+        let c = committed(&newer);
+        assert_eq!(decide("old", &a, seen(Some(&c), &[], 0)), Gate::Wait(WaitReason::NewerProtocol));
+        // And a newer release waits for the replicas of the committed protocol, like a change.
+        let c1 = committed(&a);
+        assert_eq!(decide("new", &newer, seen(Some(&c1), &[beat("old", &a, 5_000)], 0)), Gate::Wait(WaitReason::CommittedLive));
+        let Gate::Commit(up) = decide("new", &newer, seen(Some(&c1), &[], 0)) else { panic!() };
+        assert_eq!(up.protocol, PROTOCOL + 1);
+        assert!(up.settled(), "same definitions: nothing to rebuild");
+    }
+
+    #[test]
+    fn the_first_start_of_this_release_over_fingerprints_only() {
+        let a = running(&[("orders", "{A}")]);
+        let same: BTreeMap<String, String> = [("orders".to_string(), fingerprint::of_definition("{A}"))].into();
+        let other: BTreeMap<String, String> = [("orders".to_string(), fingerprint::of_definition("{Z}"))].into();
+        let with = |legacy, leases| Seen { committed: None, legacy: Some(legacy), beats: &[], live_leases: leases, now_ms: 0 };
+        let Gate::Commit(c) = decide("x", &a, with(&same, 3)) else { panic!() };
+        assert!(c.settled(), "a plain upgrade rebuilds nothing and does not wait");
+        assert_eq!(decide("x", &a, with(&other, 3)), Gate::Wait(WaitReason::LeasesHeld));
+        let Gate::Commit(c) = decide("x", &a, with(&other, 0)) else { panic!() };
+        assert_eq!(c.rebuild, BTreeSet::from(["orders".to_string()]));
+        assert!(c.retire.is_empty(), "the old definition is unknown");
+    }
+}
