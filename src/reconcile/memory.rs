@@ -77,10 +77,8 @@ impl TargetStore for MemoryTargets<'_> {
         let fence = c.fence.as_ref().map(|f| [(self.ledger.floor_attribute(), f.clone()), (self.ledger.open_attribute(), ",".to_string())]);
         Ok(self.store.correct_if(
             &key_of(key),
-            &version,
-            &measures,
-            c.seen_version.as_deref(),
-            &c.expect,
+            (&version, &measures),
+            crate::sink::memory::Guard { seen: c.seen_version.as_deref(), expect: &c.expect },
             &c.set,
             fence.as_ref().map_or(&[][..], |f| &f[..]),
         ))

@@ -108,19 +108,18 @@ impl MemoryAggregates {
         self.lock().items.keys().cloned().collect()
     }
 
-    /// Reconcile's correction: sets `set` and advances the counter `version_attribute`, if the
-    /// counter still is `seen` (None: absent); adds the names to `measures_attribute`; sets
-    /// the string attributes `texts` (a fence: the ledger's floor and straggler set).
+    /// Reconcile's correction: sets `set` and advances the counter `version_attribute`, if
+    /// `guard` holds; adds the names to `measures_attribute`; sets the string attributes
+    /// `texts` (a fence: the ledger's floor and straggler set).
     pub fn correct_if(
         &self,
         key: &[String],
-        version_attribute: &str,
-        measures_attribute: &str,
-        seen: Option<&str>,
-        expect: &[(String, Decimal)],
+        (version_attribute, measures_attribute): (&str, &str),
+        guard: Guard<'_>,
         set: &[(String, Decimal)],
         texts: &[(String, String)],
     ) -> bool {
+        let Guard { seen, expect } = guard;
         let mut s = self.lock();
         let version = match s.items.get(key).and_then(|i| i.get(version_attribute)) {
             Some(MemValue::Num(n)) => Some(*n),
@@ -405,4 +404,13 @@ impl AggregateStore for MemoryAggregates {
 fn successor(prefix: &str) -> Option<String> {
     let (last, rest) = prefix.as_bytes().split_last()?;
     (*last < 0x7f).then(|| format!("{}{}", &prefix[..rest.len()], char::from(last + 1)))
+}
+
+/// What [`MemoryAggregates::correct_if`] requires of the item: its counter still `seen` (None:
+/// absent) or, when `expect` is not empty, the counter present and these attributes holding
+/// these values.
+#[derive(Clone, Copy, Debug)]
+pub struct Guard<'a> {
+    pub seen: Option<&'a str>,
+    pub expect: &'a [(String, Decimal)],
 }
