@@ -157,6 +157,13 @@ async fn a_moved_deployment_keeps_its_namespace_or_does_not_start() {
     assert!(message.contains("or to a new value if this is a second deployment on purpose"), "{message}");
     assert!(c.describe_table().table_name(&state2).send().await.is_err(), "the refused start wrote nothing to its state table");
     wait_exact(&c, &table, Duration::from_secs(5)).await;
+    // validate --against-state says so before a deploy.
+    let v = run_cli(&["validate", "--config", config2.to_str().unwrap(), "--against-state"]);
+    assert_eq!(v.status.code(), Some(2), "{}", err_text(&v));
+    assert!(err_text(&v).contains("run would refuse to start") && err_text(&v).contains(&format!("to \"{old}\"")), "{}", err_text(&v));
+    let v = run_cli(&["validate", "--config", config1.to_str().unwrap(), "--against-state"]);
+    let shown = String::from_utf8_lossy(&v.stdout);
+    assert!(v.status.success() && shown.contains(&format!("namespace \"{old}\" is registered with state table {state1}")), "{shown}");
 
     // With the old namespace: the stream is read again from its trim horizon, the ledger
     // refuses what was applied, and new writes count once.
