@@ -204,6 +204,10 @@ async fn register(ddb: &aws_sdk_dynamodb::Client, config: &Config, stream_arn: &
             Ok(())
         }
         Ok(Registered::Unchanged) => Ok(()),
+        Ok(Registered::NotWritten(failure)) => {
+            warn!(error = %failure, table = %config.aggregates_table, "cannot register this deployment in the aggregates table's ledger registry; starting anyway, the next start tries again");
+            Ok(())
+        }
         Err(e @ (RegistryError::Refused(_) | RegistryError::Malformed { .. })) => Err(ServiceError::Setup(e.to_string())),
         Err(e) => Err(ServiceError::Runtime(e.to_string())),
     }

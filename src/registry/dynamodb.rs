@@ -29,8 +29,6 @@ pub enum RegistryError {
     Refused(#[from] Refusal),
     #[error("reading the ledger registry item in {table}: {failure}")]
     Read { table: String, failure: Failure },
-    #[error("writing the ledger registry item in {table}: {failure}")]
-    Write { table: String, failure: Failure },
     #[error("the ledger registry item in {table} changed {attempts} times while registering; start again")]
     Contended { table: String, attempts: u32 },
     #[error("the ledger registry item in {table} has a malformed entry {attribute} (every entry needs namespace, source_table, state_table, stream_arn and registered_at)")]
@@ -38,12 +36,15 @@ pub enum RegistryError {
 }
 
 /// What a start found and did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Registered {
     /// Written now (first start of this deployment, or a move that kept the namespace).
     Written(Entry),
     /// The registry already said so.
     Unchanged,
+    /// May start, but the registration did not land (the table refuses writes): the next
+    /// start tries again. The start was decided on the registry as read.
+    NotWritten(Failure),
 }
 
 pub struct Registry {
@@ -90,15 +91,17 @@ impl Registry {
                 return Err(r.into());
             }
             let Some(entry) = registration(&entries, this, crate::state::now_ms()) else { return Ok(Registered::Unchanged) };
-            if self.write(&entry, version).await? {
-                return Ok(Registered::Written(entry));
+            match self.write(&entry, version).await {
+                Ok(true) => return Ok(Registered::Written(entry)),
+                Ok(false) => {}
+                Err(failure) => return Ok(Registered::NotWritten(failure)),
             }
         }
         Err(RegistryError::Contended { table: self.table.clone(), attempts: ATTEMPTS })
     }
 
     /// Sets one entry if the item is still at `version`; false when it is not.
-    async fn write(&self, entry: &Entry, version: Option<u64>) -> Result<bool, RegistryError> {
+    async fn write(&self, entry: &Entry, version: Option<u64>) -> Result<bool, Failure> {
         let req = self
             .client
             .update_item()
@@ -121,7 +124,7 @@ impl Registry {
                 let failure = classify(&e);
                 match failure.kind {
                     FailureKind::ConditionFailed => Ok(false),
-                    _ => Err(RegistryError::Write { table: self.table.clone(), failure }),
+                    _ => Err(failure),
                 }
             }
         }
