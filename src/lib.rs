@@ -9,6 +9,7 @@ pub mod config;
 pub mod decimal;
 pub mod pattern;
 pub mod reconcile;
+pub mod registry;
 pub mod rules;
 pub mod service;
 pub mod shard_id;

@@ -102,7 +102,8 @@ enum Command {
         #[arg(long, value_name = "FILE", help = CONFIG_HELP)]
         config: PathBuf,
         /// Also read the rule fingerprints in the state table (needs AWS access) and say which
-        /// rules a deploy of this config would rebuild (added or changed since recorded).
+        /// rules a deploy of this config would rebuild (added or changed since recorded), and
+        /// whether the ledger registry in the aggregates table lets it start (exit 2 if not).
         #[arg(long)]
         against_state: bool,
     },
@@ -544,6 +545,7 @@ fn load_config(path: &Path) -> anyhow::Result<Config> {
 fn validate(path: &Path, against_state: bool) -> anyhow::Result<()> {
     let config = load_config(path)?;
     if against_state {
+        print_registry(&config)?;
         print_rebuilds(&config)?;
     }
     let mut out = std::io::stdout().lock();
@@ -665,6 +667,51 @@ struct SimLine<'a> {
     delta: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     value: Option<Option<String>>,
+}
+
+/// `validate --against-state`: whether `run` would start or refuse, from the ledger registry
+/// in the aggregates table; a refusal exits 2 with run's message.
+fn print_registry(config: &Config) -> anyhow::Result<()> {
+    use ddb_aggregator::registry::{self, Decision, Starting};
+    let (entries, state_is_new) = runtime()?.block_on(async {
+        let sdk = ddb_aggregator::aws::sdk_config(&config.aws).await;
+        let ddb = aws_sdk_dynamodb::Client::new(&sdk);
+        let leases = ddb_aggregator::state::dynamodb::DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), String::new());
+        let state_is_new = !leases.has_read_a_stream().await.with_context(|| format!("reading state table {}", config.state.table))?;
+        let reg = registry::dynamodb::Registry::new(ddb, &config.aggregates_table, &config.engine.key_names);
+        let (entries, _) = reg.read().await?;
+        anyhow::Ok((entries, state_is_new))
+    })?;
+    let this = Starting {
+        aggregates_table: &config.aggregates_table,
+        source_table: &config.source.table,
+        state_table: &config.state.table,
+        stream_arn: "",
+        namespace: &config.ledger_namespace,
+        explicit: config.ledger_namespace_explicit,
+        state_is_new,
+    };
+    if let Decision::Refuse(r) = registry::decide(&entries, &this) {
+        return Err(bad(format!("ledger registry: run would refuse to start: {r}")));
+    }
+    let mine = entries.iter().find(|e| e.namespace == config.ledger_namespace && e.source_table == config.source.table);
+    let mut out = std::io::stdout().lock();
+    match mine {
+        Some(e) if e.state_table == config.state.table => {
+            writeln!(out, "ledger registry: namespace \"{}\" is registered with state table {}", e.namespace, e.state_table)?
+        }
+        Some(e) => writeln!(
+            out,
+            "ledger registry: namespace \"{}\" is registered with state table {}; a start registers it with {}",
+            e.namespace, e.state_table, config.state.table
+        )?,
+        None => writeln!(
+            out,
+            "ledger registry: a start registers namespace \"{}\" with state table {}",
+            config.ledger_namespace, config.state.table
+        )?,
+    }
+    Ok(())
 }
 
 /// `validate --against-state`: which rules a deploy would rebuild.

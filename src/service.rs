@@ -11,6 +11,8 @@ use tracing::{error, info, warn};
 
 use crate::aws::{classify, FailureKind};
 use crate::config::Config;
+use crate::registry::dynamodb::{Registered, Registry, RegistryError};
+use crate::registry::Starting;
 use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
 use crate::sink::dynamodb::DynamoDbAggregates;
 use crate::state::dynamodb::DynamoDbLeases;
@@ -150,6 +152,7 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
             }
         })?;
     }
+    register(&ddb, &config, &stream_arn).await?;
     let signals = cancel.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
@@ -175,6 +178,38 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
                 return result;
             }
         }
+    }
+}
+
+/// Refuses a start that would count the stream's records again (a deployment moved to a new
+/// state table with the default ledger namespace), or registers this deployment in the ledger
+/// registry of the aggregates table ([`crate::registry`]).
+async fn register(ddb: &aws_sdk_dynamodb::Client, config: &Config, stream_arn: &str) -> Result<(), ServiceError> {
+    let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.to_string());
+    let state_is_new =
+        !leases.has_read_a_stream().await.map_err(|e| ServiceError::Runtime(format!("reading state table {}: {e}", config.state.table)))?;
+    let this = Starting {
+        aggregates_table: &config.aggregates_table,
+        source_table: &config.source.table,
+        state_table: &config.state.table,
+        stream_arn,
+        namespace: &config.ledger_namespace,
+        explicit: config.ledger_namespace_explicit,
+        state_is_new,
+    };
+    let registry = Registry::new(ddb.clone(), &config.aggregates_table, &config.engine.key_names);
+    match registry.check_and_register(&this).await {
+        Ok(Registered::Written(e)) => {
+            info!(ledger_namespace = %e.namespace, source = %e.source_table, state = %e.state_table, "registered this deployment in the aggregates table's ledger registry");
+            Ok(())
+        }
+        Ok(Registered::Unchanged) => Ok(()),
+        Ok(Registered::NotWritten(failure)) => {
+            warn!(error = %failure, table = %config.aggregates_table, "cannot register this deployment in the aggregates table's ledger registry; starting anyway, the next start tries again");
+            Ok(())
+        }
+        Err(e @ (RegistryError::Refused(_) | RegistryError::Malformed { .. })) => Err(ServiceError::Setup(e.to_string())),
+        Err(e) => Err(ServiceError::Runtime(e.to_string())),
     }
 }
 

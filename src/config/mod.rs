@@ -60,6 +60,9 @@ pub struct Config {
     pub aggregates_table: String,
     /// Namespace of this deployment's ledger entries, floor and straggler set on target items.
     pub ledger_namespace: String,
+    /// `aggregates.ledger_namespace` was set (in the file or the environment), not derived
+    /// from the state table's name.
+    pub ledger_namespace_explicit: bool,
     pub dead_letter: Option<DeadLetterConfig>,
     /// None: no scheduled reconcile.
     pub reconcile_interval: Option<Duration>,
@@ -338,6 +341,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         None => crate::sink::ledger::default_namespace(&state.table),
         Some(ns) => crate::sink::ledger::check_namespace(ns).map_err(|m| err("aggregates.ledger_namespace", m))?.to_string(),
     };
+    let ledger_namespace_explicit = raw.aggregates.as_ref().is_some_and(|a| a.ledger_namespace.is_some());
     let dead_letter = match raw.dead_letter {
         Some(d) => {
             if !(d.queue_url.starts_with("https://") || d.queue_url.starts_with("http://")) {
@@ -405,6 +409,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         state,
         aggregates_table,
         ledger_namespace,
+        ledger_namespace_explicit,
         dead_letter,
         reconcile_interval,
         reconcile_all,

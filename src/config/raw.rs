@@ -23,6 +23,24 @@ fn text<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     }))
 }
 
+/// A ledger namespace: text only. YAML reads some (`123456`, `-12345`) as numbers, whose text
+/// is not the namespace any more, so those must be quoted.
+fn namespace<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        S(String),
+        Other(serde::de::IgnoredAny),
+    }
+    match Option::<Text>::deserialize(d)? {
+        None => Ok(None),
+        Some(Text::S(s)) => Ok(Some(s)),
+        Some(Text::Other(_)) => {
+            Err(serde::de::Error::custom("YAML reads this namespace as a number: write it in quotes (\"123456\", also in the environment)"))
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
@@ -102,7 +120,7 @@ pub struct RawAggregates {
     pub table: String,
     /// Names this deployment's ledger entries on target items (default: derived from the
     /// state table), so two deployments writing one item never refuse or prune each other.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "namespace")]
     pub ledger_namespace: Option<String>,
 }
 

@@ -350,3 +350,18 @@ rules:
     let e = load_err(no_sort_key);
     assert!(e.contains("rules[0].measures.largest: max keeps helper items") && e.contains("needs a sort key"), "{e}");
 }
+
+#[test]
+fn a_namespace_set_in_the_file_or_the_environment_is_explicit() {
+    let c = Config::from_yaml(DEMO, Vec::new()).unwrap();
+    assert!(!c.ledger_namespace_explicit, "derived from the state table");
+    let env = |v: &str| vec![("DDB_AGGREGATOR__AGGREGATES__LEDGER_NAMESPACE".to_string(), v.to_string())];
+    let c = Config::from_yaml(DEMO, env("blue")).unwrap();
+    assert_eq!((c.ledger_namespace.as_str(), c.ledger_namespace_explicit), ("blue", true));
+    let c = Config::from_yaml(DEMO, env("\"123456\"")).unwrap();
+    assert_eq!(c.ledger_namespace, "123456", "quoted: the text as written");
+    for number in ["123456", "-12345"] {
+        let bad = Config::from_yaml(DEMO, env(number)).unwrap_err().to_string();
+        assert!(bad.contains("aggregates.ledger_namespace") && bad.contains("write it in quotes"), "{bad}");
+    }
+}

@@ -28,6 +28,10 @@ impl Truth {
     /// itself, so the rule's filter, source key and `where` decide exactly as for the stream;
     /// `key_names` are the source table's key attributes (for `dynamodb.Keys`).
     pub fn add_item(&mut self, rule: &Rule, key_names: &[String], item: &Map<String, Value>) {
+        // The ledger registry's own item, when the aggregates live in the source table.
+        if crate::registry::is_registry_key(key_names.iter().filter_map(|k| item.get(k)?.get("S")?.as_str())) {
+            return;
+        }
         self.items += 1;
         let keys: Map<String, Value> = key_names.iter().filter_map(|k| item.get(k).map(|v| (k.clone(), v.clone()))).collect();
         let record = json!({"eventName": "INSERT", "eventSource": "aws:dynamodb", "dynamodb": {"Keys": keys, "NewImage": item, "StreamViewType": "NEW_AND_OLD_IMAGES"}});
@@ -69,8 +73,12 @@ pub fn target_for(rule: &Rule, vars: &BTreeMap<String, String>) -> Option<Target
 }
 
 /// Whether an item key (values in the table's key order) could be one of the rule's targets,
-/// or one of their helper items (of a `max`, `min`, `latest` or `distinct` of the rule).
+/// or one of their helper items (of a `max`, `min`, `latest` or `distinct` of the rule); never
+/// the ledger registry item.
 pub fn is_target(rule: &Rule, key: &[&str]) -> bool {
+    if crate::registry::is_registry_key(key.iter().copied()) {
+        return false;
+    }
     let owner = |key: &[&str]| rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v));
     match key.split_last().and_then(|(sk, rest)| helper::parse(sk).map(|h| (h, rest))) {
         Some((h, rest)) => {
@@ -164,7 +172,9 @@ mod tests {
         ] {
             t.add_item(&rules[0], &keys, &item(i));
         }
-        assert_eq!(t.items, 4);
+        let registry = json!({"PK": {"S": crate::registry::KEY}, "SK": {"S": crate::registry::KEY}});
+        t.add_item(&rules[0], &keys, &item(registry));
+        assert_eq!(t.items, 4, "the ledger registry item is no source item");
         assert_eq!(t.poisons.len(), 1);
         let c1 = &t.values[&target_for(&rules[0], &[("customer".to_string(), "c1".to_string())].into()).unwrap()];
         let shown: Vec<String> = c1.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -177,6 +187,7 @@ mod tests {
         assert!(is_target(&rules[0], &["CUST#c1", "PROFILE"]));
         assert!(!is_target(&rules[0], &["CUST#c1", "ORDER#x#y"]));
         assert!(is_target(&rules[1], &["SALES#2026-11-30", "TOTAL"]));
+        assert!(!is_target(&rules[0], &[crate::registry::KEY, crate::registry::KEY]), "the ledger registry item");
         assert!(owns_attribute(&rules[0], "orders_PAID"));
         assert!(!owns_attribute(&rules[0], "name"));
         assert!(!owns_attribute(&rules[0], "_agg:0001"));

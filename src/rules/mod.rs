@@ -267,6 +267,13 @@ impl Rule {
                     &captures,
                 ));
             }
+            if value == crate::registry::KEY {
+                return Err(self.poison(
+                    PoisonCode::ReservedAttribute,
+                    format!("target.{attr}: expands to {value:?}, the key of the service's ledger registry item"),
+                    &captures,
+                ));
+            }
             key_parts.push(value.into_boxed_str());
         }
         let target = TargetKey(key_parts.into_boxed_slice());
@@ -508,6 +515,10 @@ impl Engine {
                 return report;
             }
         };
+        // The ledger registry's own item, when the aggregates live in the source table.
+        if crate::registry::is_registry_key(decoded.keys.values().filter_map(|v| v.get("S").and_then(Value::as_str))) {
+            return report;
+        }
         // Filter results per rule, reused by later rules with the same filter.
         let mut passed = [false; 32];
         for (i, rule) in self.rules.iter().enumerate() {

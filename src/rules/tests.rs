@@ -246,3 +246,25 @@ fn a_ttl_delete_changes_nothing_under_ignore() {
     let user = record("REMOVE", Some(order("PAID", json!({"N": "10"}))), None);
     assert!(deltas_of(&e, &user).unwrap().contains(&"EVER#c1/PROFILE:ordersEver=-1".to_string()));
 }
+
+#[test]
+fn the_ledger_registry_item_is_never_a_source_nor_a_target() {
+    // A rule whose source key and target the registry's key could both be.
+    let e = engine(
+        r##"  - name: anything
+    source_key: { PK: "#{a}#{b}", SK: "{c}#{d}#{f}" }
+    target: { PK: "#{c}#{d}", SK: "T" }
+    measures: { n: count }
+"##,
+    );
+    let key = json!({"PK": {"S": crate::registry::KEY}, "SK": {"S": crate::registry::KEY}});
+    let rec = json!({"eventName": "INSERT", "dynamodb": {"Keys": key.clone(), "NewImage": key, "SequenceNumber": "1"}});
+    let mut batch = Coalescer::new();
+    let report = e.apply(&rec, &mut batch);
+    assert!(report.matched.is_empty() && report.poisons.is_empty(), "{report:?}");
+    assert!(batch.into_targets().is_empty(), "its stream records are not evaluated");
+    let item = json!({"PK": {"S": "#x#y"}, "SK": {"S": "_agg#registry#z"}});
+    let rec = json!({"eventName": "INSERT", "dynamodb": {"Keys": item.clone(), "NewImage": item, "SequenceNumber": "2"}});
+    let poisons = deltas_of(&e, &rec).expect_err("a target expanding to the registry's key");
+    assert_eq!(poisons[0].code, PoisonCode::ReservedAttribute, "{poisons:?}");
+}

@@ -73,6 +73,25 @@ impl DynamoDbLeases {
         }
     }
 
+    /// Whether a deployment has read a stream with this state table: it noted the stream it
+    /// reads, or holds a lease (of any stream). A new state table has neither, nor does one
+    /// that does not exist yet.
+    pub async fn has_read_a_stream(&self) -> Result<bool, StateError> {
+        match self.last_stream().await {
+            Ok(Some(_)) => return Ok(true),
+            Ok(None) => {}
+            Err(StateError::TableMissing(_)) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        let mut found = false;
+        self.scan_pages("attribute_exists(stream_arn)", Some("shard_id"), |items| {
+            found = !items.is_empty();
+            Ok(found)
+        })
+        .await?;
+        Ok(found)
+    }
+
     /// Whether the state table holds a lease of another stream. Stops at the first one.
     async fn holds_another_streams_lease(&self) -> Result<bool, StateError> {
         let mut found = false;
@@ -84,8 +103,8 @@ impl DynamoDbLeases {
         Ok(found)
     }
 
-    /// A consistent scan of the state table with `filter` (`:arn` is this stream's ARN), page
-    /// by page into `page`, until it returns true (stop) or the table ends.
+    /// A consistent scan of the state table with `filter` (`:arn`, where it is used, is this
+    /// stream's ARN), page by page into `page`, until it returns true (stop) or the table ends.
     async fn scan_pages(
         &self,
         filter: &str,
@@ -100,7 +119,9 @@ impl DynamoDbLeases {
                 .table_name(&self.table)
                 .consistent_read(true)
                 .filter_expression(filter)
-                .expression_attribute_values(":arn", s(&self.stream_arn))
+                .set_expression_attribute_values(
+                    filter.contains(":arn").then(|| HashMap::from([(":arn".to_string(), s(&self.stream_arn))])),
+                )
                 .set_projection_expression(projection.map(str::to_string))
                 .set_exclusive_start_key(start.take())
                 .send()

@@ -19,7 +19,8 @@ use ddb_aggregator::decimal::Decimal;
 
 /// Each test binary gets emulators of its own (DynamoDB Local slows down as tables and
 /// stream records pile up, and the heavy binaries would slow the timing-sensitive ones):
-/// DynamoDB Local on 8100 + k, moto on 9424 + k. scripts/test stops them all.
+/// DynamoDB Local on 8100 + k, moto on 9424 + k. scripts/test stops them all. DDB_LOCAL_PORT
+/// and SQS_LOCAL_PORT move the bases (two checkouts testing on one machine).
 pub const EMULATOR_SLOTS: &[&str] = &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup", "chaos"];
 
 fn slot() -> u16 {
@@ -29,12 +30,16 @@ fn slot() -> u16 {
     EMULATOR_SLOTS.iter().position(|s| *s == base).map_or(0, |i| i as u16)
 }
 
+fn base(var: &str, default: u16) -> u16 {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 pub fn ddb_port() -> u16 {
-    8100 + slot()
+    base("DDB_LOCAL_PORT", 8100) + slot()
 }
 
 pub fn sqs_port() -> u16 {
-    9424 + slot()
+    base("SQS_LOCAL_PORT", 9424) + slot()
 }
 
 pub fn root() -> PathBuf {
