@@ -714,29 +714,37 @@ fn print_registry(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `validate --against-state`: which rules a deploy would rebuild.
+/// `validate --against-state`: which rules a deploy would rebuild, and which old definitions'
+/// leftovers it would zero.
 fn print_rebuilds(config: &Config) -> anyhow::Result<()> {
     let plan = runtime()?.block_on(async {
         let sdk = ddb_aggregator::aws::sdk_config(&config.aws).await;
         ddb_aggregator::reconcile::rebuild::against_state(&sdk, config).await
     });
-    let plan = plan.with_context(|| format!("reading the rule fingerprints in state table {}", config.state.table))?;
+    let plan = plan.with_context(|| format!("reading the rule definitions in state table {}", config.state.table))?;
     let mut out = std::io::stdout().lock();
-    let Some(plan) = plan else {
+    if plan.first_start {
         writeln!(
             out,
-            "state table {}: no rule fingerprints recorded yet; a first start records them and rebuilds nothing",
+            "state table {}: no rule definitions recorded yet; a first start records them and rebuilds nothing",
             config.state.table
         )?;
         return Ok(());
-    };
-    for (rule, why) in plan {
+    }
+    for (rule, why) in plan.rules {
         let what = match why {
             None => "unchanged".to_string(),
-            Some(ddb_aggregator::rules::fingerprint::Rebuild::New) => "would be rebuilt: new since the fingerprints were recorded".into(),
+            Some(ddb_aggregator::rules::fingerprint::Rebuild::New) => "would be rebuilt: new since the definitions were recorded".into(),
             Some(ddb_aggregator::rules::fingerprint::Rebuild::Changed { was }) => format!("would be rebuilt: changed (recorded {was})"),
         };
         writeln!(out, "rule {rule}: {what}")?;
+    }
+    for old in plan.retire {
+        writeln!(
+            out,
+            "old definition of rule {} would be retired: what it wrote and no rule of this config writes is zeroed ({})",
+            old.name, old.definition
+        )?;
     }
     Ok(())
 }

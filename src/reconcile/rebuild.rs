@@ -1,129 +1,324 @@
-//! Rebuilding rules whose definition is new or changed (DESIGN.md, "Measures beyond count and
-//! sum"), inside `run`: the reconcile procedure over the whole table for that rule, while the
-//! stream keeps being applied under the new definition, then the fingerprint is recorded.
-//! `ddb_aggregator_rule_rebuild_pending{rule}` is 1 until then.
+//! Rebuilding rules whose definition is new or changed, and zeroing what old definitions left
+//! behind (DESIGN.md, "Changing a running deployment"), inside `run`. The work is read from
+//! the committed definitions ([`crate::state::definitions::Committed`]): its `rebuild` set and
+//! its `retire` list. Each entry is removed (a revision-conditioned store) once it is done, so
+//! a rebuild cut short by a crash or a failed round runs again, on any replica.
+//! `ddb_aggregator_rule_rebuild_pending{rule}` is 1 while a rule is in the set, and
+//! `ddb_aggregator_definitions_retire_pending` counts the retire list.
 //!
-//! Why this is exact: reconcile corrects a target only when its write counter did not move
-//! between its snapshot and its correction, after every record created before the truth read
-//! was applied; records applied meanwhile send the target to the next round. Targets of the old
-//! definition that the new one no longer writes (`{date|day}` became `{date|month}`) hold no
-//! truth, so the rebuild zeroes them: a target template matches every expansion of the same
-//! shape, the old daily keys included. A rebuild cut short (a crash, a failed round) leaves the
-//! old fingerprint, so the next start rebuilds again.
+//! Why this is exact: the definitions were committed only once no live replica applied the
+//! old ones and no lease was held, so every record applied since is applied under the new
+//! definitions. Reconcile corrects a target only when its write counter did not move between
+//! its snapshot and its correction, after every record created before the truth read was
+//! applied. What an old definition wrote and no current rule writes has a truth of zero; it is
+//! zeroed with a write conditioned on the values read ([`super::protocol::retire_rule`]).
+//!
+//! Rebuilds that finish: the first pass scans the whole table; targets it left (written all
+//! through it, or refused) are retried alone, and after [`MAX_TARGET_TRIES`] passes each one
+//! left is reported, counted in `ddb_aggregator_rule_rebuild_skipped_targets_total{rule}` and
+//! handed to the scheduled reconcile, and the rule is done.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use tracing::{error, info, warn};
 
-use super::{refusal, Options, Reconciler};
+use super::{refusal, Options, Reconciler, Report};
+use crate::config::Config;
 use crate::rules::fingerprint::{self, Rebuild};
-use crate::rules::Rule;
-use crate::state::LeaseStore;
+use crate::rules::{Rule, TargetKey};
+use crate::state::definitions::{self, Committed, Retired, Running};
+use crate::state::{LeaseStore, StateError};
 use crate::telemetry::names;
 
-/// The rules still to rebuild; None until the recorded fingerprints were read.
-pub type Pending = Option<Vec<(String, Rebuild)>>;
+/// Passes over the targets a rule's rebuild left (the first, full pass included) before each
+/// one still left is reported and skipped.
+pub const MAX_TARGET_TRIES: u32 = 5;
 
-/// Every rule's fingerprint, by name.
-fn fingerprints(rules: &[Rule]) -> BTreeMap<String, String> {
-    rules.iter().map(|r| (r.name.to_string(), r.fingerprint.clone())).collect()
+/// What this replica carries between rebuild steps.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Per rule: the targets its last pass left, and the passes so far.
+    left: BTreeMap<String, (BTreeSet<TargetKey>, u32)>,
 }
 
-/// Reads what is recorded and says which rules are due (a first start records every rule and
-/// rebuilds none), showing the gauge per rule.
-pub async fn due<L: LeaseStore>(leases: &L, rules: &[Rule]) -> Result<Vec<(String, Rebuild)>, crate::state::StateError> {
-    let recorded = leases.rule_fingerprints().await?;
-    if recorded.is_none() {
-        leases.record_fingerprints(&fingerprints(rules)).await?;
-        info!(rules = rules.len(), "first start: rule fingerprints recorded; a rule added or changed later is rebuilt");
-    }
-    let due = fingerprint::due(rules.iter().map(|r| (&*r.name, r.fingerprint.as_str())), recorded.as_ref());
+/// One step's end.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Stepped {
+    /// Nothing is left to rebuild or retire.
+    pub settled: bool,
+    /// Targets skipped (rule, key): the scheduled reconcile keeps trying them.
+    pub skipped: Vec<(String, TargetKey)>,
+}
+
+/// Shows the committed work in the gauges (every rule of `rules`, and the retire list).
+pub fn show(committed: &Committed, rules: &[Rule]) {
     for r in rules {
-        let pending = due.iter().any(|(n, _)| **n == *r.name);
+        let pending = committed.rebuild.contains(&*r.name);
         metrics::gauge!(names::RULE_REBUILD_PENDING, "rule" => r.name.to_string()).set(if pending { 1.0 } else { 0.0 });
     }
-    Ok(due)
+    metrics::gauge!(names::DEFINITIONS_RETIRE_PENDING).set(committed.retire.len() as f64);
 }
 
-/// Rebuilds the due rules one by one; returns those still due (the failed one and after).
-pub async fn rebuild_all(
+/// Rebuilds the committed rebuild set and retires the retire list, one entry at a time,
+/// removing each when done. Stops at the first entry that is not done yet.
+pub async fn step<L: LeaseStore>(
     reconciler: &Reconciler,
-    leases: &impl LeaseStore,
-    due: Vec<(String, Rebuild)>,
+    leases: &L,
+    progress: &mut Progress,
     wait: std::time::Duration,
-) -> Vec<(String, Rebuild)> {
-    let rules = reconciler.config().engine.rules.clone();
-    let mut left = due.clone().into_iter();
-    for (name, why) in left.by_ref() {
-        let Some(rule) = rules.iter().find(|r| *r.name == *name) else { continue };
+) -> Result<Stepped, StateError> {
+    let config = reconciler.config();
+    let rules = &config.engine.rules;
+    let Some((committed, _)) = leases.definitions().await? else { return Ok(Stepped::default()) };
+    show(&committed, rules);
+    let mut out = Stepped::default();
+    for name in &committed.rebuild {
+        let Some(rule) = rules.iter().find(|r| *r.name == **name) else { continue };
         let done = match refusal(rule) {
             Some(why_not) => {
                 error!(rule = %name, "{why_not}; its targets are not rebuilt after the change, and keep what the old definition wrote");
                 true
             }
-            None => rebuild_one(reconciler, rule, &why, wait).await,
+            None => rebuild_one(reconciler, rule, progress, wait, &mut out.skipped).await,
         };
-        if !done {
-            let mut rest = vec![(name, why)];
-            rest.extend(left);
-            return rest;
+        if !done
+            || !settle(leases, committed.generation, |c| {
+                c.rebuild.remove(name);
+            })
+            .await?
+        {
+            return Ok(out);
         }
         let one: BTreeMap<String, String> = [(name.clone(), rule.fingerprint.clone())].into();
+        // The fingerprints an earlier release reads: a rollback to it sees this rule as is.
         if let Err(e) = leases.record_fingerprints(&one).await {
-            warn!(rule = %name, error = %e, "rebuilt, but cannot record the fingerprint; the rebuild runs again");
-            let mut rest = vec![(name, why)];
-            rest.extend(left);
-            return rest;
+            warn!(rule = %name, error = %e, "rebuilt, but cannot record the fingerprint for earlier releases");
         }
         metrics::gauge!(names::RULE_REBUILD_PENDING, "rule" => name.clone()).set(0.0);
     }
-    Vec::new()
+    for old in &committed.retire {
+        if !retire_one(reconciler, config, old).await {
+            return Ok(out);
+        }
+        if !settle(leases, committed.generation, |c| c.retire.retain(|r| r != old)).await? {
+            return Ok(out);
+        }
+    }
+    if let Some((c, _)) = leases.definitions().await? {
+        show(&c, rules);
+        out.settled = c.settled();
+    }
+    Ok(out)
 }
 
-/// One rule's rebuild: true when every target it found was compared and corrected.
-async fn rebuild_one(reconciler: &Reconciler, rule: &Rule, why: &Rebuild, wait: std::time::Duration) -> bool {
-    let what = match why {
-        Rebuild::New => "added".to_string(),
-        Rebuild::Changed { was } => format!("changed (was {was}, now {})", rule.fingerprint),
+/// Applies `change` to the committed definitions of `generation`, conditioned on their
+/// revision (another replica may store meanwhile); false when the generation moved on.
+async fn settle<L: LeaseStore>(leases: &L, generation: u64, change: impl Fn(&mut Committed)) -> Result<bool, StateError> {
+    for _ in 0..8 {
+        let Some((mut c, revision)) = leases.definitions().await? else { return Ok(false) };
+        if c.generation != generation {
+            return Ok(false);
+        }
+        change(&mut c);
+        if leases.store_definitions(&c, Some(revision)).await? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// One pass of a rule's rebuild: true when it is done (every target compared and corrected,
+/// or the ones left skipped after [`MAX_TARGET_TRIES`] passes).
+async fn rebuild_one(
+    reconciler: &Reconciler,
+    rule: &Rule,
+    progress: &mut Progress,
+    wait: std::time::Duration,
+    skipped: &mut Vec<(String, TargetKey)>,
+) -> bool {
+    let name = rule.name.to_string();
+    let opts = Options { wait, ..Options::default() };
+    let (run, tries) = match progress.left.remove(&name) {
+        Some((targets, tries)) => (reconciler.run_targets(&name, targets, &opts).await, tries),
+        None => {
+            info!(rule = %name, "rule added or changed: rebuilding its targets from the items");
+            (reconciler.run(&Options { all: true, rule: Some(name.clone()), ..opts }).await, 0)
+        }
     };
-    info!(rule = %rule.name, "rule {what}: rebuilding its targets from the items");
-    let opts = Options { all: true, rule: Some(rule.name.to_string()), wait, ..Options::default() };
-    match reconciler.run(&opts).await {
-        Ok(r) if r.uncorrected() == 0 => {
-            let per_second = r.items_read as f64 / r.elapsed.as_secs_f64().max(0.001);
+    let report = match run {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(rule = %name, error = %e, "rebuild pass failed; it runs again");
+            return false;
+        }
+    };
+    let left = left_by(&report);
+    let tries = tries.saturating_add(1);
+    match next_pass(left.len(), tries) {
+        Pass::Done => {
             info!(
-                rule = %rule.name,
-                items = r.items_read,
-                targets = r.targets_checked,
-                drifts = r.drifts.len(),
-                seconds = r.elapsed.as_secs_f64(),
-                items_per_second = per_second.round(),
+                rule = %name,
+                items = report.items_read,
+                targets = report.targets_checked,
+                drifts = report.drifts.len(),
+                seconds = report.elapsed.as_secs_f64(),
+                passes = tries,
                 "rule rebuilt"
             );
             true
         }
+        Pass::Retry => {
+            warn!(rule = %name, left = left.len(), passes = tries, "rebuild pass left targets that kept changing or were refused; they are retried alone");
+            progress.left.insert(name, (left, tries));
+            false
+        }
+        Pass::Skip => {
+            for key in &left {
+                error!(rule = %name, target = ?key, passes = tries, "target could not be corrected by the rebuild; skipped (the scheduled reconcile keeps trying it)");
+                skipped.push((name.clone(), key.clone()));
+            }
+            metrics::counter!(names::RULE_REBUILD_SKIPPED, "rule" => name.clone()).increment(left.len() as u64);
+            info!(rule = %name, skipped = left.len(), "rule rebuilt, but for the targets skipped");
+            true
+        }
+    }
+}
+
+/// What follows a rebuild pass that left `left` targets, after `tries` passes (pure).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    Done,
+    Retry,
+    Skip,
+}
+
+pub fn next_pass(left: usize, tries: u32) -> Pass {
+    match left {
+        0 => Pass::Done,
+        _ if tries < MAX_TARGET_TRIES => Pass::Retry,
+        _ => Pass::Skip,
+    }
+}
+
+/// The targets a pass did not correct: written all through it, refused, or drifted and not
+/// written (pure).
+pub fn left_by(r: &Report) -> BTreeSet<TargetKey> {
+    let drifted = r.drifts.iter().filter(|d| !d.corrected).map(|d| &d.target);
+    let refused = r.failed.iter().map(|(_, k, _)| k);
+    r.not_quiet.iter().map(|(_, k)| k).chain(refused).chain(drifted).cloned().collect()
+}
+
+/// Zeroes what `old` wrote and no current rule writes: true when done (or when the old
+/// definition cannot be read back, which is reported: nothing can be zeroed from it).
+async fn retire_one(reconciler: &Reconciler, config: &Config, old: &Retired) -> bool {
+    let rule = match crate::config::rule_from_definition(&old.name, &old.definition, &config.engine.key_names) {
+        Ok(r) => r,
+        Err(e) => {
+            error!(rule = %old.name, error = %e, "cannot read an old definition back; what it wrote is left as it is");
+            return true;
+        }
+    };
+    match super::protocol::retire_rule(reconciler, &rule, &config.engine.rules).await {
+        Ok(r) if r.changed.is_empty() => {
+            info!(rule = %old.name, items = r.items, zeroed = r.zeroed, "old definition retired: what it wrote and no current rule writes is zeroed");
+            true
+        }
         Ok(r) => {
-            warn!(rule = %rule.name, uncorrected = r.uncorrected(), "rebuild left targets uncorrected; it runs again");
+            warn!(rule = %old.name, changed = r.changed.len(), zeroed = r.zeroed, "items changed while an old definition was retired; trying again");
             false
         }
         Err(e) => {
-            warn!(rule = %rule.name, error = %e, "rebuild failed; it runs again");
+            warn!(rule = %old.name, error = %e, "retiring an old definition failed; trying again");
             false
         }
     }
 }
 
-/// What a deploy of `config` would rebuild, from the fingerprints in its state table
-/// (`validate --against-state`): per rule, None when unchanged. None overall: nothing is
-/// recorded yet (a first start records every rule and rebuilds none).
-pub async fn against_state(
-    sdk: &aws_config::SdkConfig,
-    config: &crate::config::Config,
-) -> Result<Option<Vec<(String, Option<Rebuild>)>>, crate::state::StateError> {
+/// What a deploy of `config` would do, from the state table (`validate --against-state`).
+#[derive(Debug, Default)]
+pub struct Plan {
+    /// Nothing recorded yet: a first start records every rule and rebuilds none.
+    pub first_start: bool,
+    /// Per rule: None when unchanged.
+    pub rules: Vec<(String, Option<Rebuild>)>,
+    /// Old definitions whose leftovers would be zeroed (still to be, or new with this deploy).
+    pub retire: Vec<Retired>,
+}
+
+/// What a deploy of `config` would rebuild and retire.
+pub async fn against_state(sdk: &aws_config::SdkConfig, config: &Config) -> Result<Plan, StateError> {
     let client = aws_sdk_dynamodb::Client::new(sdk);
     let leases = crate::state::dynamodb::DynamoDbLeases::new(client, config.state.table.clone(), String::new());
-    let Some(recorded) = leases.rule_fingerprints().await? else { return Ok(None) };
     let rules = &config.engine.rules;
-    let due = fingerprint::due(rules.iter().map(|r| (&*r.name, r.fingerprint.as_str())), Some(&recorded));
-    Ok(Some(rules.iter().map(|r| (r.name.to_string(), due.iter().find(|(n, _)| **n == *r.name).map(|(_, w)| w.clone()))).collect()))
+    let Some((committed, _)) = leases.definitions().await? else {
+        // An earlier release recorded fingerprints only.
+        let Some(recorded) = leases.rule_fingerprints().await? else { return Ok(Plan { first_start: true, ..Plan::default() }) };
+        let due = fingerprint::due(rules.iter().map(|r| (&*r.name, r.fingerprint.as_str())), Some(&recorded));
+        let rules = rules.iter().map(|r| (r.name.to_string(), due.iter().find(|(n, _)| **n == *r.name).map(|(_, w)| w.clone()))).collect();
+        return Ok(Plan { rules, ..Plan::default() });
+    };
+    Ok(plan(&committed, rules))
+}
+
+/// The plan against committed definitions (pure): what committing `rules` would rebuild and
+/// retire, on top of what is still pending.
+pub fn plan(committed: &Committed, rules: &[Rule]) -> Plan {
+    let running = Running::new(rules.iter().map(|r| (r.name.to_string(), r.definition.to_string())));
+    let next = if running.runs(committed) { committed.clone() } else { definitions::next(committed, &running) };
+    let rules = rules
+        .iter()
+        .map(|r| {
+            let why = next.rebuild.contains(&*r.name).then(|| match committed.rules.get(&*r.name) {
+                Some(d) if d.definition != *r.definition => Rebuild::Changed { was: fingerprint::of_definition(&d.definition) },
+                Some(_) => Rebuild::Changed { was: r.fingerprint.clone() },
+                None => Rebuild::New,
+            });
+            (r.name.to_string(), why)
+        })
+        .collect();
+    Plan { first_start: false, rules, retire: next.retire }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(yaml_change: impl Fn(String) -> String) -> Vec<Rule> {
+        let text = yaml_change(include_str!("../../config/commerce.yaml").to_string());
+        crate::config::Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules
+    }
+
+    fn committed(rules: &[Rule]) -> Committed {
+        let running = Running::new(rules.iter().map(|r| (r.name.to_string(), r.definition.to_string())));
+        let seen = definitions::Seen { committed: None, legacy: None, beats: &[], live_leases: 0, now_ms: 1 };
+        match definitions::decide("a", &running, seen) {
+            definitions::Gate::Commit(c) => c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_pass_that_left_targets_retries_them_then_skips_them() {
+        assert_eq!(next_pass(0, 1), Pass::Done);
+        assert_eq!(next_pass(3, 1), Pass::Retry);
+        assert_eq!(next_pass(1, MAX_TARGET_TRIES - 1), Pass::Retry);
+        assert_eq!(next_pass(1, MAX_TARGET_TRIES), Pass::Skip, "never a full scan again: the rule is done");
+        assert_eq!(next_pass(0, MAX_TARGET_TRIES + 3), Pass::Done);
+    }
+
+    #[test]
+    fn the_plan_names_the_changed_rule_and_the_old_definition_it_retires() {
+        let old = rules(|t| t);
+        let c = committed(&old);
+        let same = plan(&c, &old);
+        assert!(same.rules.iter().all(|(_, why)| why.is_none()), "{same:?}");
+        assert!(same.retire.is_empty());
+        let new = rules(|t| t.replace("SALES#{date|day}", "MONTHLY#{date|month}"));
+        let p = plan(&c, &new);
+        let changed: Vec<&str> = p.rules.iter().filter(|(_, w)| w.is_some()).map(|(n, _)| n.as_str()).collect();
+        assert_eq!(changed, ["daily-sales"]);
+        let was = old.iter().find(|r| &*r.name == "daily-sales").unwrap();
+        assert_eq!(p.rules.iter().find(|(n, _)| n == "daily-sales").unwrap().1, Some(Rebuild::Changed { was: was.fingerprint.clone() }));
+        assert_eq!(p.retire, vec![Retired { name: "daily-sales".into(), definition: was.definition.to_string() }]);
+    }
 }

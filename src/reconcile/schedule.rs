@@ -31,8 +31,7 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     // When the full run of a requested repair started that left targets not quiet (written
     // all through it): only those are retried, as targets, until every one was compared.
     let mut partial: Option<Partial> = None;
-    // Rules added or changed since their fingerprints were recorded: rebuilt first, with the
-    // schedule on or off.
+    // Rules added or changed and old definitions retired: first, with the schedule on or off.
     let mut rebuilds = Rebuilds::default();
     rebuilds.step(&shared, &reconciler).await;
     loop {
@@ -136,42 +135,49 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
     }
 }
 
-/// The rebuilds of rules added or changed, as the schedule carries them out.
+/// The rebuilds of rules added or changed and the retirement of old definitions, as the
+/// schedule carries them out ([`super::rebuild`]).
 #[derive(Default)]
 struct Rebuilds {
-    /// All done (or none were due): nothing more to check until the next start.
+    /// All done (or none were due) as of the committed definitions of this replica: nothing
+    /// more until it runs others (a new generation needs this replica gone).
     done: bool,
     failures: u32,
     not_before: Option<tokio::time::Instant>,
+    progress: super::rebuild::Progress,
 }
 
 impl Rebuilds {
-    /// Reads which rules are still due (another replica may have rebuilt them) and, holding
-    /// the schedule's lease, rebuilds them. A failure waits as long as a failed reconcile.
+    /// While this replica runs the committed definitions, and holding the schedule's lease,
+    /// does what is left of their rebuilds and retirements (another replica may have done
+    /// it). An unfinished step waits as long as a failed reconcile.
     async fn step<S, L: crate::state::LeaseStore, A>(&mut self, shared: &Shared<S, L, A>, reconciler: &Reconciler) {
-        if self.done || self.not_before.is_some_and(|t| tokio::time::Instant::now() < t) {
-            return;
-        }
-        let due = match super::rebuild::due(&shared.leases, &shared.config.engine.rules).await {
-            Ok(due) => due,
-            Err(e) => {
-                warn!(error = %e, "cannot read the rule fingerprints; trying again");
-                return self.failed();
-            }
-        };
-        if due.is_empty() {
-            self.done = true;
+        let current = shared.definitions_current.load(std::sync::atomic::Ordering::Acquire);
+        if !current || self.done || self.not_before.is_some_and(|t| tokio::time::Instant::now() < t) {
             return;
         }
         if !hold(shared, HOLD).await {
             return; // another replica rebuilds
         }
-        let left = renewing(shared, super::rebuild::rebuild_all(reconciler, &shared.leases, due, shared.config.reconcile_wait)).await;
+        let wait = shared.config.reconcile_wait;
+        let stepped = renewing(shared, super::rebuild::step(reconciler, &shared.leases, &mut self.progress, wait)).await;
         let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
-        if left.is_empty() {
-            self.done = true;
-        } else {
-            self.failed();
+        match stepped {
+            Ok(s) => {
+                let mut t = shared.touched.lock().unwrap_or_else(|e| e.into_inner());
+                for (rule, key) in s.skipped {
+                    t.entry(rule).or_default().insert(key);
+                }
+                if s.settled {
+                    self.done = true;
+                } else {
+                    self.failed();
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot read or store the committed rule definitions; trying again");
+                self.failed();
+            }
         }
     }
 

@@ -21,6 +21,7 @@ pub const DEFINITIONS_WAITING: &str = "ddb_aggregator_definitions_waiting";
 pub const DEFINITIONS_GENERATION: &str = "ddb_aggregator_definitions_generation";
 /// Old definitions whose leftovers (targets, attributes, helper items) are still to be zeroed.
 pub const DEFINITIONS_RETIRE_PENDING: &str = "ddb_aggregator_definitions_retire_pending";
+pub const RULE_REBUILD_SKIPPED: &str = "ddb_aggregator_rule_rebuild_skipped_targets_total";
 pub const COALESCED_UPDATES: &str = "ddb_aggregator_coalesced_record_updates_total";
 pub const WRITE_CAPACITY_UNITS: &str = "ddb_aggregator_write_capacity_units_total";
 pub const BATCH_DURATION_SECONDS: &str = "ddb_aggregator_batch_duration_seconds";
@@ -76,6 +77,10 @@ pub fn describe() {
     describe_gauge!(
         DEFINITIONS_RETIRE_PENDING,
         "Old rule definitions whose leftovers (targets, attributes and helper items the current rules do not write) are still to be zeroed."
+    );
+    describe_counter!(
+        RULE_REBUILD_SKIPPED,
+        "Targets a rule's rebuild could not correct in its passes (written all through them, or refused): reported in the log and left to the scheduled reconcile."
     );
     describe_counter!(
         DERIVATIONS,
