@@ -796,3 +796,133 @@ async fn a_changed_bucket_is_rebuilt_and_the_old_daily_targets_end_at_zero() {
 async fn aggregates_of(c: &aws_sdk_dynamodb::Client, table: &str) -> Values {
     aggregates(&scan(c, table).await)
 }
+
+/// The commerce truth under `config/commerce.yaml` changed as [`rolling_change`] changes it:
+/// `revenue` of the customer profile renamed `spend`, daily sales re-keyed to `MONTHLY#<month>`.
+fn renamed_and_monthly(truth: Values) -> Values {
+    let mut out: Values = Default::default();
+    for ((pk, sk, a), v) in truth {
+        let pk = match pk.strip_prefix("SALES#") {
+            Some(day) => format!("MONTHLY#{}", &day[..7]),
+            None => pk,
+        };
+        let a = if sk == "PROFILE" && a == "revenue" { "spend".to_string() } else { a };
+        let e = out.entry((pk, sk, a)).or_insert(ddb_aggregator::decimal::Decimal::ZERO);
+        *e = e.checked_add(v).unwrap();
+    }
+    out
+}
+
+/// Orders keep arriving for `for_how_long` (bounded: at most 150 chunks of 20 writes).
+async fn orders_for(c: &aws_sdk_dynamodb::Client, table: &str, for_how_long: Duration, seed: u64) -> usize {
+    let started = Instant::now();
+    let mut written = 0;
+    for chunk in 0..150 {
+        if started.elapsed() >= for_how_long {
+            break;
+        }
+        written += workload(c, table, 20, 10, 2, seed * 100 + chunk).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    written
+}
+
+/// A rolling deploy of a rule change, as a Deployment's RollingUpdate runs it: replica A holds
+/// the stream with the old config, B starts beside it with the new one (a daily rollup re-keyed
+/// to a monthly one under a new prefix, a measure renamed) and both run for a minute while
+/// orders arrive; then A gets SIGTERM. With nothing run by hand, every new target ends exact,
+/// every old target and the old attribute at 0, and nothing is left to rebuild or retire.
+/// `restart_a`: A is killed and started again (old config) in the middle of the overlap.
+async fn rolling_change(prefix: &str, restart_a: bool) {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let (dir, table, aggregates, config) = deployment(&c, prefix, "config/commerce.yaml").await;
+    let text = std::fs::read_to_string(&config).unwrap();
+    let changed = text
+        .replace("SALES#{date|day}", "MONTHLY#{date|month}")
+        .replace("      revenue: { sum: total }\n", "      spend: { sum: total }\n");
+    assert!(changed.contains("spend: { sum: total }") && changed.contains("MONTHLY#"), "the change applies to the example");
+    let new_config = dir.path().join("new.yaml");
+    std::fs::write(&new_config, changed).unwrap();
+    let mut a = Service::start(&config, dir.path(), "a", &[]);
+    assert!(workload(&c, &table, 300, 10, 2, 41).await >= 300);
+    let started = Instant::now();
+    while aggregates_of(&c, &aggregates).await != truth(&scan(&c, &table).await) {
+        assert!(started.elapsed() < Duration::from_secs(60), "A never caught up\n{}", a.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let check = run_cli(&["validate", "--config", new_config.to_str().unwrap(), "--against-state"]);
+    let plan = String::from_utf8_lossy(&check.stdout).into_owned();
+    for line in [
+        "rule daily-sales: would be rebuilt: changed",
+        "rule customer-orders: would be rebuilt: changed",
+        "old definition of rule daily-sales would be retired",
+    ] {
+        assert!(plan.contains(line), "{line}\n{plan}");
+    }
+    let b = Service::start(&new_config, dir.path(), "b", &[]);
+    let overlap = Instant::now();
+    let mut written = orders_for(&c, &table, Duration::from_secs(if restart_a { 25 } else { 50 }), 1).await;
+    if restart_a {
+        a.kill();
+        a = Service::start(&config, dir.path(), "a2", &[]);
+        written += orders_for(&c, &table, Duration::from_secs(25), 2).await;
+    }
+    let waiting = metric(&b.metrics(), "ddb_aggregator_definitions_waiting{reason=\"committed_replicas_live\"}");
+    let (ready, _) = b.get("/readyz");
+    println!(
+        "overlap: {written} order writes in {:.0} s; B waiting for live replicas of the old definitions: {waiting}",
+        overlap.elapsed().as_secs_f64()
+    );
+    if !restart_a {
+        assert_eq!(waiting, 1.0, "B holds no lease while A runs the committed definitions\n{}", b.log_tail());
+    }
+    assert!(ready.contains("200"), "B is ready while it waits (a RollingUpdate goes on): {ready}\n{}", b.log_tail());
+    let (code, took) = a.terminate();
+    assert_eq!(code, Some(0), "A drains and exits 0 ({took:?})\n{}", a.log_tail());
+    let switched = Instant::now();
+    written += orders_for(&c, &table, Duration::from_secs(10), 3).await;
+    loop {
+        let m = b.metrics();
+        let pending: f64 = ["daily-sales", "customer-orders"]
+            .iter()
+            .map(|r| metric(&m, &format!("ddb_aggregator_rule_rebuild_pending{{rule=\"{r}\"}}")))
+            .sum();
+        let retire = metric(&m, "ddb_aggregator_definitions_retire_pending");
+        let want = renamed_and_monthly(truth(&scan(&c, &table).await));
+        let have = aggregates_of(&c, &aggregates).await;
+        if have == want && pending == 0.0 && retire == 0.0 {
+            break;
+        }
+        let wrong: Vec<_> = want.iter().filter(|(k, v)| have.get(*k) != Some(*v)).take(3).collect();
+        let extra: Vec<_> = have.iter().filter(|(k, _)| !want.contains_key(*k)).take(3).collect();
+        assert!(
+            switched.elapsed() < Duration::from_secs(180),
+            "pending {pending}, retire {retire}, wrong {wrong:?}, left behind {extra:?}\n{}",
+            b.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let settled = switched.elapsed();
+    let items = scan(&c, &aggregates).await;
+    let old_daily = items.iter().filter(|i| i["PK"].as_s().is_ok_and(|p| p.starts_with("SALES#"))).count();
+    let monthly = items.iter().filter(|i| i["PK"].as_s().is_ok_and(|p| p.starts_with("MONTHLY#"))).count();
+    assert!(old_daily > 20 && monthly >= 1, "old daily targets {old_daily}, monthly {monthly}");
+    println!(
+        "rolling change: {written} order writes during and after the overlap; {old_daily} old daily targets at 0, {monthly} monthly exact; settled {:.1} s after A's SIGTERM",
+        settled.as_secs_f64()
+    );
+    let check = run_cli(&["validate", "--config", new_config.to_str().unwrap(), "--against-state"]);
+    let plan = String::from_utf8_lossy(&check.stdout).into_owned();
+    assert!(plan.contains("rule daily-sales: unchanged") && !plan.contains("would be retired"), "{plan}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_rule_change_ends_exact_with_nothing_left_behind() {
+    rolling_change("rolling", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_rule_change_with_the_old_replica_restarted_midway_ends_exact() {
+    rolling_change("rolling-restart", true).await;
+}
