@@ -37,6 +37,8 @@ pub const MAX_TARGET_TRIES: u32 = 5;
 /// What this replica carries between rebuild steps.
 #[derive(Debug, Default)]
 pub struct Progress {
+    /// The generation the passes below belong to: another one starts afresh.
+    generation: u64,
     /// Per rule: the targets its last pass left, and the passes so far.
     left: BTreeMap<String, (BTreeSet<TargetKey>, u32)>,
 }
@@ -71,8 +73,14 @@ pub async fn step<L: LeaseStore>(
     let rules = &config.engine.rules;
     let Some((committed, _)) = leases.definitions().await? else { return Ok(Stepped::default()) };
     show(&committed, rules);
-    let mut out = Stepped::default();
+    if progress.generation != committed.generation {
+        *progress = Progress { generation: committed.generation, ..Progress::default() };
+    }
+    let mut out = Stepped { settled: committed.settled(), ..Stepped::default() };
     for name in &committed.rebuild {
+        if !same_generation(leases, committed.generation).await? {
+            return Ok(out);
+        }
         let Some(rule) = rules.iter().find(|r| *r.name == **name) else { continue };
         let done = match refusal(rule) {
             Some(why_not) => {
@@ -97,7 +105,7 @@ pub async fn step<L: LeaseStore>(
         metrics::gauge!(names::RULE_REBUILD_PENDING, "rule" => name.clone()).set(0.0);
     }
     for old in &committed.retire {
-        if !retire_one(reconciler, config, old).await {
+        if !same_generation(leases, committed.generation).await? || !retire_one(reconciler, config, old).await {
             return Ok(out);
         }
         if !settle(leases, committed.generation, |c| c.retire.retain(|r| r != old)).await? {
@@ -109,6 +117,12 @@ pub async fn step<L: LeaseStore>(
         out.settled = c.settled();
     }
     Ok(out)
+}
+
+/// Whether the committed definitions are still of `generation` (checked before each entry:
+/// a rebuild or retirement of a generation that moved on would work from stale definitions).
+async fn same_generation<L: LeaseStore>(leases: &L, generation: u64) -> Result<bool, StateError> {
+    Ok(leases.definitions().await?.is_some_and(|(c, _)| c.generation == generation))
 }
 
 /// Applies `change` to the committed definitions of `generation`, conditioned on their

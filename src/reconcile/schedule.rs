@@ -139,9 +139,6 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
 /// schedule carries them out ([`super::rebuild`]).
 #[derive(Default)]
 struct Rebuilds {
-    /// All done (or none were due) as of the committed definitions of this replica: nothing
-    /// more until it runs others (a new generation needs this replica gone).
-    done: bool,
     failures: u32,
     not_before: Option<tokio::time::Instant>,
     progress: super::rebuild::Progress,
@@ -153,8 +150,19 @@ impl Rebuilds {
     /// it). An unfinished step waits as long as a failed reconcile.
     async fn step<S, L: crate::state::LeaseStore, A>(&mut self, shared: &Shared<S, L, A>, reconciler: &Reconciler) {
         let current = shared.definitions_current.load(std::sync::atomic::Ordering::Acquire);
-        if !current || self.done || self.not_before.is_some_and(|t| tokio::time::Instant::now() < t) {
+        if !current || self.not_before.is_some_and(|t| tokio::time::Instant::now() < t) {
             return;
+        }
+        // One read every few seconds: a new generation (this replica gone and back, a
+        // rollback) brings new work at any time.
+        match shared.leases.definitions().await {
+            Ok(Some((c, _))) if c.settled() => return,
+            Ok(None) => return,
+            Ok(Some(_)) => {}
+            Err(e) => {
+                warn!(error = %e, "cannot read the committed rule definitions; trying again");
+                return self.failed();
+            }
         }
         if !hold(shared, HOLD).await {
             return; // another replica rebuilds
@@ -169,7 +177,7 @@ impl Rebuilds {
                     t.entry(rule).or_default().insert(key);
                 }
                 if s.settled {
-                    self.done = true;
+                    self.failures = 0;
                 } else {
                     self.failed();
                 }

@@ -55,12 +55,38 @@ pub struct Committed {
     /// Old definitions still to be cleaned up after.
     #[serde(default)]
     pub retire: Vec<Retired>,
+    /// A replica about to commit other definitions: until it expires, the replicas of these
+    /// take no new lease (see [`Drain`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draining: Option<Drain>,
+}
+
+/// The mark a committer stores before it checks a last time and commits. Without it, a
+/// replica of the committed definitions whose heartbeat and leases lapsed (a long pause) could
+/// read the committed item, the committer check and commit, and the paused one then take a
+/// lease and apply the old definitions after the commit. With it, a taker reads the committed
+/// item again after taking leases and gives them back unused if it is marked or moved on,
+/// while the committer's last check sees any lease taken before that read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drain {
+    pub owner: String,
+    pub until_ms: u64,
 }
 
 impl Committed {
     /// The digest replicas publish: definitions and protocol together.
     pub fn digest(&self) -> String {
         digest(self.rules.iter().map(|(n, r)| (n.as_str(), r.definition.as_str())), self.protocol)
+    }
+
+    /// Whether a live drain mark of another replica than `me` is on it: no new lease.
+    pub fn drained_by_other(&self, me: &str, now_ms: u64) -> bool {
+        self.draining.as_ref().is_some_and(|d| d.owner != me && d.until_ms > now_ms)
+    }
+
+    /// Whether `me` marked it, and the mark is live: its last check passed a round ago.
+    pub fn drained_by(&self, me: &str, now_ms: u64) -> bool {
+        self.draining.as_ref().is_some_and(|d| d.owner == me && d.until_ms > now_ms)
     }
 
     /// Whether the rebuild and the clean-up of this generation are done.
@@ -128,11 +154,23 @@ pub enum WaitReason {
     /// The committed protocol is newer than this release's: a rollback past a format change
     /// needs the newer release.
     NewerProtocol,
+    /// Another replica marked the committed definitions draining and is about to commit
+    /// (or this one did, and checks once more).
+    Draining,
+    /// A command-line consumer's config differs from the committed definitions: it never
+    /// commits, so it applies nothing.
+    NotCommitted,
 }
 
 impl WaitReason {
-    pub const ALL: [WaitReason; 4] =
-        [WaitReason::CommittedLive, WaitReason::LeasesHeld, WaitReason::Conflicting, WaitReason::NewerProtocol];
+    pub const ALL: [WaitReason; 6] = [
+        WaitReason::CommittedLive,
+        WaitReason::LeasesHeld,
+        WaitReason::Conflicting,
+        WaitReason::NewerProtocol,
+        WaitReason::Draining,
+        WaitReason::NotCommitted,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -140,6 +178,8 @@ impl WaitReason {
             WaitReason::LeasesHeld => "leases_held",
             WaitReason::Conflicting => "conflicting_definitions",
             WaitReason::NewerProtocol => "newer_protocol",
+            WaitReason::Draining => "draining",
+            WaitReason::NotCommitted => "not_committed",
         }
     }
 
@@ -155,6 +195,10 @@ impl WaitReason {
                 "live replicas run different new rule definitions: nothing is committed until they agree (deploy one config)"
             }
             WaitReason::NewerProtocol => "the state table records a newer storage protocol than this release writes: run the newer release",
+            WaitReason::Draining => "the committed rule definitions are marked draining: a replica commits its own once a last check passes",
+            WaitReason::NotCommitted => {
+                "this config's rule definitions are not the committed ones, and a command-line consumer never commits: use the config the service runs"
+            }
         }
     }
 }
@@ -168,6 +212,9 @@ pub enum Gate {
     Wait(WaitReason),
     /// Commit these (conditional on the committed item being as read), then run.
     Commit(Committed),
+    /// Nothing blocks a commit: mark the committed item draining ([`Drain`]) and check again
+    /// next round, holding no lease.
+    Drain,
 }
 
 /// What a round read from the state table.
@@ -193,7 +240,9 @@ pub fn decide(me: &str, mine: &Running, seen: Seen<'_>) -> Gate {
     }
     match blocker(me, mine, &c.digest(), seen) {
         Some(why) => Gate::Wait(why),
-        None => Gate::Commit(next(c, mine)),
+        None if c.drained_by(me, seen.now_ms) => Gate::Commit(next(c, mine)),
+        None if c.drained_by_other(me, seen.now_ms) => Gate::Wait(WaitReason::Draining),
+        None => Gate::Drain,
     }
 }
 
@@ -204,11 +253,14 @@ pub fn decide(me: &str, mine: &Running, seen: Seen<'_>) -> Gate {
 /// can be retired).
 fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
     let rules = mine.rules.iter().map(|(n, d)| (n.clone(), RuleDef { definition: d.clone(), since: 1 })).collect();
-    let mut first = Committed { generation: 1, protocol: mine.protocol, rules, rebuild: BTreeSet::new(), retire: Vec::new() };
+    let mut first = Committed { generation: 1, protocol: mine.protocol, rules, ..Committed::default() };
     let Some(legacy) = seen.legacy else { return Gate::Commit(first) };
     let changed: BTreeSet<String> =
         mine.rules.iter().filter(|(n, d)| legacy.get(*n) != Some(&fingerprint::of_definition(d))).map(|(n, _)| n.clone()).collect();
-    if changed.is_empty() {
+    // A rule the older release ran and this one does not is a change too (nothing to rebuild,
+    // but its replicas must stop first).
+    let removed = legacy.keys().any(|n| !mine.rules.contains_key(n));
+    if changed.is_empty() && !removed {
         return Gate::Commit(first);
     }
     if seen.live_leases > 0 {
@@ -265,7 +317,7 @@ pub fn next(c: &Committed, mine: &Running) -> Committed {
     retire.retain(|r| mine.rules.get(&r.name) != Some(&r.definition));
     let mut seen = BTreeSet::new();
     retire.retain(|r| seen.insert((r.name.clone(), r.definition.clone())));
-    Committed { generation, protocol: c.protocol.max(mine.protocol), rules, rebuild, retire }
+    Committed { generation, protocol: c.protocol.max(mine.protocol), rules, rebuild, retire, draining: None }
 }
 
 #[cfg(test)]
@@ -282,6 +334,11 @@ mod tests {
 
     fn seen<'a>(committed: Option<&'a Committed>, beats: &'a [Beat], live_leases: usize) -> Seen<'a> {
         Seen { committed, legacy: None, beats, live_leases, now_ms: 1_000 }
+    }
+
+    /// `c` marked draining by `me`, live at the tests' now.
+    fn marked(c: &Committed, me: &str) -> Committed {
+        Committed { draining: Some(Drain { owner: me.into(), until_ms: 5_000 }), ..c.clone() }
     }
 
     fn committed(r: &Running) -> Committed {
@@ -312,8 +369,16 @@ mod tests {
         assert_eq!(decide("new-1", &new, seen(Some(&c), &stale, 1)), Gate::Wait(WaitReason::LeasesHeld));
         // An old replica keeps running meanwhile: it is the committed one.
         assert_eq!(decide("old-1", &old, seen(Some(&c), &beats, 4)), Gate::Run);
-        let Gate::Commit(next) = decide("new-1", &new, seen(Some(&c), &stale, 0)) else { panic!() };
+        // Nothing blocks: mark, check again a round later, then commit.
+        assert_eq!(decide("new-1", &new, seen(Some(&c), &stale, 0)), Gate::Drain);
+        let m = marked(&c, "new-1");
+        assert_eq!(decide("new-1", &new, seen(Some(&m), &stale, 1)), Gate::Wait(WaitReason::LeasesHeld), "a lease taken meanwhile");
+        assert_eq!(decide("new-2", &new, seen(Some(&m), &stale, 0)), Gate::Wait(WaitReason::Draining), "one committer");
+        assert!(m.drained_by_other("old-1", 1_000), "the old replicas take no new lease");
+        assert!(!m.drained_by_other("old-1", 5_000), "the mark expires");
+        let Gate::Commit(next) = decide("new-1", &new, seen(Some(&m), &stale, 0)) else { panic!() };
         assert_eq!(next.generation, 2);
+        assert_eq!(next.draining, None);
         assert_eq!(next.rebuild, BTreeSet::from(["monthly".to_string()]), "orders is unchanged");
         assert_eq!(next.retire, vec![Retired { name: "daily".into(), definition: "{D}".into() }]);
         assert_eq!(next.rules["orders"].since, 1);
@@ -334,7 +399,8 @@ mod tests {
         assert_eq!(decide("c", &c2, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::Conflicting));
         // Replicas that agree do not block each other.
         let agree = [beat("b", &b, 5_000), beat("b2", &b, 5_000)];
-        assert!(matches!(decide("b", &b, seen(Some(&c), &agree, 0)), Gate::Commit(_)));
+        assert_eq!(decide("b", &b, seen(Some(&c), &agree, 0)), Gate::Drain);
+        assert!(matches!(decide("b", &b, seen(Some(&marked(&c, "b")), &agree, 0)), Gate::Commit(_)));
     }
 
     #[test]
@@ -373,7 +439,7 @@ mod tests {
         // And a newer release waits for the replicas of the committed protocol, like a change.
         let c1 = committed(&a);
         assert_eq!(decide("new", &newer, seen(Some(&c1), &[beat("old", &a, 5_000)], 0)), Gate::Wait(WaitReason::CommittedLive));
-        let Gate::Commit(up) = decide("new", &newer, seen(Some(&c1), &[], 0)) else { panic!() };
+        let Gate::Commit(up) = decide("new", &newer, seen(Some(&marked(&c1, "new")), &[], 0)) else { panic!() };
         assert_eq!(up.protocol, PROTOCOL + 1);
         assert!(up.settled(), "same definitions: nothing to rebuild");
     }
@@ -390,5 +456,10 @@ mod tests {
         let Gate::Commit(c) = decide("x", &a, with(&other, 0)) else { panic!() };
         assert_eq!(c.rebuild, BTreeSet::from(["orders".to_string()]));
         assert!(c.retire.is_empty(), "the old definition is unknown");
+        let mut more = same.clone();
+        more.insert("daily".into(), fingerprint::of_definition("{D}"));
+        assert_eq!(decide("x", &a, with(&more, 1)), Gate::Wait(WaitReason::LeasesHeld), "a removed rule: its replicas stop first");
+        let Gate::Commit(c) = decide("x", &a, with(&more, 0)) else { panic!() };
+        assert!(c.settled());
     }
 }

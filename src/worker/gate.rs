@@ -14,8 +14,18 @@ use crate::telemetry::names;
 /// Heartbeats expired this long ago are removed by a waiting replica (they block nothing).
 const FORGET_BEATS_AFTER_MS: u64 = 60 * 60 * 1000;
 
+/// A drain mark lives this many lease durations: the committer's next round (a third of one)
+/// checks again and commits well within it; a committer that died meanwhile holds the others
+/// back no longer than this.
+const DRAIN_ROUNDS: u64 = 2;
+
 pub struct DefinitionsGate {
     running: Running,
+    /// False for a command-line consumer: it applies records only under the committed
+    /// definitions and never commits its own (but the first, when none are).
+    commits: bool,
+    /// The committed definitions are marked draining by another replica: take no new lease.
+    held_back: bool,
     /// Why this replica holds no lease, while it does not.
     waiting: Option<WaitReason>,
     generation: Option<u64>,
@@ -30,9 +40,31 @@ impl DefinitionsGate {
     pub fn new(rules: &[Rule]) -> DefinitionsGate {
         DefinitionsGate {
             running: Running::new(rules.iter().map(|r| (r.name.to_string(), r.definition.to_string()))),
+            commits: true,
+            held_back: false,
             waiting: None,
             generation: None,
         }
+    }
+
+    /// A gate that never commits (a command-line consumer's).
+    pub fn never_committing(mut self) -> Self {
+        self.commits = false;
+        self
+    }
+
+    /// Whether this round's replica may take new leases (it runs the committed definitions
+    /// and no other replica marked them draining).
+    pub fn takes_leases(&self) -> bool {
+        self.waiting.is_none() && !self.held_back
+    }
+
+    /// Read after taking leases, before starting their readers: true when this replica still
+    /// runs the committed definitions and no other marked them draining. Otherwise the leases
+    /// just taken are given back unused: a committer's last check may have missed them.
+    pub async fn still_current<L: LeaseStore>(&self, store: &L, owner: &str, now_ms: u64) -> Result<bool, StateError> {
+        let committed = store.definitions().await?;
+        Ok(committed.is_some_and(|(c, _)| self.running.runs(&c) && !c.drained_by_other(owner, now_ms)))
     }
 
     /// Why this replica holds no lease now, if it does not.
@@ -54,7 +86,11 @@ impl DefinitionsGate {
             Beat { owner: owner.to_string(), digest: self.running.digest(), protocol: self.running.protocol, until_ms: now_ms + lease_ms };
         store.publish_beat(&beat).await?;
         let committed = store.definitions().await?;
+        if let Some((c, _)) = &committed {
+            self.show_pending(c);
+        }
         let current = committed.as_ref().is_some_and(|(c, _)| self.running.runs(c));
+        self.held_back = committed.as_ref().is_some_and(|(c, _)| c.drained_by_other(owner, now_ms));
         let gate = if current {
             Gate::Run
         } else {
@@ -68,7 +104,10 @@ impl DefinitionsGate {
                 live_leases: live_leases(leases, owner, now_ms),
                 now_ms,
             };
-            definitions::decide(owner, &self.running, seen)
+            match definitions::decide(owner, &self.running, seen) {
+                Gate::Commit(_) | Gate::Drain if !self.commits && committed.is_some() => Gate::Wait(WaitReason::NotCommitted),
+                other => other,
+            }
         };
         let open = match gate {
             Gate::Run => {
@@ -78,6 +117,20 @@ impl DefinitionsGate {
             Gate::Wait(why) => {
                 self.note_generation(committed.as_ref().map(|(c, _)| c.generation));
                 self.wait(why);
+                if let Some((c, revision)) = committed.filter(|(c, _)| c.drained_by(owner, now_ms)) {
+                    // Blocked after marking: give the mark up so the others take leases again.
+                    let _ = store.store_definitions(&definitions::Committed { draining: None, ..c }, Some(revision)).await;
+                }
+                false
+            }
+            Gate::Drain => {
+                if let Some((c, revision)) = committed {
+                    let mark = definitions::Drain { owner: owner.to_string(), until_ms: now_ms.saturating_add(DRAIN_ROUNDS * lease_ms) };
+                    if store.store_definitions(&definitions::Committed { draining: Some(mark), ..c }, Some(revision)).await? {
+                        info!("committed rule definitions marked draining; committing this replica's own after one more check");
+                    }
+                }
+                self.wait(WaitReason::Draining);
                 false
             }
             Gate::Commit(next) => self.commit(store, next, committed.map(|(_, r)| r)).await?,
@@ -112,6 +165,15 @@ impl DefinitionsGate {
         }
         self.note_generation(Some(next.generation));
         Ok(true)
+    }
+
+    /// Every replica shows the committed work (the schedule's holder does it as well).
+    fn show_pending(&self, c: &definitions::Committed) {
+        for name in self.running.rules.keys() {
+            let pending = c.rebuild.contains(name) && self.running.runs(c);
+            metrics::gauge!(names::RULE_REBUILD_PENDING, "rule" => name.clone()).set(if pending { 1.0 } else { 0.0 });
+        }
+        metrics::gauge!(names::DEFINITIONS_RETIRE_PENDING).set(c.retire.len() as f64);
     }
 
     fn wait(&mut self, why: WaitReason) {
@@ -167,14 +229,50 @@ mod tests {
         assert!(!b.round(&store, "b", &held, 2_000, 10_000).await.unwrap());
         assert_eq!(b.waiting(), Some(WaitReason::CommittedLive));
         assert!(a.round(&store, "a", &held, 3_000, 10_000).await.unwrap(), "the old replica works on");
-        // a stops (SIGTERM: beat dropped, leases released).
+        // a stops (SIGTERM: beat dropped, leases released): b marks the definitions draining
+        // and commits only after one more check.
         store.drop_beat("a").await.unwrap();
-        assert!(b.round(&store, "b", &none, 4_000, 10_000).await.unwrap(), "b commits and runs");
+        assert!(!b.round(&store, "b", &none, 4_000, 10_000).await.unwrap(), "marked, not committed yet");
+        assert_eq!(b.waiting(), Some(WaitReason::Draining));
+        // A replica of the old definitions that read the item before the mark and took a
+        // lease after it finds the mark when it reads again, and gives the lease back.
+        assert!(!a.still_current(&store, "a", 4_100).await.unwrap());
+        let mut a3 = DefinitionsGate::new(&old);
+        assert!(a3.round(&store, "a3", &none, 4_200, 10_000).await.unwrap(), "still the committed definitions");
+        assert!(!a3.takes_leases(), "but marked draining: no new lease");
+        store.drop_beat("a3").await.unwrap();
+        assert!(b.round(&store, "b", &none, 5_000, 10_000).await.unwrap(), "b commits and runs");
         let (c, _) = store.definitions().await.unwrap().unwrap();
+        assert_eq!(c.draining, None);
         assert_eq!((c.generation, c.rebuild.iter().cloned().collect::<Vec<_>>()), (2, vec!["daily-sales".to_string()]));
         // An old replica restarted now holds nothing.
         let mut a2 = DefinitionsGate::new(&old);
-        assert!(!a2.round(&store, "a2", &none, 5_000, 10_000).await.unwrap());
+        assert!(!a2.round(&store, "a2", &none, 6_000, 10_000).await.unwrap());
         assert_eq!(a2.waiting(), Some(WaitReason::CommittedLive));
+        // A command-line consumer with another config never commits it.
+        store.drop_beat("b").await.unwrap();
+        let mut cli = DefinitionsGate::new(&old).never_committing();
+        assert!(!cli.round(&store, "cli", &none, 7_000, 10_000).await.unwrap());
+        assert_eq!(cli.waiting(), Some(WaitReason::NotCommitted));
+        assert_eq!(store.definitions().await.unwrap().unwrap().0.generation, 2);
+    }
+
+    #[tokio::test]
+    async fn a_committer_blocked_after_marking_gives_the_mark_up() {
+        let store = MemoryLeases::new();
+        let (old, new) = (rules(|t| t), rules(|t| t.replace("SALES#{date|day}", "MONTHLY#{date|month}")));
+        let (mut a, mut b) = (DefinitionsGate::new(&old), DefinitionsGate::new(&new));
+        let none = BTreeMap::new();
+        assert!(a.round(&store, "a", &none, 1_000, 10_000).await.unwrap());
+        store.drop_beat("a").await.unwrap();
+        assert!(!b.round(&store, "b", &none, 2_000, 10_000).await.unwrap());
+        assert!(store.definitions().await.unwrap().unwrap().0.draining.is_some());
+        // a was only paused: its lease, taken before b's last check, blocks the commit.
+        let held: BTreeMap<String, Lease> = [lease("s1", "a", 12_000)].into();
+        assert!(!b.round(&store, "b", &held, 3_000, 10_000).await.unwrap());
+        assert_eq!(b.waiting(), Some(WaitReason::LeasesHeld));
+        let (c, _) = store.definitions().await.unwrap().unwrap();
+        assert_eq!((c.generation, c.draining), (1, None), "nothing committed, the mark given up");
+        assert!(a.round(&store, "a", &held, 3_500, 10_000).await.unwrap() && a.takes_leases());
     }
 }

@@ -127,6 +127,8 @@ impl<S, L, A> Shared<S, L, A> {
 
     /// A consumer that only takes leases nobody holds (reconcile catching up shards whose
     /// owner is gone), never one a live replica renews.
+    /// It also never commits rule definitions ([`gate`]): it applies records only under the
+    /// committed ones.
     pub fn without_balancing(mut self) -> Self {
         self.balance = false;
         self
@@ -251,6 +253,7 @@ pub struct Worker<S, L, A> {
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     pub fn new(shared: Shared<S, L, A>) -> Worker<S, L, A> {
         let gate = gate::DefinitionsGate::new(&shared.engine.rules);
+        let gate = if shared.balance { gate } else { gate.never_committing() };
         Worker {
             gate,
             to_release: BTreeMap::new(),
@@ -353,7 +356,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     /// One round: renew, discover, keep the lease table tidy, take and balance, report.
     async fn maintain(&mut self) -> Result<(), WorkerError> {
         let now = now_ms();
-        self.renew(now).await;
+        // A replica whose last definitions round failed or closed the gate renews nothing:
+        // another may commit once its leases lapse, and its readers stop at their deadline.
+        if self.shared.definitions_current.load(Ordering::Acquire) {
+            self.renew(now).await;
+        }
         // First, so a failing listing below cannot hold a request back.
         self.persist_reconcile_request().await;
         if now.saturating_sub(self.last_discovery_ms) >= self.lease_ms().max(1000) || self.shards.is_empty() {
@@ -394,9 +401,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         let want: Vec<Lease> = plan::leases_to_take(&ready, &leases, &self.shared.owner, &running, now)
             .into_iter()
             .filter(|l| self.shared.balance || l.available(now))
+            .filter(|_| self.gate.takes_leases())
             .cloned()
             .collect();
         let lease_ms = self.lease_ms();
+        let mut taken_now = Vec::new();
         for l in want {
             let taken = self.shared.leases.take(&l, &self.shared.owner, now + lease_ms).await;
             self.shared.health.beat();
@@ -417,11 +426,41 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                     plan::parent_known(&got, &leases, &listed),
                     self.shared.start_position(&l),
                 );
-                self.start_reader(got, start, now + lease_ms);
+                taken_now.push((got, start));
             }
         }
+        self.start_if_still_current(taken_now, now + lease_ms).await;
         self.report(&ready, &leases);
         Ok(())
+    }
+
+    /// Starts the readers of the leases just taken if the committed definitions are still
+    /// this replica's and not marked draining; gives the leases back unused otherwise.
+    async fn start_if_still_current(&mut self, taken: Vec<(Lease, Option<crate::stream::Position>)>, until: u64) {
+        if taken.is_empty() {
+            return;
+        }
+        let shared = self.shared.clone();
+        match self.gate.still_current(&shared.leases, &shared.owner, now_ms()).await {
+            Ok(true) => {
+                for (got, start) in taken {
+                    self.start_reader(got, start, until);
+                }
+            }
+            current => {
+                if let Err(e) = current {
+                    warn!(error = %e, "cannot read the committed rule definitions after taking leases; giving them back");
+                } else {
+                    info!(
+                        leases = taken.len(),
+                        "the committed rule definitions changed or were marked draining meanwhile; leases given back unused"
+                    );
+                }
+                for (got, _) in taken {
+                    let _ = shared.leases.release(&got.shard_id, &shared.owner, got.counter).await;
+                }
+            }
+        }
     }
 
     /// The definitions gate ([`gate`]): false while this replica's rule definitions are not
@@ -429,8 +468,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     /// their leases are released, so the replicas of the committed definitions, or those
     /// waiting to commit theirs, know it applies nothing. Readiness does not depend on it.
     async fn definitions_gate(&mut self, leases: &BTreeMap<String, Lease>, now: u64) -> Result<bool, WorkerError> {
-        let open = self.gate.round(&self.shared.leases, &self.shared.owner, leases, now, self.lease_ms()).await.map_err(state_error)?;
-        self.shared.definitions_current.store(open, Ordering::Relaxed);
+        let round = self.gate.round(&self.shared.leases, &self.shared.owner, leases, now, self.lease_ms()).await;
+        let open = round.as_ref().is_ok_and(|open| *open);
+        self.shared.definitions_current.store(open, Ordering::Release);
+        round.map_err(state_error)?;
         if open {
             return Ok(true);
         }
