@@ -48,6 +48,21 @@ impl TimeFunc {
         }
     }
 
+    /// Whether `text` has the shape this function writes: as many `-` after the year's first
+    /// character (0, 1, 2) and a `T` only for the hour. Two rules that differ only by the
+    /// function (`SALES#{date|day}`, `SALES#{date|month}`) then never claim each other's items.
+    fn could_write(self, text: &str) -> bool {
+        let rest = text.get(1..).unwrap_or("");
+        let dashes = rest.matches('-').count();
+        let hour = rest.contains('T');
+        match self {
+            TimeFunc::Year => dashes == 0 && !hour,
+            TimeFunc::Month => dashes == 1 && !hour,
+            TimeFunc::Day => dashes == 2 && !hour,
+            TimeFunc::Hour => dashes == 2 && hour,
+        }
+    }
+
     /// Writes the truncated time: `2026-11-30T13`, `2026-11-30`, `2026-11`, `2026`.
     fn write(self, t: &NaiveDateTime, out: &mut String) {
         use std::fmt::Write;
@@ -165,15 +180,19 @@ impl Template {
     }
 
     /// Whether `text` could be an expansion of this template (each variable standing for a
-    /// non-empty run of characters without `#`).
+    /// non-empty run of characters without `#`, of the shape its time function writes).
     pub fn matches_expansion(&self, text: &str) -> bool {
         fn go(parts: &[Part], text: &str) -> bool {
             match parts.split_first() {
                 None => text.is_empty(),
                 Some((Part::Literal(l), rest)) => text.strip_prefix(l.as_str()).is_some_and(|t| go(rest, t)),
-                Some((Part::Var { .. }, rest)) => {
+                Some((Part::Var { func, .. }, rest)) => {
                     let limit = text.find(DELIMITER).unwrap_or(text.len());
-                    text[..limit].char_indices().map(|(i, c)| i + c.len_utf8()).any(|end| go(rest, &text[end..]))
+                    text[..limit]
+                        .char_indices()
+                        .map(|(i, c)| i + c.len_utf8())
+                        .filter(|&end| func.is_none_or(|f| f.could_write(&text[..end])))
+                        .any(|end| go(rest, &text[end..]))
                 }
             }
         }
@@ -423,6 +442,15 @@ mod tests {
         assert!(k.matches_expansion("SALES#2026-11-30"));
         assert!(!k.matches_expansion("SALES#"));
         assert!(Template::parse("a{x}b{y}").unwrap().matches_expansion("a1b2b3"));
+        // A time function's expansions have its shape only: a daily and a monthly rule never
+        // claim each other's targets (reconcile and a rebuild would zero them).
+        assert!(!k.matches_expansion("SALES#2026-11"));
+        let shapes = ["2026", "2026-11", "2026-11-30", "2026-11-30T13"];
+        for (f, want) in [("year", 0), ("month", 1), ("day", 2), ("hour", 3)] {
+            let t = Template::parse(&format!("S#{{d|{f}}}#T")).unwrap();
+            let matched: Vec<usize> = (0..4).filter(|&i| t.matches_expansion(&format!("S#{}#T", shapes[i]))).collect();
+            assert_eq!(matched, [want], "{f}");
+        }
     }
 
     #[test]
