@@ -152,9 +152,16 @@ async fn chaos_loses_nothing_and_doubles_nothing() {
     ];
     let alive: Arc<Mutex<HashSet<u32>>> = Arc::default();
     let mut started = 0usize;
+    // A rolling upgrade (scripts/upgrade-test): every other replica started is another
+    // release's binary, so both run side by side through the kills and restarts.
+    let other = std::env::var("CHAOS_OTHER_BINARY").ok().filter(|b| !b.is_empty());
     let mut launch = |alive: &Arc<Mutex<HashSet<u32>>>| {
         started += 1;
-        let s = Service::start(&config, dir.path(), &format!("replica{started}"), &env);
+        let name = format!("replica{started}");
+        let s = match other.as_deref().filter(|_| started % 2 == 1) {
+            Some(binary) => Service::start_binary(std::path::Path::new(binary), &config, dir.path(), &format!("{name}-other"), &env),
+            None => Service::start(&config, dir.path(), &name, &env),
+        };
         alive.lock().unwrap().insert(s.pid());
         s
     };

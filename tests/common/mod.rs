@@ -177,10 +177,15 @@ pub struct Service {
 
 impl Service {
     pub fn start(config: &Path, log_dir: &Path, name: &str, extra_env: &[(&str, &str)]) -> Service {
+        Service::start_binary(Path::new(env!("CARGO_BIN_EXE_ddb-aggregator")), config, log_dir, name, extra_env)
+    }
+
+    /// [`Service::start`] with another build of the service (an earlier release's).
+    pub fn start_binary(binary: &Path, config: &Path, log_dir: &Path, name: &str, extra_env: &[(&str, &str)]) -> Service {
         let metrics_port = free_port();
         let log = log_dir.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddb-aggregator"));
+        let mut cmd = Command::new(binary);
         cmd.args(["run", "--config", config.to_str().unwrap(), "--log-format", "text"])
             .envs(aws_env())
             .env("DDB_AGGREGATOR__METRICS__LISTEN", format!("127.0.0.1:{metrics_port}"))
