@@ -926,3 +926,96 @@ async fn a_rolling_rule_change_ends_exact_with_nothing_left_behind() {
 async fn a_rolling_rule_change_with_the_old_replica_restarted_midway_ends_exact() {
     rolling_change("rolling-restart", true).await;
 }
+
+/// Orders for one customer every 400 ms until `stop` (bounded: 600 orders): a target written
+/// all through a rebuild (its counter never stays still for a whole pass).
+async fn hot_orders(c: aws_sdk_dynamodb::Client, table: String, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> usize {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let mut n = 0;
+    while n < 600 && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        n += 1;
+        c.put_item()
+            .table_name(&table)
+            .item("PK", AttributeValue::S("CUST#c0".into()))
+            .item("SK", AttributeValue::S(format!("ORDER#2026-11-15#hot{n}")))
+            .item("status", AttributeValue::S("PAID".into()))
+            .item("total", AttributeValue::N(format!("{n}.25")))
+            .send()
+            .await
+            .expect("hot order");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    n
+}
+
+/// A measure added while one customer gets an order every 400 ms and another customer's
+/// profile holds a user's string where the new measure goes: the rebuild retries those two
+/// alone, then reports and skips them instead of starting over, and finishes
+/// (`ddb_aggregator_rule_rebuild_pending` 0). The user's string stays; the busy target is
+/// repaired by the scheduled reconcile once its writes stop, and everything ends exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_finishes_beside_a_busy_target_and_a_users_string() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let (dir, table, aggregates, config) = deployment(&c, "busy", "config/commerce.yaml").await;
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    assert!(workload(&c, &table, 300, 10, 2, 47).await >= 300);
+    let started = Instant::now();
+    while aggregates_of(&c, &aggregates).await != truth(&scan(&c, &table).await) {
+        assert!(started.elapsed() < Duration::from_secs(60), "never caught up\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    svc.terminate();
+    let user_text = AttributeValue::S("set by a user".into());
+    let profile = |pk: &str| {
+        c.update_item().table_name(&aggregates).key("PK", AttributeValue::S(pk.into())).key("SK", AttributeValue::S("PROFILE".into()))
+    };
+    profile("CUST#c3").update_expression("SET spend = :s").expression_attribute_values(":s", user_text.clone()).send().await.unwrap();
+    let text = std::fs::read_to_string(&config).unwrap();
+    let changed = text.replace("      revenue: { sum: total }\n", "      revenue: { sum: total }\n      spend: { sum: total }\n");
+    assert!(changed.contains("spend: { sum: total }"));
+    std::fs::write(&config, changed).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hot = tokio::spawn(hot_orders(c.clone(), table.clone(), stop.clone()));
+    let svc = Service::start(&config, dir.path(), "svc2", &[("DDB_AGGREGATOR__RECONCILE__INTERVAL", "5s")]);
+    let rebuilding = Instant::now();
+    loop {
+        let m = svc.metrics();
+        let pending = metric(&m, "ddb_aggregator_rule_rebuild_pending{rule=\"customer-orders\"}");
+        if pending == 0.0 && svc.log_tail().contains("rule rebuilt") {
+            break;
+        }
+        assert!(rebuilding.elapsed() < Duration::from_secs(300), "the rebuild never finished (pending {pending})\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let took = rebuilding.elapsed();
+    let skipped = metric(&svc.metrics(), "ddb_aggregator_rule_rebuild_skipped_targets_total{rule=\"customer-orders\"}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let hot_orders = hot.await.unwrap();
+    let log = std::fs::read_to_string(&svc.log).unwrap_or_default();
+    let reported = log.matches("target could not be corrected by the rebuild").count();
+    assert_eq!(reported as f64, skipped, "each skipped target is reported");
+    println!("busy rebuild: finished in {:.1} s beside {hot_orders} hot orders, {skipped} target(s) skipped", took.as_secs_f64());
+    // Once the writes stop, the scheduled reconcile repairs the busy target; the string stays.
+    let settled = Instant::now();
+    loop {
+        let mut want = truth(&scan(&c, &table).await);
+        let spend: Vec<_> = want
+            .iter()
+            .filter(|((_, sk, a), _)| sk == "PROFILE" && a == "revenue")
+            .map(|((pk, sk, _), v)| ((pk.clone(), sk.clone(), "spend".to_string()), *v))
+            .collect();
+        want.extend(spend);
+        want.remove(&("CUST#c3".to_string(), "PROFILE".to_string(), "spend".to_string()));
+        let have = aggregates_of(&c, &aggregates).await;
+        if have == want {
+            break;
+        }
+        let wrong: Vec<_> = want.iter().filter(|(k, v)| have.get(*k) != Some(*v)).take(3).collect();
+        assert!(settled.elapsed() < Duration::from_secs(90), "wrong {wrong:?}\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    println!("busy rebuild: every target exact {:.1} s after the writes stopped", settled.elapsed().as_secs_f64());
+    assert_eq!(get(&c, &aggregates, "CUST#c3", "PROFILE").await.get("spend"), Some(&user_text), "the user's string is never overwritten");
+}
