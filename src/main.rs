@@ -413,6 +413,7 @@ fn job_result(
         r.drifts = report.drifts.len() as u64;
         r.corrected = report.drifts.iter().filter(|d| d.corrected).count() as u64;
         r.uncorrected = report.uncorrected() as u64;
+        r.shards_by_empty_pages = report.by_empty_pages.len() as u64;
     }
     r
 }
@@ -441,6 +442,7 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                 "targets_checked": report.targets_checked, "items_read": report.items_read, "read_units": report.read_units, "drifts": report.drifts.len(),
                 "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet, "failed": failed,
                 "poison_items": report.poisons, "seconds": report.elapsed.as_secs_f64(), "dry_run": dry_run,
+                "shards_by_empty_pages": report.by_empty_pages,
             }});
             writeln!(out, "{summary}")?;
         }
@@ -484,6 +486,14 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                 report.not_quiet.len(),
                 if report.poisons > 0 { format!(", {} poison item(s) skipped", report.poisons) } else { String::new() },
             )?;
+            if !report.by_empty_pages.is_empty() {
+                writeln!(
+                    out,
+                    "{} idle shard(s) judged caught up by the empty-page rule (reconcile.tip_evidence, an assumption: RELIABILITY.md): {}",
+                    report.by_empty_pages.len(),
+                    report.by_empty_pages.iter().cloned().collect::<Vec<_>>().join(", ")
+                )?;
+            }
         }
     }
     Ok(())

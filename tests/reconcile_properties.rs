@@ -14,7 +14,7 @@ use std::time::Duration;
 use ddb_aggregator::config::Config;
 use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::reconcile::memory::{MemorySources, MemoryTargets};
-use ddb_aggregator::reconcile::protocol::{self, Consumer, Correction, SourceItems, TargetItem, TargetStore};
+use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, SourceItems, TargetItem, TargetStore};
 use ddb_aggregator::reconcile::truth::Truth;
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Coalescer, Engine, Rule, TargetKey};
@@ -340,10 +340,10 @@ impl SourceItems for Harness {
 impl Consumer for Harness {
     /// The consumer catches up on every record created up to `after_ms` (and the world may
     /// move on meanwhile).
-    async fn applied_before(&self, after_ms: u64, _wait: Duration) -> Result<Option<u64>, ReconcileError> {
+    async fn applied_before(&self, after_ms: u64, _wait: Duration) -> Result<Applied, ReconcileError> {
         self.step().await?;
         self.batch(usize::MAX, None, after_ms).await;
-        Ok(None)
+        Ok(Applied::default())
     }
 }
 

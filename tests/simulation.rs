@@ -21,6 +21,7 @@ mod sim;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+use sim::tip::{tip_run, TipParams};
 use sim::{run, Params};
 
 /// A short run for every `scripts/test`: 4 partitions, 6 simulated days (an outage included).
@@ -61,4 +62,63 @@ fn scale() {
         seed += 1;
     }
     println!("simulate-scale: {runs} run(s), all sound, in {:.0} s", started.elapsed().as_secs_f64());
+}
+
+/// Issue 26, the rule holds: runs of empty pages mid-shard on busy shards, every one shorter
+/// than `reconcile.tip_evidence` (3 pages over 2s; the reader polls a busy shard every 100 ms,
+/// so 8 pages span under a second), among reconciles requested every 15 s. No judgement comes
+/// before its shard applied what the truth read saw, no right value is corrected, and every
+/// value is exact after the drain.
+#[test]
+fn empty_runs_shorter_than_the_rule_stay_exact() {
+    let seed = std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
+    let r = tip_run(&TipParams { seed, run_pages: (1, 8), ..TipParams::default() });
+    println!("{r}");
+    assert!(r.runs > 0 && r.reconciles > 0 && r.values_compared > 0, "the run did nothing:\n{r}");
+    assert!(r.judged.get("empty_pages").is_some_and(|n| *n > 0), "idle shards are judged by the rule:\n{r}");
+    assert_eq!((r.premature(), r.corrected, r.values_wrong), (0, 0, 0), "{r}");
+    assert!(r.problems.is_empty(), "{r}");
+}
+
+/// Issue 26, the rule broken: runs of 20 to 40 empty pages (2 to 8 s at the reader's polling)
+/// exceed the rule. Reconcile can then judge a busy shard too early. Every premature judgement
+/// is one the empty-page rule made (a record from after the truth read, or a shard's end, is
+/// never wrong), and each is among the judgements reconcile reports as resting on that rule.
+#[test]
+fn empty_runs_longer_than_the_rule_are_judged_by_it_and_reported() {
+    let seed = std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
+    let r = tip_run(&TipParams { seed, run_pages: (20, 40), ..TipParams::default() });
+    println!("{r}");
+    assert!(r.premature() > 0, "the runs never fooled the rule; this test shows nothing:\n{r}");
+    assert_eq!(r.premature.get("empty_pages"), Some(&r.premature()), "only the empty-page rule is ever premature:\n{r}");
+    assert!(r.reported_judgements >= r.premature(), "reconcile reports every judgement the rule made:\n{r}");
+    assert_eq!(r.reported_judgements, r.judged.get("empty_pages").copied().unwrap_or(0), "{r}");
+}
+
+/// The tip-evidence simulation at length (`scripts/simulate-scale --tip`): `SIM_MINUTES`
+/// (default 180) of `SIM_SHARDS` (default 40, half busy) with runs of `SIM_RUN_PAGES` pages
+/// (`LO-HI`, default 1-8: shorter than the rule), one reconcile every 15 s.
+#[test]
+#[ignore]
+fn tip_scale() {
+    let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|s| s.parse().ok()).unwrap_or(d);
+    let pages = std::env::var("SIM_RUN_PAGES").unwrap_or_else(|_| "1-8".into());
+    let (lo, hi) = pages.split_once('-').and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?))).unwrap_or((1, 8));
+    let shards = env("SIM_SHARDS", 40) as usize;
+    let p = TipParams {
+        seed: env("SIM_SEED", 1),
+        shards,
+        busy: shards / 2,
+        minutes: env("SIM_MINUTES", 180),
+        runs_per_minute: 2.0 * shards as f64,
+        run_pages: (lo, hi),
+        ..TipParams::default()
+    };
+    let r = tip_run(&p);
+    println!("{r}");
+    // Runs of the default length are shorter than the rule; other lengths are for their figures.
+    if std::env::var("SIM_RUN_PAGES").is_err() {
+        assert_eq!((r.premature(), r.corrected, r.values_wrong), (0, 0, 0), "{r}");
+        assert!(r.problems.is_empty(), "{r}");
+    }
 }

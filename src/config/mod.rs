@@ -74,9 +74,61 @@ pub struct Config {
     pub reconcile_margin: Duration,
     /// Where `reconcile` pushes its results (`reconcile.pushgateway`).
     pub reconcile_pushgateway: Option<String>,
+    /// When an idle open shard counts as read to its tip (`reconcile.tip_evidence`).
+    pub tip_evidence: TipEvidence,
     pub metrics_listen: SocketAddr,
     pub aws: AwsSettings,
     pub engine: Engine,
+}
+
+/// The empty-page rule, reconcile's evidence for an idle open shard (one that ended, or
+/// applied a record created after the truth read, needs no rule): `empty_pages` empty
+/// GetRecords pages in a row on one iterator chain, the last called at least `over` after the
+/// first, show the chain was at the shard's tip when the first was called. AWS bounds no run of
+/// empty pages mid-shard ("it might take multiple calls"), so this is an assumption; reconcile
+/// counts the shards it judges by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TipEvidence {
+    pub empty_pages: u32,
+    pub over: Duration,
+}
+
+impl Default for TipEvidence {
+    /// 3 pages over 2s: a reader polls an idle shard 4 to 10 times a second, so 2s is about 8
+    /// to 20 calls, against 2 in a row before; and an idle shard's evidence comes 2s later,
+    /// little against `reconcile.margin` and `reconcile.wait`.
+    fn default() -> TipEvidence {
+        TipEvidence { empty_pages: 3, over: Duration::from_secs(2) }
+    }
+}
+
+/// Most pages the empty-page rule may ask for, and the longest span: a reconcile waits about
+/// that long for an idle shard's evidence.
+pub const TIP_EMPTY_PAGES_MAX: u32 = 100;
+pub const TIP_OVER_MAX: Duration = Duration::from_secs(60);
+
+fn tip_evidence(raw: Option<&raw::RawTipEvidence>, wait: Duration) -> Result<TipEvidence, ConfigError> {
+    let d = TipEvidence::default();
+    let Some(raw) = raw else { return Ok(d) };
+    let path = "reconcile.tip_evidence.empty_pages";
+    let empty_pages = match raw.empty_pages.as_deref() {
+        None => d.empty_pages,
+        Some(t) => t.parse::<u32>().ok().filter(|n| (2..=TIP_EMPTY_PAGES_MAX).contains(n)).ok_or_else(|| {
+            err(path, format!("{t:?}: use 2 to {TIP_EMPTY_PAGES_MAX} (one empty page may be a stretch of the shard without records)"))
+        })?,
+    };
+    let path = "reconcile.tip_evidence.over";
+    let over = match raw.over.as_deref() {
+        None => d.over,
+        Some(t) => parse_duration(t).map_err(|m| err(path, m))?,
+    };
+    if over > TIP_OVER_MAX {
+        return Err(err(path, format!("at most {}s (a reconcile waits about this long for an idle shard)", TIP_OVER_MAX.as_secs())));
+    }
+    if over >= wait {
+        return Err(err(path, "must be shorter than reconcile.wait (a reconcile would give up on every idle shard)"));
+    }
+    Ok(TipEvidence { empty_pages, over })
 }
 
 /// The AWS SDK's timeouts and retries.
@@ -363,6 +415,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         crate::telemetry::push::parse_url(u).map_err(|e| err("reconcile.pushgateway", e.to_string()))?;
     }
     let reconcile_margin = duration("reconcile.margin", raw.reconcile.as_ref().and_then(|r| r.margin.as_deref()), "2s")?;
+    let tip_evidence = tip_evidence(raw.reconcile.as_ref().and_then(|r| r.tip_evidence.as_ref()), reconcile_wait)?;
     let reconcile_all = match raw.reconcile.as_ref().and_then(|r| r.scope.as_deref()).unwrap_or("touched") {
         "touched" => false,
         "all" => true,
@@ -416,6 +469,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         reconcile_wait,
         reconcile_margin,
         reconcile_pushgateway,
+        tip_evidence,
         metrics_listen,
         aws,
         engine,

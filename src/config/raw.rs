@@ -157,6 +157,22 @@ pub struct RawReconcile {
     /// A Pushgateway (http://host:port) the `reconcile` command pushes its results to.
     #[serde(default, deserialize_with = "text")]
     pub pushgateway: Option<String>,
+    /// When an idle open shard counts as read to its tip (default `{empty_pages: 3, over: 2s}`).
+    #[serde(default)]
+    pub tip_evidence: Option<RawTipEvidence>,
+}
+
+/// The empty-page rule: this many empty GetRecords pages in a row on one iterator chain,
+/// spanning at least `over`, are taken as the shard's tip.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTipEvidence {
+    /// Default 3.
+    #[serde(default, deserialize_with = "text")]
+    pub empty_pages: Option<String>,
+    /// From the first page's call to the last one's (default 2s).
+    #[serde(default, deserialize_with = "text")]
+    pub over: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -365,3 +365,39 @@ fn a_namespace_set_in_the_file_or_the_environment_is_explicit() {
         assert!(bad.contains("aggregates.ledger_namespace") && bad.contains("write it in quotes"), "{bad}");
     }
 }
+
+#[test]
+fn the_empty_page_rule_is_explicit_and_checked() {
+    assert_eq!(load(DEMO).unwrap().tip_evidence, TipEvidence { empty_pages: 3, over: Duration::from_secs(2) });
+    let with = |rule: &str| demo_with("  interval: 1h\n", &format!("  interval: 1h\n  tip_evidence: {rule}\n"));
+    assert_eq!(
+        load(&with("{ empty_pages: 5, over: 10s }")).unwrap().tip_evidence,
+        TipEvidence { empty_pages: 5, over: Duration::from_secs(10) }
+    );
+    assert_eq!(
+        load(&with("{ over: 500ms }")).unwrap().tip_evidence,
+        TipEvidence { empty_pages: 3, over: Duration::from_millis(500) },
+        "a field left out keeps its default"
+    );
+    let env = vec![("DDB_AGGREGATOR__RECONCILE__TIP_EVIDENCE__EMPTY_PAGES".to_string(), "4".to_string())];
+    assert_eq!(Config::from_yaml(DEMO, env).unwrap().tip_evidence.empty_pages, 4, "the environment sets it too");
+    for (rule, path, why) in [
+        ("{ empty_pages: 1 }", "reconcile.tip_evidence.empty_pages: \"1\": use 2 to 100", "one page is no run"),
+        ("{ empty_pages: 0 }", "reconcile.tip_evidence.empty_pages: \"0\"", "none"),
+        ("{ empty_pages: 101 }", "reconcile.tip_evidence.empty_pages: \"101\"", "too many"),
+        ("{ empty_pages: three }", "reconcile.tip_evidence.empty_pages: \"three\"", "not a number"),
+        ("{ empty_pages: -3 }", "reconcile.tip_evidence.empty_pages: \"-3\"", "negative"),
+        ("{ over: 2 }", "reconcile.tip_evidence.over: duration \"2\" needs a unit", "no unit"),
+        ("{ over: 61s }", "reconcile.tip_evidence.over: at most 60s", "too long"),
+        ("{ pages: 3 }", "unknown field `pages`", "a misspelt field"),
+    ] {
+        let e = load_err(&with(rule));
+        assert!(e.contains(path), "{why}: {rule}: {e}");
+    }
+    let short_wait = demo_with("  interval: 1h\n", "  interval: 1h\n  wait: 5s\n  tip_evidence: { over: 5s }\n");
+    assert!(
+        load_err(&short_wait).contains("reconcile.tip_evidence.over: must be shorter than reconcile.wait"),
+        "{}",
+        load_err(&short_wait)
+    );
+}

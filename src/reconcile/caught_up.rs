@@ -2,10 +2,13 @@
 //! compares a target with the truth read at t (pure).
 //!
 //! A shard has applied everything created before `target_ms` (t plus the margin) when its
-//! lease is finished, or its reader got an empty GetRecords page from a call made at or after
-//! `target_ms`, or it applied a record created at or after `target_ms`. A short page is not the
-//! tip (pages stop at 1 MB), and a shard DescribeStream lists without a lease has applied
-//! nothing. A shard created at or after `target_ms` (its id says when) has nothing to apply.
+//! lease is finished, or it applied a record created at or after `target_ms`: neither needs an
+//! assumption. Only where both are missing (an idle open shard) does the empty-page rule count:
+//! its reader got `reconcile.tip_evidence` empty GetRecords pages in a row, the first called at
+//! or after `target_ms` (`worker::tip`). AWS bounds no run of empty pages mid-shard, so the
+//! shards judged by that rule are counted and reported. A short page is not the tip (pages
+//! stop at 1 MB), and a shard DescribeStream lists without a lease has applied nothing. A
+//! shard created at or after `target_ms` (its id says when) has nothing to apply.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -21,9 +24,65 @@ pub struct Behind {
     pub owner: Option<String>,
 }
 
+/// What shows that a shard applied everything created before the target, strongest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Evidence {
+    /// Read to its end: it holds nothing more.
+    Ended,
+    /// A record created at or after the target was applied, and records of a shard are in
+    /// the order they were written.
+    RecordAfter,
+    /// The empty-page rule (`reconcile.tip_evidence`): an assumption, counted.
+    EmptyPages,
+}
+
+impl Evidence {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Evidence::Ended => "ended",
+            Evidence::RecordAfter => "record_after",
+            Evidence::EmptyPages => "empty_pages",
+        }
+    }
+}
+
+/// The evidence a lease shows that everything created before `target_ms` was applied: the
+/// strongest there is, so the empty-page rule judges only a shard that has neither ended nor
+/// applied a record from after the target. None: no evidence yet.
+pub fn evidence(lease: &Lease, target_ms: u64) -> Option<Evidence> {
+    if lease.finished() {
+        Some(Evidence::Ended)
+    } else if lease.last_record_ms.is_some_and(|t| t >= target_ms) {
+        Some(Evidence::RecordAfter)
+    } else if lease.at_tip_ms.is_some_and(|t| t >= target_ms) {
+        Some(Evidence::EmptyPages)
+    } else {
+        None
+    }
+}
+
 /// Whether a lease shows everything created before `target_ms` applied.
 pub fn caught_up(lease: &Lease, target_ms: u64) -> bool {
-    lease.finished() || lease.at_tip_ms.is_some_and(|t| t >= target_ms) || lease.last_record_ms.is_some_and(|t| t >= target_ms)
+    evidence(lease, target_ms).is_some()
+}
+
+/// The shards `behind` does not wait for that only the empty-page rule shows caught up:
+/// listed shards, and unfinished leases the listing misses, created before the target.
+pub fn by_empty_pages(listed: &[ShardInfo], leases: &BTreeMap<String, Lease>, target_ms: u64) -> Vec<String> {
+    let younger = |id: &str| crate::shard_id::created_ms(id).is_some_and(|c| c >= target_ms);
+    let listed_ids: HashSet<&str> = listed.iter().map(|s| s.shard_id.as_str()).collect();
+    let unlisted = leases.keys().filter(|id| !listed_ids.contains(id.as_str()));
+    let mut out: Vec<String> = listed
+        .iter()
+        .map(|s| &s.shard_id)
+        .chain(unlisted)
+        .filter(|id| !younger(id))
+        .filter(|id| leases.get(id.as_str()).and_then(|l| evidence(l, target_ms)) == Some(Evidence::EmptyPages))
+        .cloned()
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// Every shard still behind `target_ms`: listed shards without a lease or without evidence,
@@ -116,6 +175,8 @@ pub struct Standing {
     pub leases: BTreeMap<String, Lease>,
     /// [`fence_ms`] of this look.
     pub fence_ms: Option<u64>,
+    /// [`by_empty_pages`] of this look.
+    pub by_empty_pages: Vec<String>,
 }
 
 /// Reads the stream's listing and the lease table: the shards still behind `target_ms`, the
@@ -131,7 +192,8 @@ pub async fn standing<S: StreamSource, L: LeaseStore>(stream: &S, leases: &L, ta
         .collect();
     let behind = behind(&listed, &leases, target_ms, crate::state::now_ms());
     let fence_ms = fence_ms(&listed, &leases);
-    Ok(Standing { behind, leases, fence_ms })
+    let by_empty_pages = by_empty_pages(&listed, &leases, target_ms);
+    Ok(Standing { behind, leases, fence_ms, by_empty_pages })
 }
 
 /// Whether reconcile must read some shards itself: one is behind and nobody holds it.
@@ -188,6 +250,81 @@ mod tests {
         );
         assert!(needs_a_consumer(&got));
         assert!(!needs_a_consumer(&got[1..2]), "a live owner is waited for");
+    }
+
+    #[test]
+    fn the_evidence_needing_no_assumption_comes_first() {
+        let t = 10 * DAY;
+        let ended = |l: &mut Lease| l.checkpoint = Some(Checkpoint::ShardEnd);
+        type Case = (&'static str, fn(&mut Lease), Option<Evidence>);
+        let cases: [Case; 9] = [
+            ("nothing", |_| {}, None),
+            ("ended", |l| l.checkpoint = Some(Checkpoint::ShardEnd), Some(Evidence::Ended)),
+            (
+                "ended, also empty pages",
+                |l| {
+                    l.checkpoint = Some(Checkpoint::ShardEnd);
+                    l.at_tip_ms = Some(10 * DAY);
+                },
+                Some(Evidence::Ended),
+            ),
+            ("a record from the target on", |l| l.last_record_ms = Some(10 * DAY), Some(Evidence::RecordAfter)),
+            ("a record from before the target", |l| l.last_record_ms = Some(10 * DAY - 1), None),
+            (
+                "a record after and empty pages after",
+                |l| {
+                    l.last_record_ms = Some(10 * DAY + 5);
+                    l.at_tip_ms = Some(10 * DAY + 9);
+                },
+                Some(Evidence::RecordAfter),
+            ),
+            (
+                "an idle shard: empty pages from the target on",
+                |l| {
+                    l.last_record_ms = Some(10 * DAY - 60_000);
+                    l.at_tip_ms = Some(10 * DAY);
+                },
+                Some(Evidence::EmptyPages),
+            ),
+            ("empty pages from before the target", |l| l.at_tip_ms = Some(10 * DAY - 1), None),
+            ("a checkpoint is no evidence", |l| l.checkpoint = Some(Checkpoint::Sequence("9".into())), None),
+        ];
+        for (what, f, want) in cases {
+            let (_, l) = lease("s", f);
+            assert_eq!(evidence(&l, t), want, "{what}");
+            assert_eq!(caught_up(&l, t), want.is_some(), "{what}");
+        }
+        let (_, l) = lease("s", ended);
+        assert_eq!(evidence(&l, u64::MAX).map(Evidence::as_str), Some("ended"));
+    }
+
+    #[test]
+    fn the_shards_judged_by_empty_pages_are_named() {
+        let t = 10 * DAY;
+        let id = |n: u32| format!("shardId-{:020}-{n:08x}", t - DAY);
+        let (idle, busy, done, unlisted, young) = (id(1), id(2), id(3), id(4), format!("shardId-{t:020}-00000005"));
+        let leases: BTreeMap<String, Lease> = [
+            lease(&idle, |l| l.at_tip_ms = Some(t)),
+            lease(&busy, |l| {
+                l.at_tip_ms = Some(t);
+                l.last_record_ms = Some(t + 1);
+            }),
+            lease(&done, |l| {
+                l.checkpoint = Some(Checkpoint::ShardEnd);
+                l.at_tip_ms = Some(t - DAY); // its children long settled
+            }),
+            lease(&unlisted, |l| l.at_tip_ms = Some(t + 2)),
+            lease(&young, |l| l.at_tip_ms = Some(t)),
+        ]
+        .into();
+        let listed: Vec<ShardInfo> = [idle.as_str(), busy.as_str(), done.as_str(), young.as_str()].map(shard).into();
+        assert_eq!(
+            by_empty_pages(&listed, &leases, t),
+            [idle.clone(), unlisted],
+            "the idle shard and the unlisted lease; not the busy one (a record after), the ended one, or one created after the target"
+        );
+        assert!(behind(&listed, &leases, t, t).is_empty());
+        assert!(by_empty_pages(&listed, &leases, t + 3).is_empty(), "evidence from before a later target judges nothing");
     }
 
     #[test]

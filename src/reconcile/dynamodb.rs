@@ -15,7 +15,7 @@ use tracing::info;
 
 use super::budget::{self, ReadBudget};
 use super::caught_up;
-use super::protocol::{self, Consumer, Correction, SourceItems, TargetItem, TargetStore};
+use super::protocol::{self, Applied, Consumer, Correction, SourceItems, TargetItem, TargetStore};
 use super::report::{Report, Stored};
 use super::truth::{is_target, target_for, Truth};
 use super::{check, refusal, Options, ReconcileError};
@@ -308,7 +308,7 @@ impl Reconciler {
         latest.is_none_or(|l| l == self.stream_arn)
     }
 
-    async fn wait_for_consumer(&self, after_ms: u64, max: Duration) -> Result<Option<u64>, ReconcileError> {
+    async fn wait_for_consumer(&self, after_ms: u64, max: Duration) -> Result<Applied, ReconcileError> {
         let target = after_ms + u64::try_from(self.config.reconcile_margin.as_millis()).unwrap_or(u64::MAX / 4);
         let mut consumer: Option<(CancellationToken, tokio::task::JoinHandle<()>)> = None;
         let result = self.wait_for_evidence(target, max, &mut consumer).await;
@@ -325,14 +325,15 @@ impl Reconciler {
         target: u64,
         max: Duration,
         consumer: &mut Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
-    ) -> Result<Option<u64>, ReconcileError> {
+    ) -> Result<Applied, ReconcileError> {
         let started = Instant::now();
         let mut last_progress = started;
         let mut last_seen: Option<Vec<Lease>> = None;
         loop {
-            let caught_up::Standing { behind, leases, fence_ms } = caught_up::standing(&self.stream, &self.leases, target).await?;
+            let caught_up::Standing { behind, leases, fence_ms, by_empty_pages } =
+                caught_up::standing(&self.stream, &self.leases, target).await?;
             if behind.is_empty() {
-                return Ok(fence_ms);
+                return Ok(Applied { fence_ms, by_empty_pages });
             }
             if consumer.is_none() && self.own_consumer && caught_up::needs_a_consumer(&behind) {
                 info!(shards = behind.iter().filter(|b| b.owner.is_none()).count(), "no live owner for some shards; reading them");
@@ -643,7 +644,7 @@ impl SourceItems for Reconciler {
 }
 
 impl Consumer for Reconciler {
-    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<Option<u64>, ReconcileError> {
+    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<Applied, ReconcileError> {
         self.wait_for_consumer(after_ms, wait).await
     }
 }

@@ -125,12 +125,22 @@ pub trait SourceItems: Sync {
     fn scan(&self, rule: &Rule, opts: &Options, truth: &mut Truth) -> impl Future<Output = Result<(), ReconcileError>> + Send;
 }
 
+/// What the consumer's evidence showed once it was complete.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// The oldest creation time among the shards that may still write
+    /// (`caught_up::fence_ms`; None: unknown).
+    pub fence_ms: Option<u64>,
+    /// The shards only the empty-page rule showed caught up (`caught_up::by_empty_pages`):
+    /// the judgements that rest on an assumption.
+    pub by_empty_pages: Vec<String>,
+}
+
 /// The stream consumer, as far as reconcile needs it.
 pub trait Consumer: Sync {
     /// Returns once every record created before `after_ms` has been applied (or dead-lettered),
-    /// with the fence seen then: the oldest creation time among the shards that may still
-    /// write (`caught_up::fence_ms`; None: unknown). Gives up after `wait` without progress.
-    fn applied_before(&self, after_ms: u64, wait: Duration) -> impl Future<Output = Result<Option<u64>, ReconcileError>> + Send;
+    /// with what showed it. Gives up after `wait` without progress.
+    fn applied_before(&self, after_ms: u64, wait: Duration) -> impl Future<Output = Result<Applied, ReconcileError>> + Send;
 }
 
 /// A partition and an optional sort-key prefix.
@@ -238,7 +248,10 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
         let truth = read_truth(sources, rule, pending.as_ref(), opts).await?;
         let truth_done_at = now_ms();
         report.poisons += truth.poisons.len() as u64;
-        let fence_ms = if !opts.dry_run && !opts.no_wait { consumer.applied_before(truth_done_at, opts.wait).await? } else { None };
+        let applied =
+            if !opts.dry_run && !opts.no_wait { consumer.applied_before(truth_done_at, opts.wait).await? } else { Applied::default() };
+        report.judged_by_empty_pages(&applied.by_empty_pages);
+        let fence_ms = applied.fence_ms;
         let mut keys: BTreeSet<TargetKey> = before.keys().cloned().collect();
         keys.extend(truth.values.keys().cloned());
         if let Some(p) = &pending {
@@ -698,8 +711,8 @@ mod tests {
     struct Quiet(Option<u64>);
 
     impl Consumer for Quiet {
-        async fn applied_before(&self, _after_ms: u64, _wait: Duration) -> Result<Option<u64>, ReconcileError> {
-            Ok(self.0)
+        async fn applied_before(&self, _after_ms: u64, _wait: Duration) -> Result<Applied, ReconcileError> {
+            Ok(Applied { fence_ms: self.0, by_empty_pages: Vec::new() })
         }
     }
 

@@ -1,9 +1,11 @@
 //! What a reconcile found and did.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::decimal::Decimal;
 use crate::rules::TargetKey;
+use crate::telemetry::names;
 
 /// A stored attribute: its number, or the text of a value that is not one.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,9 +60,24 @@ pub struct Report {
     pub elapsed: Duration,
     /// Rules left out: their definition cannot be recomputed from the items (why, per rule).
     pub refused: Vec<String>,
+    /// Shards only the empty-page rule (`reconcile.tip_evidence`) showed caught up, in any
+    /// wait of the run: idle open shards, judged by an assumption AWS does not promise.
+    pub by_empty_pages: BTreeSet<String>,
+    /// Such judgements, a shard counted once per wait.
+    pub empty_page_judgements: u64,
 }
 
 impl Report {
+    /// Counts the shards one wait for evidence judged by the empty-page rule.
+    pub fn judged_by_empty_pages(&mut self, shards: &[String]) {
+        if shards.is_empty() {
+            return;
+        }
+        metrics::counter!(names::RECONCILE_TIP_BY_EMPTY_PAGES).increment(shards.len() as u64);
+        self.empty_page_judgements += shards.len() as u64;
+        self.by_empty_pages.extend(shards.iter().cloned());
+    }
+
     pub fn uncorrected(&self) -> usize {
         self.drifts.iter().filter(|d| !d.corrected).count() + self.not_quiet.len() + self.failed.len()
     }

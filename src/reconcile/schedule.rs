@@ -70,11 +70,13 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         let opts = Options { wait: shared.config.reconcile_wait, fence_all: requested.is_some(), ..Options::default() };
         let mut retry: Vec<(String, crate::rules::TargetKey)> = Vec::new();
         let (mut drifts, mut corrected, mut checked) = (0, 0, 0);
+        let mut by_empty_pages = std::collections::BTreeSet::new();
         let run_started = std::time::Instant::now();
         let run = async {
             if all {
                 let r = reconciler.run(&Options { all: true, ..opts.clone() }).await?;
                 checked += r.targets_checked;
+                by_empty_pages.extend(r.by_empty_pages);
                 drifts += r.drifts.len();
                 corrected += r.drifts.iter().filter(|d| d.corrected).count();
                 retry.extend(r.not_quiet);
@@ -83,6 +85,7 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                 for (rule, targets) in touched.iter() {
                     let r = reconciler.run_targets(rule, targets.clone(), &opts).await?;
                     checked += r.targets_checked;
+                    by_empty_pages.extend(r.by_empty_pages);
                     drifts += r.drifts.len();
                     corrected += r.drifts.iter().filter(|d| d.corrected).count();
                     retry.extend(r.not_quiet);
@@ -103,7 +106,17 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
                     crate::telemetry::reconcile_succeeded(now_ms());
                 }
                 let seconds = run_started.elapsed().as_secs_f64();
-                info!(all, targets = checked, seconds, drifts, corrected, not_quiet = retry.len(), "scheduled reconcile done");
+                let by_empty_pages = by_empty_pages.len();
+                info!(
+                    all,
+                    targets = checked,
+                    seconds,
+                    drifts,
+                    corrected,
+                    not_quiet = retry.len(),
+                    by_empty_pages,
+                    "scheduled reconcile done"
+                );
                 // Targets not quiet were not repaired: the request stays (a restart runs it
                 // whole again), and the next runs retry only them.
                 if requested.is_some() && retry.is_empty() {

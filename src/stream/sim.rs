@@ -37,6 +37,9 @@ struct State {
     /// GetRecords calls that answer an empty page though records follow (a stretch of the
     /// shard without records, which AWS documents may take several calls to pass).
     empty_pages: u32,
+    /// The same per shard: its next GetRecords calls that have records to return answer an
+    /// empty page (a run of empty pages mid-shard on that shard's iterator chain).
+    empty_on: BTreeMap<String, u32>,
     /// DynamoDB Local's answer to GetRecords on an empty shard: TrimmedDataAccess.
     trimmed_when_empty: bool,
     /// Reading order is not logged (long simulations).
@@ -197,6 +200,17 @@ impl SimStream {
         lock(&self.state).empty_pages = n;
     }
 
+    /// The next `n` GetRecords calls on `shard` that have records to return answer an empty
+    /// page instead, with an iterator at the same place (added to any run still pending).
+    pub fn empty_pages_on(&self, shard: &str, n: u32) {
+        *lock(&self.state).empty_on.entry(shard.to_string()).or_default() += n;
+    }
+
+    /// Empty pages still to come on `shard` ([`SimStream::empty_pages_on`]).
+    pub fn empty_pages_pending(&self, shard: &str) -> u32 {
+        lock(&self.state).empty_on.get(shard).copied().unwrap_or(0)
+    }
+
     pub fn throttle_next(&self, n: u32) {
         lock(&self.state).throttles = n;
     }
@@ -258,13 +272,18 @@ impl StreamSource for SimStream {
         if index < sh.trimmed || (s.trimmed_when_empty && sh.records.is_empty()) {
             return Err(StreamError::TrimmedData(format!("{shard}: iterator points at trimmed data")));
         }
-        if s.empty_pages > 0 && index < sh.records.len() {
+        let has_records = index < sh.records.len();
+        if s.empty_pages > 0 && has_records {
             s.empty_pages -= 1;
             return Ok(Page { records: Vec::new(), next_iterator: Some(encode(&shard, index, current)) });
         }
         let end = (index + limit as usize).min(sh.records.len());
         let records: Vec<(u64, Value)> = sh.records[index..end].to_vec();
         let done = sh.closed && end == sh.records.len();
+        if let Some(n) = s.empty_on.get_mut(&shard).filter(|n| **n > 0 && has_records) {
+            *n -= 1;
+            return Ok(Page { records: Vec::new(), next_iterator: Some(encode(&shard, index, current)) });
+        }
         let next_iterator = (!done).then(|| encode(&shard, end, current));
         if !s.quiet {
             for (seq, _) in &records {

@@ -42,6 +42,7 @@ pub const RECONCILE_RUNS: &str = "ddb_aggregator_reconcile_runs_total";
 pub const RECONCILE_DRIFT: &str = "ddb_aggregator_reconcile_drift_total";
 pub const RECONCILE_CORRECTIONS: &str = "ddb_aggregator_reconcile_corrections_total";
 pub const RECONCILE_FAILED_TARGETS: &str = "ddb_aggregator_reconcile_failed_targets_total";
+pub const RECONCILE_TIP_BY_EMPTY_PAGES: &str = "ddb_aggregator_reconcile_tip_by_empty_pages_total";
 pub const RECONCILE_LAST_SUCCESS: &str = "ddb_aggregator_reconcile_last_success_timestamp_seconds";
 pub const BUILD_INFO: &str = "ddb_aggregator_build_info";
 pub const SHARDS_LOST: &str = "ddb_aggregator_shards_lost_total";
@@ -116,6 +117,10 @@ pub fn describe() {
     describe_counter!(RECONCILE_DRIFT, "Drifted target attributes found by reconcile, per rule.");
     describe_counter!(RECONCILE_CORRECTIONS, "Drifted target attributes corrected by reconcile, per rule.");
     describe_counter!(RECONCILE_FAILED_TARGETS, "Targets reconcile could not read or correct (the others went on), per rule.");
+    describe_counter!(
+        RECONCILE_TIP_BY_EMPTY_PAGES,
+        "Shards reconcile judged caught up by the empty-page rule alone (reconcile.tip_evidence: an idle open shard, neither ended nor with a record from after the truth read applied), once per wait for evidence. The rule is an assumption AWS does not promise (RELIABILITY.md)."
+    );
     describe_gauge!(RECONCILE_LAST_SUCCESS, Unit::Seconds, "When a reconcile last finished with no drift left (epoch seconds).");
     describe_gauge!(BUILD_INFO, "Build information; the value is always 1.");
 }
@@ -136,6 +141,7 @@ pub fn init_series(rules: &[String]) {
         SHARDS_LOST,
         LEDGER_FENCE_VIOLATIONS,
         LEASES_DELETED,
+        RECONCILE_TIP_BY_EMPTY_PAGES,
     ] {
         counter!(name).increment(0);
     }

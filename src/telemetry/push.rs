@@ -30,6 +30,8 @@ pub struct JobResult {
     pub drifts: u64,
     pub corrected: u64,
     pub uncorrected: u64,
+    /// Shards judged caught up by the empty-page rule alone.
+    pub shards_by_empty_pages: u64,
 }
 
 /// The Prometheus text of a run (pure). The last-success gauge only when it succeeded, so the
@@ -50,6 +52,11 @@ pub fn body(r: &JobResult) -> String {
     gauge("ddb_aggregator_reconcile_job_drifts", "Drifted attributes the last run found.", r.drifts as f64);
     gauge("ddb_aggregator_reconcile_job_corrections", "Drifted attributes the last run corrected.", r.corrected as f64);
     gauge("ddb_aggregator_reconcile_job_uncorrected", "Drift the last run left (not quiet, not a number).", r.uncorrected as f64);
+    gauge(
+        "ddb_aggregator_reconcile_job_shards_by_empty_pages",
+        "Idle shards the last run judged caught up by the empty-page rule alone (reconcile.tip_evidence, an assumption).",
+        r.shards_by_empty_pages as f64,
+    );
     out
 }
 
@@ -109,6 +116,8 @@ mod tests {
         let ok = body(&JobResult { succeeded: true, finished_s: 1700.0, corrected: 3, ..JobResult::default() });
         assert!(ok.contains("\nddb_aggregator_reconcile_last_success_timestamp_seconds 1700\n"), "{ok}");
         assert!(ok.contains("\nddb_aggregator_reconcile_job_corrections 3\n"));
+        let judged = body(&JobResult { shards_by_empty_pages: 2, ..JobResult::default() });
+        assert!(judged.contains("\nddb_aggregator_reconcile_job_shards_by_empty_pages 2\n"), "{judged}");
         let failed = body(&JobResult { succeeded: false, finished_s: 1800.0, ..JobResult::default() });
         assert!(!failed.contains("last_success"), "{failed}");
         assert!(failed.contains("\nddb_aggregator_reconcile_job_succeeded 0\n"));

@@ -8,6 +8,7 @@ pub mod gate;
 pub mod phases;
 pub mod plan;
 pub mod shard;
+pub mod tip;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};

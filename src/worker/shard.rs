@@ -15,6 +15,7 @@ use tracing::{debug, error, info, warn};
 
 use super::batch::{created_ms, sequence_of, Evaluated, Letter, PendingBatch};
 use super::phases::{BatchPhases, Gathering};
+use super::tip::EmptyRun;
 use super::{Polling, Shared};
 use crate::rules::{TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
@@ -96,21 +97,6 @@ async fn pause(d: Duration, stop: &CancellationToken) -> bool {
     }
 }
 
-/// Whether gathered records are applied now: a full batch, the shard's end, or the tip (a
-/// short page) once the batching window has passed since the oldest record.
-/// Reconcile's evidence that a reader had applied everything its shard held at some time: two
-/// empty GetRecords pages in a row on one iterator chain, dated by the first call
-/// (`previous_empty`). A short page is not the tip (pages stop at 1 MB), and neither is one
-/// empty page: GetRecords may answer an empty list for a stretch of the shard without records
-/// and need more calls to reach the records after it.
-pub fn tip_evidence(page_records: usize, previous_empty: Option<u64>) -> Option<u64> {
-    if page_records == 0 {
-        previous_empty
-    } else {
-        None
-    }
-}
-
 /// How long after its last records a shard is polled at `idle_min` when a poll finds nothing:
 /// a record that arrives in a short lull of a busy shard waits at most `idle_min`, not the
 /// idle backoff's `idle_max`.
@@ -127,6 +113,8 @@ pub fn next_idle(current: Duration, polling: &Polling, since_records: Option<Dur
     }
 }
 
+/// Whether gathered records are applied now: a full batch, the shard's end, or the tip (a
+/// short page) once the batching window has passed since the oldest record.
 pub fn batch_due(pending: usize, batch_size: usize, shard_end: bool, at_tip: bool, window_passed: bool) -> bool {
     pending > 0 && (shard_end || pending >= batch_size || (at_tip && window_passed))
 }
@@ -159,9 +147,9 @@ pub struct ShardReader<S, L, A> {
     idle: Duration,
     failures: u32,
     last_tip_report: u64,
-    /// When the previous GetRecords call on this iterator chain was made, if its page was
-    /// empty ([`tip_evidence`]).
-    previous_empty: Option<u64>,
+    /// The empty pages in a row on this iterator chain: reconcile's evidence for an idle
+    /// shard ([`super::tip::EmptyRun`]).
+    empty_run: EmptyRun,
     /// Sequence numbers this reader already queued, so a retried batch does not queue twice.
     dead_lettered: HashSet<String>,
     /// Records read but not yet applied: a batch gathers pages until it holds `batch_size`
@@ -196,7 +184,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         idle: idle_min,
         failures: 0,
         last_tip_report: 0,
-        previous_empty: None,
+        empty_run: EmptyRun::default(),
         dead_lettered: HashSet::new(),
         pending: PendingBatch::default(),
         pending_since: None,
@@ -233,7 +221,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             Some(it) => it,
             None => match self.shared.source.iterator(&self.lease.shard_id, &self.position).await {
                 Ok(it) => {
-                    self.previous_empty = None;
+                    self.empty_run.reset();
                     it
                 }
                 Err(e) => return self.on_iterator_error(e).await,
@@ -257,8 +245,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { ReadOutcome::Empty } else { ReadOutcome::Ok }.as_str())
             .increment(1);
         let got = page.records.len();
-        let evidence = tip_evidence(got, self.previous_empty);
-        self.previous_empty = (got == 0).then_some(called_at);
+        // A short page is not the tip (pages stop at 1 MB): only empty ones count.
+        let evidence = self.empty_run.page(&self.shared.config.tip_evidence, got, called_at);
         let short = got < limit as usize;
         self.gathering.page(self.pending.records, got, gap, call_start.elapsed());
         if got > 0 {

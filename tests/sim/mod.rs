@@ -4,6 +4,7 @@
 
 mod faults;
 mod reconcile;
+pub mod tip;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;

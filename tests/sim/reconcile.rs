@@ -8,7 +8,7 @@ use std::time::Duration;
 use ddb_aggregator::config::Config;
 use ddb_aggregator::reconcile::caught_up;
 use ddb_aggregator::reconcile::memory::{MemorySources, MemoryTargets};
-use ddb_aggregator::reconcile::protocol::{self, Consumer, Correction, TargetItem, TargetStore};
+use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, TargetItem, TargetStore};
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Rule, TargetKey};
 use ddb_aggregator::sink::derive::DeriveTarget;
@@ -61,13 +61,14 @@ pub struct SimConsumer {
 }
 
 impl Consumer for SimConsumer {
-    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<Option<u64>, ReconcileError> {
+    async fn applied_before(&self, after_ms: u64, wait: Duration) -> Result<Applied, ReconcileError> {
         let target = after_ms + self.margin_ms;
         let started = now_ms();
         loop {
-            let caught_up::Standing { behind, fence_ms, .. } = caught_up::standing(&*self.stream, &*self.leases, target).await?;
+            let caught_up::Standing { behind, fence_ms, by_empty_pages, .. } =
+                caught_up::standing(&*self.stream, &*self.leases, target).await?;
             if behind.is_empty() {
-                return Ok(fence_ms);
+                return Ok(Applied { fence_ms, by_empty_pages });
             }
             if now_ms().saturating_sub(started) > u64::try_from(wait.as_millis()).unwrap_or(u64::MAX) {
                 return Err(ReconcileError::NotCaughtUp(format!("{} shards behind, e.g. {:?}", behind.len(), behind.first())));
