@@ -14,15 +14,17 @@
 //! zeroed with a write conditioned on the values read ([`super::protocol::retire_rule`]).
 //!
 //! Rebuilds that finish: the first pass scans the whole table; targets it left (written all
-//! through it, or refused) are retried alone, and after [`MAX_TARGET_TRIES`] passes each one
-//! left is reported, counted in `ddb_aggregator_rule_rebuild_skipped_targets_total{rule}` and
-//! handed to the scheduled reconcile, and the rule is done.
+//! through it, or refused) are retried alone, a few seconds later, and after
+//! [`MAX_TARGET_TRIES`] passes each one left is reported, counted in
+//! `ddb_aggregator_rule_rebuild_skipped_targets_total{rule}` and handed to the scheduled
+//! reconcile, and the rule is done. A target holding a user's value that is not a number
+//! where a measure goes is skipped at once: no retry corrects it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use tracing::{error, info, warn};
 
-use super::{refusal, Options, Reconciler, Report};
+use super::{refusal, Options, Reconciler, Report, Stored};
 use crate::config::Config;
 use crate::rules::fingerprint::{self, Rebuild};
 use crate::rules::{Rule, TargetKey};
@@ -32,7 +34,7 @@ use crate::telemetry::names;
 
 /// Passes over the targets a rule's rebuild left (the first, full pass included) before each
 /// one still left is reported and skipped.
-pub const MAX_TARGET_TRIES: u32 = 5;
+pub const MAX_TARGET_TRIES: u32 = 3;
 
 /// What this replica carries between rebuild steps.
 #[derive(Debug, Default)]
@@ -50,6 +52,8 @@ pub struct Stepped {
     pub settled: bool,
     /// Targets skipped (rule, key): the scheduled reconcile keeps trying them.
     pub skipped: Vec<(String, TargetKey)>,
+    /// A pass left targets to retry alone: the next step is due soon, not after a backoff.
+    pub retrying: bool,
 }
 
 /// Shows the committed work in the gauges (every rule of `rules`, and the retire list).
@@ -89,6 +93,7 @@ pub async fn step<L: LeaseStore>(
             }
             None => rebuild_one(reconciler, rule, progress, wait, &mut out.skipped).await,
         };
+        out.retrying = progress.left.contains_key(&**name);
         if !done
             || !settle(leases, committed.generation, |c| {
                 c.rebuild.remove(name);
@@ -151,9 +156,10 @@ async fn rebuild_one(
     skipped: &mut Vec<(String, TargetKey)>,
 ) -> bool {
     let name = rule.name.to_string();
-    let opts = Options { wait, ..Options::default() };
-    let (run, tries) = match progress.left.remove(&name) {
-        Some((targets, tries)) => (reconciler.run_targets(&name, targets, &opts).await, tries),
+    // One round per pass: a target that changed is retried by the next pass, alone.
+    let opts = Options { wait, attempts: 1, ..Options::default() };
+    let (run, tries) = match progress.left.get(&name) {
+        Some((targets, tries)) => (reconciler.run_targets(&name, targets.clone(), &opts).await, *tries),
         None => {
             info!(rule = %name, "rule added or changed: rebuilding its targets from the items");
             (reconciler.run(&Options { all: true, rule: Some(name.clone()), ..opts }).await, 0)
@@ -162,14 +168,23 @@ async fn rebuild_one(
     let report = match run {
         Ok(r) => r,
         Err(e) => {
+            // Targets left by an earlier pass stay left; a failed full pass runs again.
             warn!(rule = %name, error = %e, "rebuild pass failed; it runs again");
             return false;
         }
     };
-    let left = left_by(&report);
+    progress.left.remove(&name);
+    let (left, unfixable) = left_by(&report);
     let tries = tries.saturating_add(1);
-    match next_pass(left.len(), tries) {
-        Pass::Done => {
+    let pass = next_pass(left.len(), tries);
+    let skip: Vec<&TargetKey> = unfixable.iter().chain(left.iter().filter(|_| pass == Pass::Skip)).collect();
+    for key in &skip {
+        error!(rule = %name, target = ?key, passes = tries, "target could not be corrected by the rebuild; skipped (the log above says why; the scheduled reconcile keeps trying it)");
+        skipped.push((name.clone(), (*key).clone()));
+    }
+    metrics::counter!(names::RULE_REBUILD_SKIPPED, "rule" => name.clone()).increment(skip.len() as u64);
+    match pass {
+        Pass::Done | Pass::Skip => {
             info!(
                 rule = %name,
                 items = report.items_read,
@@ -177,23 +192,15 @@ async fn rebuild_one(
                 drifts = report.drifts.len(),
                 seconds = report.elapsed.as_secs_f64(),
                 passes = tries,
+                skipped = skip.len(),
                 "rule rebuilt"
             );
             true
         }
         Pass::Retry => {
-            warn!(rule = %name, left = left.len(), passes = tries, "rebuild pass left targets that kept changing or were refused; they are retried alone");
+            warn!(rule = %name, left = left.len(), passes = tries, "rebuild pass left targets that kept changing; they are retried alone");
             progress.left.insert(name, (left, tries));
             false
-        }
-        Pass::Skip => {
-            for key in &left {
-                error!(rule = %name, target = ?key, passes = tries, "target could not be corrected by the rebuild; skipped (the scheduled reconcile keeps trying it)");
-                skipped.push((name.clone(), key.clone()));
-            }
-            metrics::counter!(names::RULE_REBUILD_SKIPPED, "rule" => name.clone()).increment(left.len() as u64);
-            info!(rule = %name, skipped = left.len(), "rule rebuilt, but for the targets skipped");
-            true
         }
     }
 }
@@ -214,12 +221,16 @@ pub fn next_pass(left: usize, tries: u32) -> Pass {
     }
 }
 
-/// The targets a pass did not correct: written all through it, refused, or drifted and not
-/// written (pure).
-pub fn left_by(r: &Report) -> BTreeSet<TargetKey> {
-    let drifted = r.drifts.iter().filter(|d| !d.corrected).map(|d| &d.target);
+/// The targets a pass did not correct (pure): (to retry: written all through it, refused by
+/// the table, or drifted and not written; never to be corrected by a retry: holding a value
+/// that is not a number where a measure goes, a user's, which reconcile never overwrites).
+pub fn left_by(r: &Report) -> (BTreeSet<TargetKey>, BTreeSet<TargetKey>) {
+    let unfixable: BTreeSet<TargetKey> =
+        r.drifts.iter().filter(|d| matches!(d.stored, Stored::Other(_))).map(|d| d.target.clone()).collect();
+    let drifted = r.drifts.iter().filter(|d| !d.corrected && !matches!(d.stored, Stored::Other(_))).map(|d| &d.target);
     let refused = r.failed.iter().map(|(_, k, _)| k);
-    r.not_quiet.iter().map(|(_, k)| k).chain(refused).chain(drifted).cloned().collect()
+    let retry = r.not_quiet.iter().map(|(_, k)| k).chain(refused).chain(drifted).filter(|k| !unfixable.contains(*k)).cloned().collect();
+    (retry, unfixable)
 }
 
 /// Zeroes what `old` wrote and no current rule writes: true when done (or when the old

@@ -191,6 +191,9 @@ impl Rebuilds {
                 }
                 if s.settled {
                     self.failures = 0;
+                } else if s.retrying {
+                    // Progress: targets left by a pass are retried alone, soon.
+                    self.not_before = Some(tokio::time::Instant::now() + Duration::from_secs(5));
                 } else {
                     self.failed();
                 }
