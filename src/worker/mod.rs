@@ -249,6 +249,8 @@ pub struct Worker<S, L, A> {
     /// Leases whose readers were stopped because the definitions gate closed: released once
     /// the reader finished its batch (shard -> fencing counter).
     to_release: BTreeMap<String, u64>,
+    /// When the definitions gate last opened (None: closed since, or never opened).
+    gate_open_at: Option<u64>,
 }
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
@@ -258,6 +260,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         Worker {
             gate,
             to_release: BTreeMap::new(),
+            gate_open_at: None,
             shared: Arc::new(shared),
             running: BTreeMap::new(),
             tasks: FuturesUnordered::new(),
@@ -357,9 +360,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     /// One round: renew, discover, keep the lease table tidy, take and balance, report.
     async fn maintain(&mut self) -> Result<(), WorkerError> {
         let now = now_ms();
-        // A replica whose last definitions round failed or closed the gate renews nothing:
-        // another may commit once its leases lapse, and its readers stop at their deadline.
-        if self.shared.definitions_current.load(Ordering::Acquire) {
+        // A replica whose gate closed, or has not opened within a lease duration (its rounds
+        // fail), renews nothing: another may commit once its leases lapse, and its readers stop
+        // at their deadline. One failed round renews as usual.
+        if self.gate_open_at.is_some_and(|t| now.saturating_sub(t) < self.lease_ms()) {
             self.renew(now).await;
         }
         // First, so a failing listing below cannot hold a request back.
@@ -472,6 +476,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         let round = self.gate.round(&self.shared.leases, &self.shared.owner, leases, now, self.lease_ms()).await;
         let open = round.as_ref().is_ok_and(|open| *open);
         self.shared.definitions_current.store(open, Ordering::Release);
+        match round {
+            Ok(true) => self.gate_open_at = Some(now),
+            Ok(false) => self.gate_open_at = None,
+            Err(_) => {}
+        }
         round.map_err(state_error)?;
         if open {
             return Ok(true);
