@@ -165,17 +165,25 @@ async fn rebuild_one(
             (reconciler.run(&Options { all: true, rule: Some(name.clone()), ..opts }).await, 0)
         }
     };
+    let tries = tries.saturating_add(1);
     let report = match run {
         Ok(r) => r,
-        Err(e) => {
-            // Targets left by an earlier pass stay left; a failed full pass runs again.
-            warn!(rule = %name, error = %e, "rebuild pass failed; it runs again");
-            return false;
-        }
+        // A failed full pass runs again. A failed targeted pass counts as a pass (a target
+        // that cannot even be read must not hold the rebuild for ever): its targets are left.
+        Err(e) => match progress.left.get(&name) {
+            None => {
+                warn!(rule = %name, error = %e, "rebuild pass failed; it runs again");
+                return false;
+            }
+            Some((targets, _)) => {
+                warn!(rule = %name, error = %e, passes = tries, "rebuild pass over the targets left failed");
+                let not_quiet = targets.iter().map(|k| (name.clone(), k.clone())).collect();
+                Report { not_quiet, ..Report::default() }
+            }
+        },
     };
     progress.left.remove(&name);
     let (left, unfixable) = left_by(&report);
-    let tries = tries.saturating_add(1);
     let pass = next_pass(left.len(), tries);
     let skip: Vec<&TargetKey> = unfixable.iter().chain(left.iter().filter(|_| pass == Pass::Skip)).collect();
     for key in &skip {

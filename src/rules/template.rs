@@ -48,19 +48,33 @@ impl TimeFunc {
         }
     }
 
-    /// Whether `text` has the shape this function writes: as many `-` after the year's first
-    /// character (0, 1, 2) and a `T` only for the hour. Two rules that differ only by the
-    /// function (`SALES#{date|day}`, `SALES#{date|month}`) then never claim each other's items.
+    /// Whether `text` has the shape this function writes: a year of 4 or more characters,
+    /// digits (signed before year 0), then `-MM`, `-DD` and `THH` as deep as the function goes. Two rules that
+    /// differ only by the function (`SALES#{date|day}`, `SALES#{date|month}`) then never claim
+    /// each other's items.
     fn could_write(self, text: &str) -> bool {
-        let rest = text.get(1..).unwrap_or("");
-        let dashes = rest.matches('-').count();
-        let hour = rest.contains('T');
-        match self {
-            TimeFunc::Year => dashes == 0 && !hour,
-            TimeFunc::Month => dashes == 1 && !hour,
-            TimeFunc::Day => dashes == 2 && !hour,
-            TimeFunc::Hour => dashes == 2 && hour,
+        fn two(s: &str, sep: char) -> Option<&str> {
+            let r = s.strip_prefix(sep)?;
+            r.get(..2).filter(|d| d.bytes().all(|b| b.is_ascii_digit()))?;
+            r.get(2..)
         }
+        // `{:04}` pads the sign too: year -1 is `-001`.
+        let (unsigned, least) = text.strip_prefix(['-', '+']).map_or((text, 4), |u| (u, 3));
+        let digits = unsigned.bytes().take_while(u8::is_ascii_digit).count();
+        if digits < least {
+            return false;
+        }
+        let mut rest = Some(&unsigned[digits..]);
+        let depth = match self {
+            TimeFunc::Year => 0,
+            TimeFunc::Month => 1,
+            TimeFunc::Day => 2,
+            TimeFunc::Hour => 3,
+        };
+        for sep in ['-', '-', 'T'].into_iter().take(depth) {
+            rest = rest.and_then(|r| two(r, sep));
+        }
+        rest == Some("")
     }
 
     /// Writes the truncated time: `2026-11-30T13`, `2026-11-30`, `2026-11`, `2026`.
@@ -445,6 +459,10 @@ mod tests {
         // A time function's expansions have its shape only: a daily and a monthly rule never
         // claim each other's targets (reconcile and a rebuild would zero them).
         assert!(!k.matches_expansion("SALES#2026-11"));
+        assert!(!Template::parse("{r}-{d|month}").unwrap().matches_expansion("eu-2026-11-30"), "11-30 is no month");
+        assert!(Template::parse("{r}-{d|month}").unwrap().matches_expansion("eu-west-2026-11"));
+        assert!(Template::parse("Y#{d|year}").unwrap().matches_expansion("Y#-001"), "before year 0");
+        assert!(!Template::parse("Y#{d|year}").unwrap().matches_expansion("Y#é-1-2"));
         let shapes = ["2026", "2026-11", "2026-11-30", "2026-11-30T13"];
         for (f, want) in [("year", 0), ("month", 1), ("day", 2), ("hour", 3)] {
             let t = Template::parse(&format!("S#{{d|{f}}}#T")).unwrap();

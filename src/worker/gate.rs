@@ -22,7 +22,7 @@ const DRAIN_ROUNDS: u64 = 2;
 pub struct DefinitionsGate {
     running: Running,
     /// False for a command-line consumer: it applies records only under the committed
-    /// definitions and never commits its own (but the first, when none are).
+    /// definitions and never commits its own (but the first, when nothing is recorded).
     commits: bool,
     /// The committed definitions are marked draining by another replica: take no new lease.
     held_back: bool,
@@ -79,9 +79,11 @@ impl DefinitionsGate {
         store: &L,
         owner: &str,
         leases: &BTreeMap<String, Lease>,
-        now_ms: u64,
+        (now_ms, read_at): (u64, std::time::Instant),
         lease_ms: u64,
     ) -> Result<bool, StateError> {
+        // `now_ms` as of now: the round may run long after it was read (retries, a pause).
+        let fresh_ms = || now_ms.saturating_add(u64::try_from(read_at.elapsed().as_millis()).unwrap_or(u64::MAX / 2));
         let beat =
             Beat { owner: owner.to_string(), digest: self.running.digest(), protocol: self.running.protocol, until_ms: now_ms + lease_ms };
         store.publish_beat(&beat).await?;
@@ -105,7 +107,9 @@ impl DefinitionsGate {
                 now_ms,
             };
             match definitions::decide(owner, &self.running, seen) {
-                Gate::Commit(_) | Gate::Drain if !self.commits && committed.is_some() => Gate::Wait(WaitReason::NotCommitted),
+                Gate::Commit(_) | Gate::Drain if !self.commits && (committed.is_some() || legacy.is_some()) => {
+                    Gate::Wait(WaitReason::NotCommitted)
+                }
                 other => other,
             }
         };
@@ -125,10 +129,16 @@ impl DefinitionsGate {
             }
             Gate::Drain => {
                 if let Some((c, revision)) = committed {
-                    let mark = definitions::Drain { owner: owner.to_string(), until_ms: now_ms.saturating_add(DRAIN_ROUNDS * lease_ms) };
-                    if store.store_definitions(&definitions::Committed { draining: Some(mark), ..c }, Some(revision)).await? {
-                        info!("committed rule definitions marked draining; committing this replica's own after one more check");
-                    }
+                    self.mark_draining(store, c, revision, owner, now_ms, lease_ms).await?;
+                }
+                self.wait(WaitReason::Draining);
+                false
+            }
+            // The mark must outlive the commit by a lease duration on a fresh clock: a round
+            // slow to get here (retries, a paused process) marks again instead.
+            Gate::Commit(_) if committed.as_ref().is_some_and(|(c, _)| !c.drained_by(owner, fresh_ms().saturating_add(lease_ms))) => {
+                if let Some((c, revision)) = committed {
+                    self.mark_draining(store, c, revision, owner, fresh_ms(), lease_ms).await?;
                 }
                 self.wait(WaitReason::Draining);
                 false
@@ -146,6 +156,22 @@ impl DefinitionsGate {
             });
         }
         Ok(open)
+    }
+
+    async fn mark_draining<L: LeaseStore>(
+        &self,
+        store: &L,
+        c: definitions::Committed,
+        revision: u64,
+        owner: &str,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<(), StateError> {
+        let mark = definitions::Drain { owner: owner.to_string(), until_ms: now_ms.saturating_add(DRAIN_ROUNDS * lease_ms) };
+        if store.store_definitions(&definitions::Committed { draining: Some(mark), ..c }, Some(revision)).await? {
+            info!("committed rule definitions marked draining; committing this replica's own after one more check");
+        }
+        Ok(())
     }
 
     async fn commit<L: LeaseStore>(&mut self, store: &L, next: definitions::Committed, revision: Option<u64>) -> Result<bool, StateError> {
@@ -224,35 +250,38 @@ mod tests {
         let new = rules(|t| t.replace("SALES#{date|day}", "MONTHLY#{date|month}"));
         let (mut a, mut b) = (DefinitionsGate::new(&old), DefinitionsGate::new(&new));
         let none = BTreeMap::new();
-        assert!(a.round(&store, "a", &none, 1_000, 10_000).await.unwrap(), "first start commits");
+        assert!(a.round(&store, "a", &none, (1_000, std::time::Instant::now()), 10_000).await.unwrap(), "first start commits");
         let held: BTreeMap<String, Lease> = [lease("s1", "a", 11_000)].into();
-        assert!(!b.round(&store, "b", &held, 2_000, 10_000).await.unwrap());
+        assert!(!b.round(&store, "b", &held, (2_000, std::time::Instant::now()), 10_000).await.unwrap());
         assert_eq!(b.waiting(), Some(WaitReason::CommittedLive));
-        assert!(a.round(&store, "a", &held, 3_000, 10_000).await.unwrap(), "the old replica works on");
+        assert!(a.round(&store, "a", &held, (3_000, std::time::Instant::now()), 10_000).await.unwrap(), "the old replica works on");
         // a stops (SIGTERM: beat dropped, leases released): b marks the definitions draining
         // and commits only after one more check.
         store.drop_beat("a").await.unwrap();
-        assert!(!b.round(&store, "b", &none, 4_000, 10_000).await.unwrap(), "marked, not committed yet");
+        assert!(!b.round(&store, "b", &none, (4_000, std::time::Instant::now()), 10_000).await.unwrap(), "marked, not committed yet");
         assert_eq!(b.waiting(), Some(WaitReason::Draining));
         // A replica of the old definitions that read the item before the mark and took a
         // lease after it finds the mark when it reads again, and gives the lease back.
         assert!(!a.still_current(&store, "a", 4_100).await.unwrap());
         let mut a3 = DefinitionsGate::new(&old);
-        assert!(a3.round(&store, "a3", &none, 4_200, 10_000).await.unwrap(), "still the committed definitions");
+        assert!(
+            a3.round(&store, "a3", &none, (4_200, std::time::Instant::now()), 10_000).await.unwrap(),
+            "still the committed definitions"
+        );
         assert!(!a3.takes_leases(), "but marked draining: no new lease");
         store.drop_beat("a3").await.unwrap();
-        assert!(b.round(&store, "b", &none, 5_000, 10_000).await.unwrap(), "b commits and runs");
+        assert!(b.round(&store, "b", &none, (5_000, std::time::Instant::now()), 10_000).await.unwrap(), "b commits and runs");
         let (c, _) = store.definitions().await.unwrap().unwrap();
         assert_eq!(c.draining, None);
         assert_eq!((c.generation, c.rebuild.iter().cloned().collect::<Vec<_>>()), (2, vec!["daily-sales".to_string()]));
         // An old replica restarted now holds nothing.
         let mut a2 = DefinitionsGate::new(&old);
-        assert!(!a2.round(&store, "a2", &none, 6_000, 10_000).await.unwrap());
+        assert!(!a2.round(&store, "a2", &none, (6_000, std::time::Instant::now()), 10_000).await.unwrap());
         assert_eq!(a2.waiting(), Some(WaitReason::CommittedLive));
         // A command-line consumer with another config never commits it.
         store.drop_beat("b").await.unwrap();
         let mut cli = DefinitionsGate::new(&old).never_committing();
-        assert!(!cli.round(&store, "cli", &none, 7_000, 10_000).await.unwrap());
+        assert!(!cli.round(&store, "cli", &none, (7_000, std::time::Instant::now()), 10_000).await.unwrap());
         assert_eq!(cli.waiting(), Some(WaitReason::NotCommitted));
         assert_eq!(store.definitions().await.unwrap().unwrap().0.generation, 2);
     }
@@ -263,16 +292,24 @@ mod tests {
         let (old, new) = (rules(|t| t), rules(|t| t.replace("SALES#{date|day}", "MONTHLY#{date|month}")));
         let (mut a, mut b) = (DefinitionsGate::new(&old), DefinitionsGate::new(&new));
         let none = BTreeMap::new();
-        assert!(a.round(&store, "a", &none, 1_000, 10_000).await.unwrap());
+        assert!(a.round(&store, "a", &none, (1_000, std::time::Instant::now()), 10_000).await.unwrap());
         store.drop_beat("a").await.unwrap();
-        assert!(!b.round(&store, "b", &none, 2_000, 10_000).await.unwrap());
+        assert!(!b.round(&store, "b", &none, (2_000, std::time::Instant::now()), 10_000).await.unwrap());
         assert!(store.definitions().await.unwrap().unwrap().0.draining.is_some());
         // a was only paused: its lease, taken before b's last check, blocks the commit.
         let held: BTreeMap<String, Lease> = [lease("s1", "a", 12_000)].into();
-        assert!(!b.round(&store, "b", &held, 3_000, 10_000).await.unwrap());
+        assert!(!b.round(&store, "b", &held, (3_000, std::time::Instant::now()), 10_000).await.unwrap());
         assert_eq!(b.waiting(), Some(WaitReason::LeasesHeld));
         let (c, _) = store.definitions().await.unwrap().unwrap();
         assert_eq!((c.generation, c.draining), (1, None), "nothing committed, the mark given up");
-        assert!(a.round(&store, "a", &held, 3_500, 10_000).await.unwrap() && a.takes_leases());
+        assert!(a.round(&store, "a", &held, (3_500, std::time::Instant::now()), 10_000).await.unwrap() && a.takes_leases());
+        // A committer whose mark would expire within a lease duration of its commit (a slow
+        // round) marks again instead of committing.
+        store.drop_beat("a").await.unwrap();
+        assert!(!b.round(&store, "b", &none, (4_000, std::time::Instant::now()), 10_000).await.unwrap());
+        assert!(!b.round(&store, "b", &none, (15_000, std::time::Instant::now()), 10_000).await.unwrap(), "mark until 24,000: too close");
+        let (c, _) = store.definitions().await.unwrap().unwrap();
+        assert_eq!((c.generation, c.draining.map(|d| d.until_ms)), (1, Some(35_000)), "marked again");
+        assert!(b.round(&store, "b", &none, (16_000, std::time::Instant::now()), 10_000).await.unwrap(), "then commits");
     }
 }

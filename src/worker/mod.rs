@@ -251,6 +251,8 @@ pub struct Worker<S, L, A> {
     to_release: BTreeMap<String, u64>,
     /// When the definitions gate last opened (None: closed since, or never opened).
     gate_open_at: Option<u64>,
+    /// When this maintenance round read its clock.
+    round_started: std::time::Instant,
 }
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
@@ -261,6 +263,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             gate,
             to_release: BTreeMap::new(),
             gate_open_at: None,
+            round_started: std::time::Instant::now(),
             shared: Arc::new(shared),
             running: BTreeMap::new(),
             tasks: FuturesUnordered::new(),
@@ -360,6 +363,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     /// One round: renew, discover, keep the lease table tidy, take and balance, report.
     async fn maintain(&mut self) -> Result<(), WorkerError> {
         let now = now_ms();
+        self.round_started = std::time::Instant::now();
         // A replica whose gate closed, or has not opened within a lease duration (its rounds
         // fail), renews nothing: another may commit once its leases lapse, and its readers stop
         // at their deadline. One failed round renews as usual.
@@ -369,10 +373,17 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         // First, so a failing listing below cannot hold a request back.
         self.persist_reconcile_request().await;
         if now.saturating_sub(self.last_discovery_ms) >= self.lease_ms().max(1000) || self.shards.is_empty() {
-            let shards = self.shared.source.shards().await.map_err(|e| WorkerError::Aws(format!("DescribeStream: {e}")))?;
-            self.newest_listed_ms = shards.iter().filter_map(|s| crate::shard_id::created_ms(&s.shard_id)).max().unwrap_or(0);
-            self.shards = Arc::new(shards);
-            self.last_discovery_ms = now;
+            match self.shared.source.shards().await {
+                Ok(shards) => {
+                    self.newest_listed_ms = shards.iter().filter_map(|s| crate::shard_id::created_ms(&s.shard_id)).max().unwrap_or(0);
+                    self.shards = Arc::new(shards);
+                    self.last_discovery_ms = now;
+                }
+                // The shards listed last time: a throttled listing must not stop this round's
+                // definitions gate, on which renewals depend.
+                Err(e) if !self.shards.is_empty() => warn!(error = %e, "DescribeStream failed; using the shards listed before"),
+                Err(e) => return Err(WorkerError::Aws(format!("DescribeStream: {e}"))),
+            }
         }
         let mut leases: BTreeMap<String, Lease> =
             self.shared.leases.list().await.map_err(state_error)?.into_iter().map(|l| (l.shard_id.clone(), l)).collect();
@@ -473,7 +484,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     /// their leases are released, so the replicas of the committed definitions, or those
     /// waiting to commit theirs, know it applies nothing. Readiness does not depend on it.
     async fn definitions_gate(&mut self, leases: &BTreeMap<String, Lease>, now: u64) -> Result<bool, WorkerError> {
-        let round = self.gate.round(&self.shared.leases, &self.shared.owner, leases, now, self.lease_ms()).await;
+        let round = self.gate.round(&self.shared.leases, &self.shared.owner, leases, (now, self.round_started), self.lease_ms()).await;
         let open = round.as_ref().is_ok_and(|open| *open);
         self.shared.definitions_current.store(open, Ordering::Release);
         match round {
