@@ -14,17 +14,19 @@
 //! zeroed with a write conditioned on the values read ([`super::protocol::retire_rule`]).
 //!
 //! Rebuilds that finish: the first pass scans the whole table; targets it left (written all
-//! through it, or refused) are retried alone, a few seconds later, and after
-//! [`MAX_TARGET_TRIES`] passes each one left is reported, counted in
+//! through it, or refused) are retried alone, pass after pass, and once their retries are
+//! spent ([`next_pass`]) each one left is reported, counted in
 //! `ddb_aggregator_rule_rebuild_skipped_targets_total{rule}` and handed to the scheduled
 //! reconcile, and the rule is done. A target holding a user's value that is not a number
 //! where a measure goes is skipped at once: no retry corrects it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 
 use tracing::{error, info, warn};
 
-use super::{refusal, Options, Reconciler, Report, Stored};
+use super::protocol::Retirement;
+use super::{refusal, Options, ReconcileError, Reconciler, Report, Stored};
 use crate::config::Config;
 use crate::rules::fingerprint::{self, Rebuild};
 use crate::rules::{Rule, TargetKey};
@@ -32,17 +34,25 @@ use crate::state::definitions::{self, Committed, Retired, Running};
 use crate::state::{LeaseStore, StateError};
 use crate::telemetry::names;
 
-/// Passes over the targets a rule's rebuild left (the first, full pass included) before each
-/// one still left is reported and skipped.
-pub const MAX_TARGET_TRIES: u32 = 3;
+/// How long the targets a rule's first (full) pass left are retried alone, in passes 5 s
+/// apart, before each one still left is reported and skipped: at least [`MIN_TARGET_TRIES`]
+/// passes and [`RETRY_FOR_MS`], at most [`MAX_TARGET_TRIES`] passes. A pass over a few targets
+/// takes seconds where record dates are to the second (the truth read, then the wait for the
+/// consumer), so a target written every half minute is caught quiet within a few of them, and
+/// one written every second is skipped after two minutes. DynamoDB Local dates records to the
+/// minute, so there each pass waits up to a minute and the retries end after 3 or 4 passes.
+pub const MIN_TARGET_TRIES: u32 = 3;
+pub const RETRY_FOR_MS: u64 = 120_000;
+pub const MAX_TARGET_TRIES: u32 = 30;
 
 /// What this replica carries between rebuild steps.
 #[derive(Debug, Default)]
 pub struct Progress {
     /// The generation the passes below belong to: another one starts afresh.
     generation: u64,
-    /// Per rule: the targets its last pass left, and the passes so far.
-    left: BTreeMap<String, (BTreeSet<TargetKey>, u32)>,
+    /// Per rule: the targets its last pass left, the passes so far, and when the first pass
+    /// ended (epoch ms).
+    left: BTreeMap<String, (BTreeSet<TargetKey>, u32, u64)>,
 }
 
 /// One step's end.
@@ -56,6 +66,38 @@ pub struct Stepped {
     pub retrying: bool,
 }
 
+/// What a rebuild runs its passes and retirements with: the reconciler on DynamoDB inside
+/// `run`, the same protocol over the simulation's fakes.
+pub trait Passes: Sync {
+    fn config(&self) -> &Config;
+    /// One round of reconcile over `rule`'s targets: every one (None) or those given.
+    fn pass(
+        &self,
+        rule: &Rule,
+        targets: Option<BTreeSet<TargetKey>>,
+        opts: &Options,
+    ) -> impl Future<Output = Result<Report, ReconcileError>> + Send;
+    /// Zeroes what `old` wrote and no rule of `current` writes ([`super::protocol::retire_rule`]).
+    fn retire(&self, old: &Rule, current: &[Rule]) -> impl Future<Output = Result<Retirement, ReconcileError>> + Send;
+}
+
+impl Passes for Reconciler {
+    fn config(&self) -> &Config {
+        Reconciler::config(self)
+    }
+
+    async fn pass(&self, rule: &Rule, targets: Option<BTreeSet<TargetKey>>, opts: &Options) -> Result<Report, ReconcileError> {
+        match targets {
+            Some(targets) => self.run_targets(&rule.name, targets, opts).await,
+            None => self.run(&Options { all: true, rule: Some(rule.name.to_string()), ..opts.clone() }).await,
+        }
+    }
+
+    async fn retire(&self, old: &Rule, current: &[Rule]) -> Result<Retirement, ReconcileError> {
+        super::protocol::retire_rule(self, old, current).await
+    }
+}
+
 /// Shows the committed work in the gauges (every rule of `rules`, and the retire list).
 pub fn show(committed: &Committed, rules: &[Rule]) {
     for r in rules {
@@ -67,8 +109,8 @@ pub fn show(committed: &Committed, rules: &[Rule]) {
 
 /// Rebuilds the committed rebuild set and retires the retire list, one entry at a time,
 /// removing each when done. Stops at the first entry that is not done yet.
-pub async fn step<L: LeaseStore>(
-    reconciler: &Reconciler,
+pub async fn step<P: Passes, L: LeaseStore>(
+    reconciler: &P,
     leases: &L,
     progress: &mut Progress,
     wait: std::time::Duration,
@@ -147,9 +189,9 @@ async fn settle<L: LeaseStore>(leases: &L, generation: u64, change: impl Fn(&mut
 }
 
 /// One pass of a rule's rebuild: true when it is done (every target compared and corrected,
-/// or the ones left skipped after [`MAX_TARGET_TRIES`] passes).
-async fn rebuild_one(
-    reconciler: &Reconciler,
+/// or the ones left skipped after their retries: [`next_pass`]).
+async fn rebuild_one<P: Passes>(
+    reconciler: &P,
     rule: &Rule,
     progress: &mut Progress,
     wait: std::time::Duration,
@@ -158,13 +200,14 @@ async fn rebuild_one(
     let name = rule.name.to_string();
     // One round per pass: a target that changed is retried by the next pass, alone.
     let opts = Options { wait, attempts: 1, ..Options::default() };
-    let (run, tries) = match progress.left.get(&name) {
-        Some((targets, tries)) => (reconciler.run_targets(&name, targets.clone(), &opts).await, *tries),
+    let (run, tries, since) = match progress.left.get(&name) {
+        Some((targets, tries, since)) => (reconciler.pass(rule, Some(targets.clone()), &opts).await, *tries, Some(*since)),
         None => {
             info!(rule = %name, "rule added or changed: rebuilding its targets from the items");
-            (reconciler.run(&Options { all: true, rule: Some(name.clone()), ..opts }).await, 0)
+            (reconciler.pass(rule, None, &opts).await, 0, None)
         }
     };
+    let since = since.unwrap_or_else(crate::state::now_ms);
     let tries = tries.saturating_add(1);
     let report = match run {
         Ok(r) => r,
@@ -175,7 +218,7 @@ async fn rebuild_one(
                 warn!(rule = %name, error = %e, "rebuild pass failed; it runs again");
                 return false;
             }
-            Some((targets, _)) => {
+            Some((targets, _, _)) => {
                 warn!(rule = %name, error = %e, passes = tries, "rebuild pass over the targets left failed");
                 let not_quiet = targets.iter().map(|k| (name.clone(), k.clone())).collect();
                 Report { not_quiet, ..Report::default() }
@@ -184,7 +227,7 @@ async fn rebuild_one(
     };
     progress.left.remove(&name);
     let (left, unfixable) = left_by(&report);
-    let pass = next_pass(left.len(), tries);
+    let pass = next_pass(left.len(), tries, crate::state::now_ms().saturating_sub(since));
     let skip: Vec<&TargetKey> = unfixable.iter().chain(left.iter().filter(|_| pass == Pass::Skip)).collect();
     for key in &skip {
         error!(rule = %name, target = ?key, passes = tries, "target could not be corrected by the rebuild; skipped (the log above says why; the scheduled reconcile keeps trying it)");
@@ -207,13 +250,14 @@ async fn rebuild_one(
         }
         Pass::Retry => {
             warn!(rule = %name, left = left.len(), passes = tries, "rebuild pass left targets that kept changing; they are retried alone");
-            progress.left.insert(name, (left, tries));
+            progress.left.insert(name, (left, tries, since));
             false
         }
     }
 }
 
-/// What follows a rebuild pass that left `left` targets, after `tries` passes (pure).
+/// What follows a rebuild pass that left `left` targets, after `tries` passes, the first of
+/// them `retried_ms` ago (pure).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pass {
     Done,
@@ -221,10 +265,11 @@ pub enum Pass {
     Skip,
 }
 
-pub fn next_pass(left: usize, tries: u32) -> Pass {
+pub fn next_pass(left: usize, tries: u32, retried_ms: u64) -> Pass {
     match left {
         0 => Pass::Done,
-        _ if tries < MAX_TARGET_TRIES => Pass::Retry,
+        _ if tries < MIN_TARGET_TRIES => Pass::Retry,
+        _ if retried_ms < RETRY_FOR_MS && tries < MAX_TARGET_TRIES => Pass::Retry,
         _ => Pass::Skip,
     }
 }
@@ -243,7 +288,7 @@ pub fn left_by(r: &Report) -> (BTreeSet<TargetKey>, BTreeSet<TargetKey>) {
 
 /// Zeroes what `old` wrote and no current rule writes: true when done (or when the old
 /// definition cannot be read back, which is reported: nothing can be zeroed from it).
-async fn retire_one(reconciler: &Reconciler, config: &Config, old: &Retired) -> bool {
+async fn retire_one<P: Passes>(reconciler: &P, config: &Config, old: &Retired) -> bool {
     let rule = match crate::config::rule_from_definition(&old.name, &old.definition, &config.engine.key_names) {
         Ok(r) => r,
         Err(e) => {
@@ -251,7 +296,7 @@ async fn retire_one(reconciler: &Reconciler, config: &Config, old: &Retired) -> 
             return true;
         }
     };
-    match super::protocol::retire_rule(reconciler, &rule, &config.engine.rules).await {
+    match reconciler.retire(&rule, &config.engine.rules).await {
         Ok(r) if r.changed.is_empty() => {
             info!(rule = %old.name, items = r.items, zeroed = r.zeroed, "old definition retired: what it wrote and no current rule writes is zeroed");
             true
@@ -332,11 +377,16 @@ mod tests {
 
     #[test]
     fn a_pass_that_left_targets_retries_them_then_skips_them() {
-        assert_eq!(next_pass(0, 1), Pass::Done);
-        assert_eq!(next_pass(3, 1), Pass::Retry);
-        assert_eq!(next_pass(1, MAX_TARGET_TRIES - 1), Pass::Retry);
-        assert_eq!(next_pass(1, MAX_TARGET_TRIES), Pass::Skip, "never a full scan again: the rule is done");
-        assert_eq!(next_pass(0, MAX_TARGET_TRIES + 3), Pass::Done);
+        assert_eq!(next_pass(0, 1, 0), Pass::Done);
+        assert_eq!(next_pass(3, 1, 0), Pass::Retry);
+        // Minute-long passes (DynamoDB Local): the passes bound it.
+        assert_eq!(next_pass(1, MIN_TARGET_TRIES - 1, 10 * RETRY_FOR_MS), Pass::Retry);
+        assert_eq!(next_pass(1, MIN_TARGET_TRIES, RETRY_FOR_MS), Pass::Skip, "never a full scan again: the rule is done");
+        // Passes of seconds: the time does.
+        assert_eq!(next_pass(1, 10, RETRY_FOR_MS - 1), Pass::Retry);
+        assert_eq!(next_pass(1, 10, RETRY_FOR_MS), Pass::Skip);
+        assert_eq!(next_pass(1, MAX_TARGET_TRIES, 0), Pass::Skip, "bounded even on a clock that stands still");
+        assert_eq!(next_pass(0, MAX_TARGET_TRIES + 3, 0), Pass::Done);
     }
 
     #[test]

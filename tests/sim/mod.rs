@@ -4,6 +4,7 @@
 
 mod faults;
 mod reconcile;
+pub mod rebuild;
 pub mod tip;
 
 use std::collections::BTreeMap;

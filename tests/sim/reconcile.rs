@@ -58,6 +58,8 @@ pub struct SimConsumer {
     pub stream: Arc<SimStream>,
     pub leases: Arc<MemoryLeases>,
     pub margin_ms: u64,
+    /// How often it looks while shards are behind.
+    pub poll: Duration,
 }
 
 impl Consumer for SimConsumer {
@@ -73,9 +75,7 @@ impl Consumer for SimConsumer {
             if now_ms().saturating_sub(started) > u64::try_from(wait.as_millis()).unwrap_or(u64::MAX) {
                 return Err(ReconcileError::NotCaughtUp(format!("{} shards behind, e.g. {:?}", behind.len(), behind.first())));
             }
-            // Every 2 minutes: each look lists the stream and the lease table (thousands of
-            // shards at 200 partitions), and idle shards are polled every 15 minutes anyway.
-            tokio::time::sleep(Duration::from_secs(120)).await;
+            tokio::time::sleep(self.poll).await;
         }
     }
 }
@@ -101,6 +101,9 @@ pub async fn reconcile_all(
         stream: stream.clone(),
         leases: leases.clone(),
         margin_ms: u64::try_from(config.reconcile_margin.as_millis()).unwrap_or(2_000),
+        // Every 2 minutes: each look lists the stream and the lease table (thousands of
+        // shards at 200 partitions), and idle shards are polled every 15 minutes anyway.
+        poll: Duration::from_secs(120),
     };
     // Simulated time: a long wait costs nothing, and a stalled consumer is found by the oracle.
     let opts = Options { wait: Duration::from_secs(6 * 3600), attempts: 3, fence_all, ..Options::default() };

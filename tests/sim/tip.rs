@@ -449,11 +449,11 @@ impl World {
     }
 }
 
-fn item(key: (u32, u64), cents: i64) -> serde_json::Map<String, Value> {
+pub(super) fn item(key: (u32, u64), cents: i64) -> serde_json::Map<String, Value> {
     let v = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#o{}", key.1)}, "total": {"N": cents_text(cents)}});
     v.as_object().cloned().unwrap_or_default()
 }
 
-fn cents_text(c: i64) -> String {
+pub(super) fn cents_text(c: i64) -> String {
     format!("{}.{:02}", c / 100, c % 100)
 }
