@@ -29,14 +29,16 @@ use sim::{run, Params};
 #[test]
 fn six_days_of_a_small_stream_stay_exact() {
     let seed = std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
-    let report = run(&Params { seed, partitions: 4, days: 6, ..Params::default() });
+    let empty_runs = std::env::var("SIM_EMPTY_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
+    let report = run(&Params { seed, partitions: 4, days: 6, empty_runs_per_partition_hour: empty_runs, ..Params::default() });
     println!("{report}");
     report.assert_sound();
 }
 
 /// The scale run: `SIM_BUDGET_SECONDS` of seeds (at most `SIM_RUNS`), each a simulated
 /// stretch of a large stream (`SIM_PARTITIONS`, `SIM_DAYS`, cut short when the budget runs
-/// out); ignored unless asked for (scripts/simulate-scale).
+/// out), with `SIM_EMPTY_RUNS` runs of 1 or 2 empty pages mid-shard per partition and hour
+/// (default 1); ignored unless asked for (scripts/simulate-scale).
 #[test]
 #[ignore]
 fn scale() {
@@ -52,6 +54,7 @@ fn scale() {
             partitions: env("SIM_PARTITIONS", 200) as usize,
             days: env("SIM_DAYS", 365),
             progress: true,
+            empty_runs_per_partition_hour: std::env::var("SIM_EMPTY_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0),
             // The first run gets the whole budget (it stops early, drains and checks).
             wall_budget: Some(budget.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1))),
             ..Params::default()

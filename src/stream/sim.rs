@@ -211,6 +211,12 @@ impl SimStream {
         lock(&self.state).empty_on.get(shard).copied().unwrap_or(0)
     }
 
+    /// Whether a run injected on `shard` is still to come or its reader has not read records
+    /// since: a run injected now would join it into one longer run.
+    pub fn empty_run_unpassed(&self, shard: &str) -> bool {
+        lock(&self.state).empty_on.contains_key(shard)
+    }
+
     pub fn throttle_next(&self, n: u32) {
         lock(&self.state).throttles = n;
     }
@@ -285,6 +291,9 @@ impl StreamSource for SimStream {
             return Ok(Page { records: Vec::new(), next_iterator: Some(encode(&shard, index, current)) });
         }
         let next_iterator = (!done).then(|| encode(&shard, end, current));
+        if !records.is_empty() && s.empty_on.get(&shard) == Some(&0) {
+            s.empty_on.remove(&shard); // the run was passed
+        }
         if !s.quiet {
             for (seq, _) in &records {
                 s.reads.push((shard.clone(), *seq));

@@ -3,8 +3,8 @@
 //! oracle.
 
 mod faults;
-mod reconcile;
 pub mod rebuild;
+mod reconcile;
 pub mod tip;
 
 use std::collections::BTreeMap;
@@ -66,6 +66,12 @@ pub struct Params {
     pub reconcile_every_hours: u64,
     /// Print a line per simulated day (real time so far, lease table, source items).
     pub progress: bool,
+    /// Runs of empty pages mid-shard (AWS: "it might take multiple calls" to reach records)
+    /// injected per partition and simulated hour, and their length in pages (inclusive).
+    /// The default, 1 to 2 pages, is shorter than the default `reconcile.tip_evidence` rule
+    /// (3 pages over 2s), so reconcile must never judge a shard caught up too early.
+    pub empty_runs_per_partition_hour: f64,
+    pub empty_run_pages: (u32, u32),
 }
 
 impl Default for Params {
@@ -81,6 +87,8 @@ impl Default for Params {
             wall_budget: None,
             reconcile_every_hours: 24,
             progress: false,
+            empty_runs_per_partition_hour: 1.0,
+            empty_run_pages: (1, 2),
         }
     }
 }
@@ -94,6 +102,9 @@ pub struct Report {
     pub shards: u64,
     pub splits: u64,
     pub records: u64,
+    /// Runs of empty pages injected mid-shard, and their pages.
+    pub empty_runs: u64,
+    pub empty_run_pages: u64,
     pub poison: u64,
     pub faults: u64,
     pub calls: u64,
@@ -132,6 +143,9 @@ pub struct Report {
     pub shards_lost: u64,
     pub reconcile_requests: u64,
     pub repairs: u64,
+    /// Start-ups in which a reader started at LATEST may have skipped records, flagged by a
+    /// reconcile request ([`World::start_up`]).
+    pub start_up_skips_flagged: u64,
     /// Reconcile rounds run among the faults, and what they corrected.
     pub reconcile_rounds: u64,
     pub reconcile_corrected: u64,
@@ -167,6 +181,10 @@ impl std::fmt::Display for Report {
             "  shards {} (splits {}), records {} ({} poison, {} orders archived at 30 days), dead letters {}",
             self.shards, self.splits, self.records, self.poison, self.archived, self.letters
         )?;
+        writeln!(f, "  runs of empty pages mid-shard {} ({} pages)", self.empty_runs, self.empty_run_pages)?;
+        if self.start_up_skips_flagged > 0 {
+            writeln!(f, "  a reconcile was requested during the start-up (a reader started at LATEST may have skipped records): letters of records before it not required")?;
+        }
         writeln!(
             f,
             "  faults {} of {} calls, crashes {}, pauses {}, rolling restarts {}, outages {}",
@@ -387,8 +405,11 @@ struct World {
     /// Every status count a HELD move ever left from: reconcile's corrections of these are
     /// repairs.
     held_ever: std::collections::BTreeSet<(Vec<String>, String)>,
-    /// Records appended within this window may be lost to the outage.
+    /// Records appended within these windows may be lost (an outage, a stream switch, a
+    /// start-up that flagged a skip): their letters are not required.
     loss_windows: Vec<(u64, u64)>,
+    /// A reconcile was requested during the start-up ([`World::start_up`]).
+    start_up_flagged: bool,
     /// The source table's stream is disabled (scenario i): changes are not streamed.
     disabled: bool,
     disabled_at: u64,
@@ -472,6 +493,7 @@ impl World {
             held_from: BTreeMap::new(),
             held_ever: std::collections::BTreeSet::new(),
             loss_windows: Vec::new(),
+            start_up_flagged: false,
             disabled: false,
             disabled_at: 0,
             stream_arn: "arn:sim:stream/1".into(),
@@ -535,6 +557,7 @@ impl World {
         let start = now_ms();
         let end = start + self.p.days * DAY;
         let mut roots_done = false;
+        let mut started_up = false;
         let step = Duration::from_secs(60);
         let mut next_check = start + DAY;
         let mut draining_since: Option<u64> = None;
@@ -593,7 +616,11 @@ impl World {
                 // counted twice by a reader left on the old stream).
                 next_check = next_check.min(now + 2 * HOUR);
             }
+            if !started_up {
+                started_up = self.start_up(start, now, &roots).await;
+            }
             self.rollovers(now);
+            self.empty_runs(step);
             self.reconcile_rounds(now);
             self.explain_largest(now);
             if now >= next_hour {
@@ -667,6 +694,55 @@ impl World {
                     }
                 }
             }
+        }
+    }
+
+    /// The start-up: until every root shard has a checkpoint in both deployments, a reader that
+    /// started at LATEST and lost its iterator (an expired one, a trimmed-data answer) gets a
+    /// new LATEST one and skips what arrived in between, as Lambda and the KCL do; the service
+    /// then requests a reconcile of everything, so it is never silent. A skipped poison record
+    /// has no dead letter then (reconcile repairs the values, not the letters): from the start
+    /// to the step that first sees the request is a loss window for letters (a record appended
+    /// after the request comes after the new iterator). True once every root is checkpointed
+    /// (or after 2 hours, bounded).
+    async fn start_up(&mut self, start: u64, now: u64, roots: &[String]) -> bool {
+        if !self.start_up_flagged {
+            for leases in [&self.leases_a, &self.leases_b] {
+                self.start_up_flagged |= leases.reconcile_request().await.ok().flatten().is_some();
+            }
+            if self.start_up_flagged {
+                self.report.start_up_skips_flagged += 1;
+                self.loss_windows.push((start, now));
+            }
+        }
+        let checkpointed = [&self.leases_a, &self.leases_b].iter().all(|leases| {
+            let with: std::collections::BTreeSet<String> =
+                leases.snapshot().into_iter().filter(|l| l.checkpoint.is_some()).map(|l| l.shard_id).collect();
+            roots.iter().all(|r| with.contains(r))
+        });
+        checkpointed || now >= start + 2 * HOUR
+    }
+
+    /// Runs of empty pages on random open shards: the next GetRecords calls there that have
+    /// records answer empty pages instead.
+    fn empty_runs(&mut self, step: Duration) {
+        let per_step = self.p.empty_runs_per_partition_hour * self.leaves.len() as f64 * step.as_secs_f64() / 3600.0;
+        let (lo, hi) = self.p.empty_run_pages;
+        // At most a few runs a step, each drawn apart: a bounded loop.
+        if per_step <= 0.0 {
+            return; // no draw either: a seed replays a run made without runs
+        }
+        let mut runs = per_step.floor() as u64 + u64::from(self.rng.f64() < per_step.fract());
+        while runs > 0 && hi > 0 {
+            runs -= 1;
+            let shard = self.leaves[self.rng.usize(..self.leaves.len())].shard.clone();
+            if self.stream.empty_run_unpassed(&shard) {
+                continue; // two runs back to back would be one longer run
+            }
+            let pages = self.rng.u32(lo.max(1)..=hi.max(lo.max(1)));
+            self.stream.empty_pages_on(&shard, pages);
+            self.report.empty_runs += 1;
+            self.report.empty_run_pages += u64::from(pages);
         }
     }
 

@@ -398,7 +398,7 @@ impl World {
         }
         let shard = &self.shards[self.rng.usize(..self.p.busy)];
         let pages = self.rng.u32(self.p.run_pages.0..=self.p.run_pages.1);
-        if self.stream.empty_pages_pending(shard) > 0 {
+        if self.stream.empty_run_unpassed(shard) {
             return; // two runs back to back would be one longer run
         }
         self.stream.empty_pages_on(shard, pages);
