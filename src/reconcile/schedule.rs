@@ -182,7 +182,12 @@ impl Rebuilds {
         }
         let wait = shared.config.reconcile_wait;
         let stepped = renewing(shared, super::rebuild::step(reconciler, &shared.leases, &mut self.progress, wait)).await;
-        let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
+        // Targets left to retry alone are this replica's progress (kept in memory): it keeps
+        // the lease (for at most its hold) so the next step is its own, not another replica's
+        // full pass from the start.
+        if !stepped.as_ref().is_ok_and(|s| s.retrying) {
+            let _ = shared.leases.release_named(SCHEDULE_LEASE, &shared.owner).await;
+        }
         match stepped {
             Ok(s) => {
                 let mut t = shared.touched.lock().unwrap_or_else(|e| e.into_inner());
