@@ -37,9 +37,11 @@ struct State {
     /// GetRecords calls that answer an empty page though records follow (a stretch of the
     /// shard without records, which AWS documents may take several calls to pass).
     empty_pages: u32,
-    /// The same per shard: its next GetRecords calls that have records to return answer an
-    /// empty page (a run of empty pages mid-shard on that shard's iterator chain).
-    empty_on: BTreeMap<String, u32>,
+    /// Runs of empty pages mid-shard, per shard: at a position (the index of the record they
+    /// stand before), how many empty pages every iterator chain that reaches it answers
+    /// before that record (a stretch of the shard without records: each reader passing it
+    /// takes as many calls; a new iterator there takes them again).
+    empty_on: BTreeMap<String, BTreeMap<usize, u32>>,
     /// DynamoDB Local's answer to GetRecords on an empty shard: TrimmedDataAccess.
     trimmed_when_empty: bool,
     /// Reading order is not logged (long simulations).
@@ -200,21 +202,26 @@ impl SimStream {
         lock(&self.state).empty_pages = n;
     }
 
-    /// The next `n` GetRecords calls on `shard` that have records to return answer an empty
-    /// page instead, with an iterator at the same place (added to any run still pending).
+    /// A run of `n` empty pages on `shard` before the next record appended there: every
+    /// iterator chain that reaches that record answers `n` empty pages first (added to a run
+    /// already there).
     pub fn empty_pages_on(&self, shard: &str, n: u32) {
-        *lock(&self.state).empty_on.entry(shard.to_string()).or_default() += n;
+        let mut s = lock(&self.state);
+        let at = s.shards.get(shard).map_or(0, |sh| sh.records.len());
+        *s.empty_on.entry(shard.to_string()).or_default().entry(at).or_default() += n;
     }
 
-    /// Empty pages still to come on `shard` ([`SimStream::empty_pages_on`]).
+    /// The pages of the run before `shard`'s next record ([`SimStream::empty_pages_on`]).
     pub fn empty_pages_pending(&self, shard: &str) -> u32 {
-        lock(&self.state).empty_on.get(shard).copied().unwrap_or(0)
+        let s = lock(&self.state);
+        let at = s.shards.get(shard).map_or(0, |sh| sh.records.len());
+        s.empty_on.get(shard).and_then(|runs| runs.get(&at)).copied().unwrap_or(0)
     }
 
-    /// Whether a run injected on `shard` is still to come or its reader has not read records
-    /// since: a run injected now would join it into one longer run.
+    /// Whether a run stands before `shard`'s next record: one injected now would join it into
+    /// one longer run.
     pub fn empty_run_unpassed(&self, shard: &str) -> bool {
-        lock(&self.state).empty_on.contains_key(shard)
+        self.empty_pages_pending(shard) > 0
     }
 
     pub fn throttle_next(&self, n: u32) {
@@ -228,14 +235,20 @@ impl SimStream {
 }
 
 fn encode(shard: &str, index: usize, generation: u64) -> String {
-    format!("{shard}|{index}|{generation}")
+    encode_seen(shard, index, generation, 0)
 }
 
-fn decode(it: &str) -> Option<(String, usize, u64)> {
-    let mut p = it.rsplitn(3, '|');
+/// An iterator that has answered `seen` empty pages of the run at `index`.
+fn encode_seen(shard: &str, index: usize, generation: u64, seen: u32) -> String {
+    format!("{shard}|{index}|{generation}|{seen}")
+}
+
+fn decode(it: &str) -> Option<(String, usize, u64, u32)> {
+    let mut p = it.rsplitn(4, '|');
+    let seen = p.next()?.parse().ok()?;
     let generation = p.next()?.parse().ok()?;
     let index = p.next()?.parse().ok()?;
-    Some((p.next()?.to_string(), index, generation))
+    Some((p.next()?.to_string(), index, generation, seen))
 }
 
 impl StreamSource for SimStream {
@@ -269,7 +282,7 @@ impl StreamSource for SimStream {
             s.throttles -= 1;
             return Err(StreamError::Throttled("simulated".into()));
         }
-        let (shard, index, generation) = decode(iterator).ok_or_else(|| StreamError::Fatal("bad iterator".into()))?;
+        let (shard, index, generation, seen) = decode(iterator).ok_or_else(|| StreamError::Fatal("bad iterator".into()))?;
         if generation < s.generation {
             return Err(StreamError::ExpiredIterator);
         }
@@ -286,14 +299,11 @@ impl StreamSource for SimStream {
         let end = (index + limit as usize).min(sh.records.len());
         let records: Vec<(u64, Value)> = sh.records[index..end].to_vec();
         let done = sh.closed && end == sh.records.len();
-        if let Some(n) = s.empty_on.get_mut(&shard).filter(|n| **n > 0 && has_records) {
-            *n -= 1;
-            return Ok(Page { records: Vec::new(), next_iterator: Some(encode(&shard, index, current)) });
+        let run = s.empty_on.get(&shard).and_then(|runs| runs.get(&index)).copied().unwrap_or(0);
+        if has_records && seen < run {
+            return Ok(Page { records: Vec::new(), next_iterator: Some(encode_seen(&shard, index, current, seen + 1)) });
         }
         let next_iterator = (!done).then(|| encode(&shard, end, current));
-        if !records.is_empty() && s.empty_on.get(&shard) == Some(&0) {
-            s.empty_on.remove(&shard); // the run was passed
-        }
         if !s.quiet {
             for (seq, _) in &records {
                 s.reads.push((shard.clone(), *seq));

@@ -723,8 +723,9 @@ impl World {
         checkpointed || now >= start + 2 * HOUR
     }
 
-    /// Runs of empty pages on random open shards: the next GetRecords calls there that have
-    /// records answer empty pages instead.
+    /// Runs of empty pages on random open shards, each before the shard's next record: every
+    /// reader that reaches that record (both deployments, a stale or a new owner) answers
+    /// that many empty pages first.
     fn empty_runs(&mut self, step: Duration) {
         let per_step = self.p.empty_runs_per_partition_hour * self.leaves.len() as f64 * step.as_secs_f64() / 3600.0;
         let (lo, hi) = self.p.empty_run_pages;

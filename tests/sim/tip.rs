@@ -1,7 +1,8 @@
 //! Reconcile's tip evidence under runs of empty GetRecords pages mid-shard (issue 26): the real
 //! worker and the real reconcile protocol on a simulated clock, busy shards and idle ones, and
-//! runs of empty pages injected on busy shards' iterator chains (AWS: "it might take multiple
-//! calls" to pass a stretch without records, with no bound). Reconciles are requested all along;
+//! runs of empty pages injected on busy shards before their next record, which every iterator
+//! chain reaching it answers (AWS: "it might take multiple calls" to pass a stretch without
+//! records, with no bound). Reconciles are requested all along;
 //! an oracle that knows when every record was appended names each judgement that came before
 //! its shard applied what the truth read saw (premature), by the evidence that made it.
 //!
