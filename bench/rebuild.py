@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,18 +30,13 @@ from typing import Any
 
 from bench.local_aws import client, create_table, delete_table, scan
 from bench.reconcile_all import config_text, load_orders
+from bench.run import free_port
 
 RULES = ("customer-orders", "daily-sales")
 
 
 def log(msg: str) -> None:
     print(f"[bench-rebuild {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def changed(text: str) -> str:

@@ -24,7 +24,7 @@ use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Rule, TargetKey};
 use ddb_aggregator::sink::memory::{MemValue, MemoryAggregates};
 use ddb_aggregator::state::memory::MemoryLeases;
-use ddb_aggregator::state::{now_ms, simulate_clock, Checkpoint, Lease, LeaseStore};
+use ddb_aggregator::state::{now_ms, simulate_clock, LeaseStore};
 use ddb_aggregator::stream::sim::SimStream;
 use ddb_aggregator::telemetry::Health;
 use ddb_aggregator::worker::{Shared, Worker};
@@ -441,13 +441,7 @@ impl World {
     }
 
     fn drained(&self) -> bool {
-        let leases: BTreeMap<String, Lease> = self.leases.snapshot().into_iter().map(|l| (l.shard_id.clone(), l)).collect();
-        self.shards.iter().all(|s| match self.stream.last_sequence(s) {
-            None => true,
-            Some(last) => leases
-                .get(s)
-                .is_some_and(|l| matches!(&l.checkpoint, Some(Checkpoint::Sequence(c)) if c.parse::<u64>().is_ok_and(|c| c >= last))),
-        })
+        super::tip::drained(&self.stream, &self.leases, &self.shards)
     }
 
     /// The oracle: the new definitions' values from the items against the table (every

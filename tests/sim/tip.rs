@@ -409,13 +409,7 @@ impl World {
 
     /// Every shard's checkpoint covers its last record.
     fn drained(&self) -> bool {
-        let leases: BTreeMap<String, Lease> = self.leases.snapshot().into_iter().map(|l| (l.shard_id.clone(), l)).collect();
-        self.shards.iter().all(|s| match self.stream.last_sequence(s) {
-            None => true,
-            Some(last) => leases
-                .get(s)
-                .is_some_and(|l| matches!(&l.checkpoint, Some(Checkpoint::Sequence(c)) if c.parse::<u64>().is_ok_and(|c| c >= last))),
-        })
+        drained(&self.stream, &self.leases, &self.shards)
     }
 
     /// The oracle: every aggregate from the items, against the table.
@@ -448,6 +442,17 @@ impl World {
             ));
         }
     }
+}
+
+/// Every one of `shards` has a checkpoint covering its last record.
+pub(super) fn drained(stream: &SimStream, leases: &MemoryLeases, shards: &[String]) -> bool {
+    let leases: BTreeMap<String, Lease> = leases.snapshot().into_iter().map(|l| (l.shard_id.clone(), l)).collect();
+    shards.iter().all(|s| match stream.last_sequence(s) {
+        None => true,
+        Some(last) => leases
+            .get(s)
+            .is_some_and(|l| matches!(&l.checkpoint, Some(Checkpoint::Sequence(c)) if c.parse::<u64>().is_ok_and(|c| c >= last))),
+    })
 }
 
 pub(super) fn item(key: (u32, u64), cents: i64) -> serde_json::Map<String, Value> {
