@@ -590,6 +590,9 @@ fn validate(path: &Path, against_state: bool) -> anyhow::Result<()> {
             writeln!(out, "  warning: {why}; drift in it is never repaired")?;
         }
     }
+    if let Some(why) = config.short_removal_window() {
+        writeln!(out, "  warning: {why}")?;
+    }
     let vars: Vec<String> = config.target_variables().into_iter().map(|v| format!("--{v}")).collect();
     if !vars.is_empty() {
         writeln!(out, "  reconcile flags: {}", vars.join(" "))?;
@@ -724,6 +727,16 @@ fn print_registry(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A duration in ms as `25h`, `90s`: the largest whole unit.
+fn duration_text(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        _ if s >= 3600 && s.is_multiple_of(3600) => format!("{}h", s / 3600),
+        _ if s >= 60 && s.is_multiple_of(60) => format!("{}m", s / 60),
+        _ => format!("{s}s"),
+    }
+}
+
 /// `validate --against-state`: which rules a deploy would rebuild, and which old definitions'
 /// leftovers it would zero.
 fn print_rebuilds(config: &Config) -> anyhow::Result<()> {
@@ -749,12 +762,22 @@ fn print_rebuilds(config: &Config) -> anyhow::Result<()> {
         };
         writeln!(out, "rule {rule}: {what}")?;
     }
+    let after_ms = u64::try_from(config.remove_leftovers_after.as_millis()).unwrap_or(u64::MAX);
     for old in plan.retire {
-        writeln!(
-            out,
-            "old definition of rule {} would be retired: what it wrote and no rule of this config writes is zeroed ({})",
-            old.name, old.definition
-        )?;
+        match old.zeroed_ms {
+            None => writeln!(
+                out,
+                "old definition of rule {} would be retired: what it wrote and no rule of this config writes is zeroed, then removed {} later ({})",
+                old.name,
+                duration_text(after_ms),
+                old.definition
+            )?,
+            Some(at) => {
+                let due = chrono::DateTime::from_timestamp_millis(i64::try_from(at.saturating_add(after_ms)).unwrap_or(i64::MAX))
+                    .map_or_else(|| "later".to_string(), |t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+                writeln!(out, "old definition of rule {}: its leftovers are zeroed and are removed after {due} ({})", old.name, old.definition)?
+            }
+        }
     }
     Ok(())
 }

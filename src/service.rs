@@ -160,6 +160,9 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
         signals.cancel();
     });
     info!(metrics = %local, rules = config.engine.rules.len(), ledger_namespace = %config.ledger_namespace, "starting");
+    if let Some(why) = config.short_removal_window() {
+        warn!("{why}");
+    }
     let every = (config.state.lease_duration * 3).clamp(Duration::from_secs(10), Duration::from_secs(60));
     let mut followed = false;
     loop {

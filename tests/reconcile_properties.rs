@@ -14,7 +14,7 @@ use std::time::Duration;
 use ddb_aggregator::config::Config;
 use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::reconcile::memory::{MemorySources, MemoryTargets};
-use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, SourceItems, TargetItem, TargetStore};
+use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, Removal, SourceItems, TargetItem, TargetStore};
 use ddb_aggregator::reconcile::truth::Truth;
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Coalescer, Engine, Rule, TargetKey};
@@ -322,6 +322,11 @@ impl TargetStore for Harness {
     async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
         self.step().await?;
         self.targets().derive(key_names, target).await
+    }
+
+    async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
+        self.step().await?;
+        self.targets().remove(key, r).await
     }
 }
 

@@ -813,6 +813,10 @@ fn renamed_and_monthly(truth: Values) -> Values {
     out
 }
 
+/// `reconcile.remove_leftovers_after` of the new replica in [`rolling_change`]: short, so the
+/// test sees the zeroed leftovers removed.
+const REMOVE_AFTER: &str = "20s";
+
 /// Orders keep arriving for `for_how_long` (bounded: at most 150 chunks of 20 writes).
 async fn orders_for(c: &aws_sdk_dynamodb::Client, table: &str, for_how_long: Duration, seed: u64) -> usize {
     let started = Instant::now();
@@ -860,7 +864,7 @@ async fn rolling_change(prefix: &str, restart_a: bool) {
     ] {
         assert!(plan.contains(line), "{line}\n{plan}");
     }
-    let b = Service::start(&new_config, dir.path(), "b", &[]);
+    let b = Service::start(&new_config, dir.path(), "b", &[("DDB_AGGREGATOR__RECONCILE__REMOVE_LEFTOVERS_AFTER", REMOVE_AFTER)]);
     let overlap = Instant::now();
     let mut written = orders_for(&c, &table, Duration::from_secs(if restart_a { 25 } else { 50 }), 1).await;
     if restart_a {
@@ -912,6 +916,27 @@ async fn rolling_change(prefix: &str, restart_a: bool) {
         "rolling change: {written} order writes during and after the overlap; {old_daily} old daily targets at 0, {monthly} monthly exact; settled {:.1} s after A's SIGTERM",
         settled.as_secs_f64()
     );
+    // Once `reconcile.remove_leftovers_after` has passed: the old daily targets and the old
+    // attribute are gone, the users' profiles stay, and the aggregates are still exact.
+    loop {
+        let items = scan(&c, &aggregates).await;
+        let old_daily = items.iter().filter(|i| i["PK"].as_s().is_ok_and(|p| p.starts_with("SALES#"))).count();
+        let revenue = items.iter().filter(|i| i["SK"].as_s().is_ok_and(|s| s == "PROFILE") && i.contains_key("revenue")).count();
+        let removal = metric(&b.metrics(), "ddb_aggregator_definitions_removal_pending");
+        if old_daily == 0 && revenue == 0 && removal == 0.0 {
+            break;
+        }
+        assert!(
+            switched.elapsed() < settled + Duration::from_secs(120),
+            "left after the removal was due: {old_daily} old daily targets, {revenue} profiles with revenue, removal pending {removal}\n{}",
+            b.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let removed = metric(&b.metrics(), "ddb_aggregator_definitions_leftovers_removed_total{kind=\"item\"}");
+    assert!(removed >= old_daily as f64, "{removed} items removed, {old_daily} old daily targets");
+    assert_eq!(aggregates_of(&c, &aggregates).await, renamed_and_monthly(truth(&scan(&c, &table).await)), "exact after the removal");
+    println!("rolling change: leftovers removed {:.1} s after A's SIGTERM ({removed} items)", switched.elapsed().as_secs_f64());
     let check = run_cli(&["validate", "--config", new_config.to_str().unwrap(), "--against-state"]);
     let plan = String::from_utf8_lossy(&check.stdout).into_owned();
     assert!(plan.contains("rule daily-sales: unchanged") && !plan.contains("would be retired"), "{plan}");

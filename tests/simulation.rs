@@ -150,4 +150,5 @@ fn a_rebuild_finishes_beside_a_busy_target_and_a_users_string() {
         "only the skipped targets may still be wrong when the rebuild settles:\n{r}"
     );
     assert!(r.values_compared > 100 && r.wrong_after_reconcile.is_empty() && r.user_string_kept, "{r}");
+    assert!(r.old_attribute_left.is_empty() && !r.retire_left, "the renamed measure's old attribute is removed once due:\n{r}");
 }

@@ -72,6 +72,9 @@ pub struct Config {
     pub reconcile_wait: Duration,
     /// Evidence must be this much later than the truth read (`reconcile.margin`).
     pub reconcile_margin: Duration,
+    /// How long after an old definition's leftovers were zeroed they are removed
+    /// (`reconcile.remove_leftovers_after`).
+    pub remove_leftovers_after: Duration,
     /// Where `reconcile` pushes its results (`reconcile.pushgateway`).
     pub reconcile_pushgateway: Option<String>,
     /// When an idle open shard counts as read to its tip (`reconcile.tip_evidence`).
@@ -228,6 +231,18 @@ fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
 }
 
 impl Config {
+    /// Why `reconcile.remove_leftovers_after` is unsafe, when it is shorter than the stream's
+    /// retention: a replay of a record that a removed item's ledger held would count it again.
+    pub fn short_removal_window(&self) -> Option<String> {
+        let retention = Duration::from_millis(crate::worker::plan::RETENTION_MS);
+        (self.remove_leftovers_after < retention).then(|| {
+            format!(
+                "reconcile.remove_leftovers_after is {:?}, shorter than the stream's 24 h retention: a record replayed after an item's removal counts again on it",
+                self.remove_leftovers_after
+            )
+        })
+    }
+
     /// Reads, overrides from the process environment, and validates.
     /// Reads the file at `path`, or with `env:NAME` the YAML text held by environment variable
     /// NAME (an ECS task's `secrets` from SSM Parameter Store, so rules change without a new
@@ -415,6 +430,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         crate::telemetry::push::parse_url(u).map_err(|e| err("reconcile.pushgateway", e.to_string()))?;
     }
     let reconcile_margin = duration("reconcile.margin", raw.reconcile.as_ref().and_then(|r| r.margin.as_deref()), "2s")?;
+    let path = "reconcile.remove_leftovers_after";
+    let remove_leftovers_after = duration(path, raw.reconcile.as_ref().and_then(|r| r.remove_leftovers_after.as_deref()), "25h")?;
+    if remove_leftovers_after.is_zero() {
+        return Err(err(path, "0s: use a duration past the stream's 24 h retention (default 25h)"));
+    }
     let tip_evidence = tip_evidence(raw.reconcile.as_ref().and_then(|r| r.tip_evidence.as_ref()), reconcile_wait)?;
     let reconcile_all = match raw.reconcile.as_ref().and_then(|r| r.scope.as_deref()).unwrap_or("touched") {
         "touched" => false,
@@ -468,6 +488,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         reconcile_all,
         reconcile_wait,
         reconcile_margin,
+        remove_leftovers_after,
         reconcile_pushgateway,
         tip_evidence,
         metrics_listen,

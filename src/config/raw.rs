@@ -154,6 +154,10 @@ pub struct RawReconcile {
     /// clock skew; default 2s).
     #[serde(default, deserialize_with = "text")]
     pub margin: Option<String>,
+    /// How long after a rule change's leftovers are zeroed they are removed (default 25h: past
+    /// the stream's 24 h retention, so no replay can reach them).
+    #[serde(default, deserialize_with = "text")]
+    pub remove_leftovers_after: Option<String>,
     /// A Pushgateway (http://host:port) the `reconcile` command pushes its results to.
     #[serde(default, deserialize_with = "text")]
     pub pushgateway: Option<String>,

@@ -401,3 +401,20 @@ fn the_empty_page_rule_is_explicit_and_checked() {
         load_err(&short_wait)
     );
 }
+
+#[test]
+fn leftovers_of_a_rule_change_are_removed_after_the_replay_window_unless_told_otherwise() {
+    assert_eq!(load(DEMO).unwrap().remove_leftovers_after, Duration::from_secs(25 * 3600), "past the stream's 24 h retention");
+    let with = |v: &str| demo_with("  interval: 1h\n", &format!("  interval: 1h\n  remove_leftovers_after: {v}\n"));
+    assert_eq!(load(&with("48h")).unwrap().remove_leftovers_after, Duration::from_secs(48 * 3600));
+    let env = vec![("DDB_AGGREGATOR__RECONCILE__REMOVE_LEFTOVERS_AFTER".to_string(), "30s".to_string())];
+    assert_eq!(Config::from_yaml(DEMO, env).unwrap().remove_leftovers_after, Duration::from_secs(30), "the environment sets it too");
+    for (v, want) in [
+        ("0s", "reconcile.remove_leftovers_after: 0s: use a duration past the stream's 24 h retention"),
+        ("25", "reconcile.remove_leftovers_after: duration \"25\" needs a unit"),
+        ("soon", "reconcile.remove_leftovers_after"),
+    ] {
+        let e = load_err(&with(v));
+        assert!(e.contains(want), "{v}: {e}");
+    }
+}

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity};
 use aws_sdk_dynamodb::Client;
@@ -15,7 +16,7 @@ use tracing::info;
 
 use super::budget::{self, ReadBudget};
 use super::caught_up;
-use super::protocol::{self, Applied, Consumer, Correction, SourceItems, TargetItem, TargetStore};
+use super::protocol::{self, Applied, Consumer, Correction, Removal, SourceItems, TargetItem, TargetStore};
 use super::report::{Report, Stored};
 use super::truth::{is_target, target_for, Truth};
 use super::{check, refusal, Options, ReconcileError};
@@ -195,6 +196,7 @@ impl Reconciler {
             t.written = names.iter().cloned().collect();
         }
         t.floor = item.get(&self.ledger.floor_attribute()).and_then(|v| v.as_s().ok()).cloned();
+        t.shared = item.keys().any(|k| k.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) && !self.ledger.is_own(k));
         let keys = &self.config.engine.key_names;
         for (k, v) in item.iter().filter(|(k, _)| !k.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) && !keys.contains(k)) {
             let stored = match v {
@@ -594,6 +596,58 @@ impl TargetStore for Reconciler {
         stats
             .and_then(crate::sink::derive::DeriveStats::refused_as_error)
             .map_err(|e| ReconcileError::Aws(format!("deriving {:?}: {e}", target.key.0)))
+    }
+
+    async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
+        let version = self.ledger.version_attribute();
+        let sent = match r {
+            Removal::Item { seen_version } => {
+                let mut req = self
+                    .ddb
+                    .delete_item()
+                    .table_name(&self.config.aggregates_table)
+                    .condition_expression("#v = :seen")
+                    .expression_attribute_names("#v", version)
+                    .expression_attribute_values(":seen", AttributeValue::N(seen_version.clone()));
+                for (k, v) in self.key_of(key) {
+                    req = req.key(k, v);
+                }
+                req.send().await.map(|_| ()).map_err(|e| {
+                    let refused = matches!(e.as_service_error(), Some(DeleteItemError::ConditionalCheckFailedException(_)));
+                    (refused, classify(&e))
+                })
+            }
+            Removal::Attributes(names) => {
+                let mut req = self.ddb.update_item().table_name(&self.config.aggregates_table);
+                for (k, v) in self.key_of(key) {
+                    req = req.key(k, v);
+                }
+                let mut conds = vec!["attribute_exists(#v)".to_string()];
+                let mut removes = Vec::new();
+                for (i, name) in names.iter().enumerate() {
+                    conds.push(format!("#r{i} = :zero"));
+                    removes.push(format!("#r{i}"));
+                    req = req.expression_attribute_names(format!("#r{i}"), name);
+                }
+                req = req
+                    .expression_attribute_names("#v", version)
+                    .expression_attribute_names("#w", self.ledger.measures_attribute())
+                    .expression_attribute_values(":zero", AttributeValue::N("0".into()))
+                    .expression_attribute_values(":one", AttributeValue::N("1".into()))
+                    .expression_attribute_values(":w", AttributeValue::Ss(names.clone()))
+                    .condition_expression(conds.join(" AND "))
+                    .update_expression(format!("REMOVE {} ADD #v :one DELETE #w :w", removes.join(", ")));
+                req.send().await.map(|_| ()).map_err(|e| {
+                    let refused = matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_)));
+                    (refused, classify(&e))
+                })
+            }
+        };
+        match sent {
+            Ok(()) => Ok(true),
+            Err((true, _)) => Ok(false),
+            Err((false, e)) => Err(ReconcileError::Aws(format!("removing leftovers of {:?}: {e}", key.0))),
+        }
     }
 }
 

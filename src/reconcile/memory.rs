@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use serde_json::{Map, Value};
 
-use super::protocol::{Correction, SourceItems, TargetItem, TargetStore};
+use super::protocol::{Correction, Removal, SourceItems, TargetItem, TargetStore};
 use super::report::Stored;
 use super::truth::{is_target, Truth};
 use super::{Options, ReconcileError};
@@ -42,7 +42,9 @@ impl MemoryTargets<'_> {
                 if let MemValue::Str(f) = v {
                     t.floor = Some(f);
                 }
-            } else if !name.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) {
+            } else if name.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) {
+                t.shared |= !self.ledger.is_own(&name);
+            } else {
                 let stored = match v {
                     MemValue::Num(n) => Stored::Number(n),
                     MemValue::Str(s) => Stored::Other(s),
@@ -103,6 +105,14 @@ impl TargetStore for MemoryTargets<'_> {
             .await
             .and_then(crate::sink::derive::DeriveStats::refused_as_error)
             .map_err(|e| ReconcileError::Aws(format!("deriving {:?}: {e}", target.key.0)))
+    }
+
+    async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
+        let version = self.ledger.version_attribute();
+        Ok(match r {
+            Removal::Item { seen_version } => self.store.delete_if(&key_of(key), &version, seen_version),
+            Removal::Attributes(names) => self.store.remove_zeros_if(&key_of(key), (&version, &self.ledger.measures_attribute()), names),
+        })
     }
 }
 

@@ -42,6 +42,9 @@ pub struct TargetItem {
     pub written: BTreeSet<String>,
     /// This deployment's ledger floor on the item (`_aggfloor:<namespace>`), if any.
     pub floor: Option<String>,
+    /// The item holds reserved attributes of another deployment (another ledger namespace):
+    /// it is never deleted ([`removal`]).
+    pub shared: bool,
 }
 
 /// A conditional write that sets attributes to the truth.
@@ -79,6 +82,19 @@ pub trait TargetStore: Sync {
     ) -> impl Future<Output = Result<BTreeMap<TargetKey, TargetItem>, ReconcileError>> + Send;
     /// Derives `target`'s attributes from its helpers ([`crate::sink::derive`]).
     fn derive(&self, key_names: &[String], target: &DeriveTarget) -> impl Future<Output = Result<(), ReconcileError>> + Send;
+    /// Removes what [`removal`] says, if its condition still holds; false when the item
+    /// changed. No default: a wrapper that forgot it would remove nothing, for ever.
+    fn remove(&self, key: &TargetKey, r: &Removal) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
+}
+
+/// Removing what an old definition left, once zeroed and past the replay window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Removal {
+    /// Delete the item, if its write counter is still this (nothing was written since the read).
+    Item { seen_version: String },
+    /// Remove these attributes, if each still holds zero (and the item this deployment's
+    /// counter), and drop them from the written-measures set; advances the counter.
+    Attributes(Vec<String>),
 }
 
 /// The targets among `keys` (and the targets of the helper items among them) whose helper
@@ -359,6 +375,65 @@ pub async fn retire_rule<T: TargetStore>(targets: &T, old: &Rule, current: &[Rul
     Ok(out)
 }
 
+/// What removing an old definition's leftovers did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Removed {
+    /// Items deleted.
+    pub items: u64,
+    /// Attributes removed from items that stay.
+    pub attributes: u64,
+    /// Items that changed between the read and the write: tried again later.
+    pub changed: Vec<TargetKey>,
+}
+
+/// Removes what the old definition `old` left and [`retire_rule`] zeroed, once no replay can
+/// reach it any more (the caller waits out the replay window: a deleted item loses its
+/// ledger, and a late write of a record it holds would then count the record again). Every
+/// write is conditioned on what was read ([`removal`]).
+pub async fn remove_leftovers<T: TargetStore>(targets: &T, old: &Rule, current: &[Rule]) -> Result<Removed, ReconcileError> {
+    let items = targets.scan(old).await?;
+    let mut out = Removed::default();
+    for (key, item) in &items {
+        let Some(r) = removal(old, current, key, item) else { continue };
+        if !targets.remove(key, &r).await? {
+            out.changed.push(key.clone());
+            continue;
+        }
+        match r {
+            Removal::Item { .. } => out.items += 1,
+            Removal::Attributes(a) => out.attributes += a.len() as u64,
+        }
+    }
+    Ok(out)
+}
+
+/// What is removed from `item`, of `old`'s shapes, once its leftovers are zeroed (pure).
+/// Only items that carry this deployment's counter, and only what `old` managed, no current
+/// rule writes, and holds zero. The item itself goes when nothing else is on it (no
+/// attribute a user wrote, no value that is not zero, no other deployment's ledger) and no
+/// current rule targets it; else the zero attributes go.
+pub fn removal(old: &Rule, current: &[Rule], key: &TargetKey, item: &TargetItem) -> Option<Removal> {
+    let seen_version = item.version.clone()?;
+    let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
+    let targeted = current.iter().any(|c| truth::is_target(c, &parts));
+    let is_helper = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)).is_some();
+    let zero = |v: &Stored| matches!(v, Stored::Number(n) if n.is_zero());
+    let gone: Vec<String> = item
+        .values
+        .iter()
+        .filter(|(a, v)| zero(v) && if is_helper { *a == helper::REFS } else { truth::manages(old, a, &item.written, false) })
+        .filter(|(a, _)| is_helper || !current.iter().any(|c| writes(c, key, a)))
+        .map(|(a, _)| a.clone())
+        .collect();
+    if is_helper && targeted {
+        return None;
+    }
+    if !targeted && !item.shared && gone.len() == item.values.len() {
+        return Some(Removal::Item { seen_version });
+    }
+    (!gone.is_empty() && !is_helper).then_some(Removal::Attributes(gone))
+}
+
 /// Whether `rule` writes attribute `attribute` (a measure or a derived one) on `key`.
 fn writes(rule: &Rule, key: &TargetKey, attribute: &str) -> bool {
     let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
@@ -553,6 +628,65 @@ mod tests {
         assert_eq!(query_for(&rules[1], &key(&["SALES#2026-11-30", "TOTAL"])), None, "a scan rule");
     }
 
+    fn changed_rules() -> Vec<Rule> {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+        let text = text
+            .replace("SALES#{date|day}", "MONTHLY#{date|month}")
+            .replace("      revenue: { sum: total }\n", "      spend: { sum: total }\n");
+        Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules
+    }
+
+    fn numbers(values: &[(&str, &str)]) -> BTreeMap<String, Stored> {
+        values.iter().map(|(a, v)| (a.to_string(), Stored::Number(d(v)))).collect()
+    }
+
+    #[test]
+    fn a_zeroed_old_target_goes_whole_unless_something_else_is_on_it() {
+        let (old, new) = (rules(), changed_rules());
+        let daily = old.iter().find(|r| &*r.name == "daily-sales").unwrap();
+        let k = key(&["SALES#2026-11-15", "TOTAL"]);
+        let zeroed = TargetItem {
+            exists: true,
+            values: numbers(&[("orders", "0"), ("revenue", "0")]),
+            version: Some("17".into()),
+            written: ["orders".to_string(), "revenue".to_string()].into(),
+            floor: None,
+            shared: false,
+        };
+        assert_eq!(removal(daily, &new, &k, &zeroed), Some(Removal::Item { seen_version: "17".into() }));
+        let mut noted = zeroed.clone();
+        noted.values.insert("note".into(), Stored::Other("a user's".into()));
+        let attrs = Some(Removal::Attributes(vec!["orders".into(), "revenue".into()]));
+        assert_eq!(removal(daily, &new, &k, &noted), attrs, "a user's attribute keeps the item");
+        let shared = TargetItem { shared: true, ..zeroed.clone() };
+        assert_eq!(removal(daily, &new, &k, &shared), attrs, "another deployment's ledger keeps the item");
+        let late = TargetItem { values: numbers(&[("orders", "1"), ("revenue", "0")]), ..zeroed.clone() };
+        assert_eq!(removal(daily, &new, &k, &late), Some(Removal::Attributes(vec!["revenue".into()])), "a value is never removed");
+        let foreign = TargetItem { version: None, ..zeroed.clone() };
+        assert_eq!(removal(daily, &new, &k, &foreign), None, "not this deployment's");
+        assert_eq!(removal(daily, &old, &k, &zeroed), None, "a current rule still writes it");
+    }
+
+    #[test]
+    fn a_renamed_measure_loses_its_zero_attribute_and_keeps_the_item() {
+        let (old, new) = (rules(), changed_rules());
+        let customers = old.iter().find(|r| &*r.name == "customer-orders").unwrap();
+        let k = key(&["CUST#c1", "PROFILE"]);
+        let item = TargetItem {
+            exists: true,
+            values: numbers(&[("orderCount", "3"), ("revenue", "0"), ("spend", "30"), ("orders_PAID", "0")]),
+            version: Some("5".into()),
+            written: ["orderCount", "revenue", "spend", "orders_PAID"].iter().map(|s| s.to_string()).collect(),
+            floor: None,
+            shared: false,
+        };
+        assert_eq!(
+            removal(customers, &new, &k, &item),
+            Some(Removal::Attributes(vec!["revenue".into()])),
+            "orders_PAID at 0 is still a current measure's"
+        );
+    }
+
     #[test]
     fn drifts_and_the_correction_leave_users_and_strings_alone() {
         let rules = rules();
@@ -571,6 +705,7 @@ mod tests {
             version: Some("41".into()),
             written: ["orders_PAID".to_string()].into(),
             floor: None,
+            shared: false,
         };
         let want: BTreeMap<String, Decimal> =
             [("orderCount", "3"), ("revenue", "12.5"), ("orders_SHIPPED", "1")].iter().map(|(a, v)| (a.to_string(), d(v))).collect();
@@ -704,6 +839,9 @@ mod tests {
         }
         async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
             self.inner.derive(key_names, target).await
+        }
+        async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
+            self.inner.remove(key, r).await
         }
     }
 

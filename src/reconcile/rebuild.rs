@@ -4,7 +4,11 @@
 //! its `retire` list. Each entry is removed (a revision-conditioned store) once it is done, so
 //! a rebuild cut short by a crash or a failed round runs again, on any replica.
 //! `ddb_aggregator_rule_rebuild_pending{rule}` is 1 while a rule is in the set, and
-//! `ddb_aggregator_definitions_retire_pending` counts the retire list.
+//! `ddb_aggregator_definitions_retire_pending` counts the old definitions still to be zeroed.
+//! Zeroed leftovers stay (at zero) for `reconcile.remove_leftovers_after`, past the stream's
+//! retention, and are then removed ([`super::protocol::remove_leftovers`]): a deleted item
+//! loses its ledger, and a replay of a record it held would count the record again.
+//! `ddb_aggregator_definitions_removal_pending` counts the old definitions waiting for that.
 //!
 //! Why this is exact: the definitions were committed only once no live replica applied the
 //! old ones and no lease was held, so every record applied since is applied under the new
@@ -25,7 +29,7 @@ use std::future::Future;
 
 use tracing::{error, info, warn};
 
-use super::protocol::Retirement;
+use super::protocol::{Removed, Retirement};
 use super::{refusal, Options, ReconcileError, Reconciler, Report, Stored};
 use crate::config::Config;
 use crate::rules::fingerprint::{self, Rebuild};
@@ -64,6 +68,8 @@ pub struct Stepped {
     pub skipped: Vec<(String, TargetKey)>,
     /// A pass left targets to retry alone: the next step is due soon, not after a backoff.
     pub retrying: bool,
+    /// Leftovers due for removal were not all removed (an item changed, a call failed).
+    pub removal_left: bool,
 }
 
 /// What a rebuild runs its passes and retirements with: the reconciler on DynamoDB inside
@@ -79,6 +85,8 @@ pub trait Passes: Sync {
     ) -> impl Future<Output = Result<Report, ReconcileError>> + Send;
     /// Zeroes what `old` wrote and no rule of `current` writes ([`super::protocol::retire_rule`]).
     fn retire(&self, old: &Rule, current: &[Rule]) -> impl Future<Output = Result<Retirement, ReconcileError>> + Send;
+    /// Removes what `old` left and [`Passes::retire`] zeroed ([`super::protocol::remove_leftovers`]).
+    fn remove(&self, old: &Rule, current: &[Rule]) -> impl Future<Output = Result<Removed, ReconcileError>> + Send;
 }
 
 impl Passes for Reconciler {
@@ -96,6 +104,10 @@ impl Passes for Reconciler {
     async fn retire(&self, old: &Rule, current: &[Rule]) -> Result<Retirement, ReconcileError> {
         super::protocol::retire_rule(self, old, current).await
     }
+
+    async fn remove(&self, old: &Rule, current: &[Rule]) -> Result<Removed, ReconcileError> {
+        super::protocol::remove_leftovers(self, old, current).await
+    }
 }
 
 /// Shows the committed work in the gauges (every rule of `rules`, and the retire list).
@@ -104,7 +116,8 @@ pub fn show(committed: &Committed, rules: &[Rule]) {
         let pending = committed.rebuild.contains(&*r.name);
         metrics::gauge!(names::RULE_REBUILD_PENDING, "rule" => r.name.to_string()).set(if pending { 1.0 } else { 0.0 });
     }
-    metrics::gauge!(names::DEFINITIONS_RETIRE_PENDING).set(committed.retire.len() as f64);
+    metrics::gauge!(names::DEFINITIONS_RETIRE_PENDING).set(committed.to_zero() as f64);
+    metrics::gauge!(names::DEFINITIONS_REMOVAL_PENDING).set(committed.to_remove() as f64);
 }
 
 /// Rebuilds the committed rebuild set and retires the retire list, one entry at a time,
@@ -151,19 +164,56 @@ pub async fn step<P: Passes, L: LeaseStore>(
         }
         metrics::gauge!(names::RULE_REBUILD_PENDING, "rule" => name.clone()).set(0.0);
     }
-    for old in &committed.retire {
-        if !same_generation(leases, committed.generation).await? || !retire_one(reconciler, config, old).await {
-            return Ok(out);
-        }
-        if !settle(leases, committed.generation, |c| c.retire.retain(|r| r != old)).await? {
-            return Ok(out);
-        }
+    if !clean_up(reconciler, leases, &committed, &mut out).await? {
+        return Ok(out);
     }
     if let Some((c, _)) = leases.definitions().await? {
         show(&c, rules);
         out.settled = c.settled();
     }
     Ok(out)
+}
+
+/// The retire list, entry by entry: an old definition's leftovers are zeroed, then removed once
+/// `reconcile.remove_leftovers_after` has passed since. False when an entry is not done (the
+/// next step goes on from it).
+async fn clean_up<P: Passes, L: LeaseStore>(
+    reconciler: &P,
+    leases: &L,
+    committed: &Committed,
+    out: &mut Stepped,
+) -> Result<bool, StateError> {
+    let config = reconciler.config();
+    let after_ms = u64::try_from(config.remove_leftovers_after.as_millis()).unwrap_or(u64::MAX);
+    for old in &committed.retire {
+        if !same_generation(leases, committed.generation).await? {
+            return Ok(false);
+        }
+        match old.zeroed_ms {
+            None => {
+                if !retire_one(reconciler, config, old).await {
+                    return Ok(false);
+                }
+                let now = crate::state::now_ms();
+                let zeroed = |c: &mut Committed| c.retire.iter_mut().filter(|r| r.same(old)).for_each(|r| r.zeroed_ms = Some(now));
+                if !settle(leases, committed.generation, zeroed).await? {
+                    return Ok(false);
+                }
+            }
+            Some(at) if crate::state::now_ms() >= at.saturating_add(after_ms) => {
+                if !remove_one(reconciler, config, old).await {
+                    out.removal_left = true;
+                    return Ok(false);
+                }
+                if !settle(leases, committed.generation, |c| c.retire.retain(|r| !r.same(old))).await? {
+                    return Ok(false);
+                }
+            }
+            // Zeroed, and not due for removal yet.
+            Some(_) => {}
+        }
+    }
+    Ok(true)
 }
 
 /// Whether the committed definitions are still of `generation` (checked before each entry:
@@ -286,16 +336,44 @@ pub fn left_by(r: &Report) -> (BTreeSet<TargetKey>, BTreeSet<TargetKey>) {
     (retry, unfixable)
 }
 
+/// An old definition read back (None, reported: it cannot be, and nothing can be zeroed or
+/// removed from it).
+fn old_rule(config: &Config, old: &Retired) -> Option<Rule> {
+    match crate::config::rule_from_definition(&old.name, &old.definition, &config.engine.key_names) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            error!(rule = %old.name, error = %e, "cannot read an old definition back; what it wrote is left as it is");
+            None
+        }
+    }
+}
+
+/// Removes what `old` left and its retirement zeroed, once past the replay window: true when
+/// done.
+async fn remove_one<P: Passes>(reconciler: &P, config: &Config, old: &Retired) -> bool {
+    let Some(rule) = old_rule(config, old) else { return true };
+    match reconciler.remove(&rule, &config.engine.rules).await {
+        Ok(r) => {
+            metrics::counter!(names::DEFINITIONS_REMOVED, "kind" => "item").increment(r.items);
+            metrics::counter!(names::DEFINITIONS_REMOVED, "kind" => "attribute").increment(r.attributes);
+            if r.changed.is_empty() {
+                info!(rule = %old.name, items = r.items, attributes = r.attributes, "old definition's zeroed leftovers removed");
+                return true;
+            }
+            warn!(rule = %old.name, changed = r.changed.len(), "items changed while an old definition's leftovers were removed; trying again");
+            false
+        }
+        Err(e) => {
+            warn!(rule = %old.name, error = %e, "removing an old definition's leftovers failed; trying again");
+            false
+        }
+    }
+}
+
 /// Zeroes what `old` wrote and no current rule writes: true when done (or when the old
 /// definition cannot be read back, which is reported: nothing can be zeroed from it).
 async fn retire_one<P: Passes>(reconciler: &P, config: &Config, old: &Retired) -> bool {
-    let rule = match crate::config::rule_from_definition(&old.name, &old.definition, &config.engine.key_names) {
-        Ok(r) => r,
-        Err(e) => {
-            error!(rule = %old.name, error = %e, "cannot read an old definition back; what it wrote is left as it is");
-            return true;
-        }
-    };
+    let Some(rule) = old_rule(config, old) else { return true };
     match reconciler.retire(&rule, &config.engine.rules).await {
         Ok(r) if r.changed.is_empty() => {
             info!(rule = %old.name, items = r.items, zeroed = r.zeroed, "old definition retired: what it wrote and no current rule writes is zeroed");
@@ -402,6 +480,6 @@ mod tests {
         assert_eq!(changed, ["daily-sales"]);
         let was = old.iter().find(|r| &*r.name == "daily-sales").unwrap();
         assert_eq!(p.rules.iter().find(|(n, _)| n == "daily-sales").unwrap().1, Some(Rebuild::Changed { was: was.fingerprint.clone() }));
-        assert_eq!(p.retire, vec![Retired { name: "daily-sales".into(), definition: was.definition.to_string() }]);
+        assert_eq!(p.retire, vec![Retired::new("daily-sales", &was.definition)]);
     }
 }

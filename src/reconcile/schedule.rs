@@ -168,8 +168,10 @@ impl Rebuilds {
         }
         // One read every few seconds: a new generation (this replica gone and back, a
         // rollback) brings new work at any time.
+        let remove_after_ms = u64::try_from(shared.config.remove_leftovers_after.as_millis()).unwrap_or(u64::MAX);
         match shared.leases.definitions().await {
-            Ok(Some((c, _))) if c.settled() => return,
+            // Zeroed leftovers wait for their removal to be due.
+            Ok(Some((c, _))) if c.settled() && c.removal_due_ms(remove_after_ms).is_none_or(|due| crate::state::now_ms() < due) => return,
             Ok(None) => return,
             Ok(Some(_)) => {}
             Err(e) => {
@@ -194,7 +196,7 @@ impl Rebuilds {
                 for (rule, key) in s.skipped {
                     t.entry(rule).or_default().insert(key);
                 }
-                if s.settled {
+                if s.settled && !s.removal_left {
                     self.failures = 0;
                 } else if s.retrying {
                     // Progress: targets left by a pass are retried alone, soon.

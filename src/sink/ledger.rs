@@ -131,6 +131,14 @@ impl Ledger {
         format!("_aggm:{}", self.namespace)
     }
 
+    /// Whether a reserved attribute (`_agg...`) is this namespace's: an entry, the counter,
+    /// the floor, the straggler set, a derivation counter or the written-measures set. An
+    /// item holding a reserved attribute that is not is written by another deployment too.
+    pub fn is_own(&self, attribute: &str) -> bool {
+        let exact = [self.version_attribute(), self.floor_attribute(), self.open_attribute(), self.measures_attribute()];
+        self.is_entry(attribute) || attribute.starts_with(&self.derived_prefix()) || exact.iter().any(|a| a == attribute)
+    }
+
     /// Whether an attribute is one of this namespace's entries, compact or older.
     pub fn is_entry(&self, attribute: &str) -> bool {
         let compact =

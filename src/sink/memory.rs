@@ -154,6 +154,41 @@ impl MemoryAggregates {
         true
     }
 
+    /// Deletes the item if its counter `version_attribute` is still `seen` (as DynamoDB's
+    /// `#v = :seen`).
+    pub fn delete_if(&self, key: &[String], version_attribute: &str, seen: &str) -> bool {
+        let mut s = self.lock();
+        let holds = matches!(s.items.get(key).and_then(|i| i.get(version_attribute)), Some(MemValue::Num(n)) if n.to_string() == seen);
+        if holds {
+            s.items.remove(key);
+        }
+        holds
+    }
+
+    /// Removes `names` if each still holds zero and the item carries the counter
+    /// `version_attribute`, which it advances, and drops them from `measures_attribute`.
+    pub fn remove_zeros_if(&self, key: &[String], (version_attribute, measures_attribute): (&str, &str), names: &[String]) -> bool {
+        let mut s = self.lock();
+        let Some(item) = s.items.get_mut(key) else { return false };
+        let zero = |a: &String| matches!(item.get(a), Some(MemValue::Num(n)) if n.is_zero());
+        let Some(MemValue::Num(version)) = item.get(version_attribute).cloned() else { return false };
+        if !names.iter().all(zero) {
+            return false;
+        }
+        for a in names {
+            item.remove(a);
+        }
+        let next = version.checked_add(Decimal::from_i64(1)).unwrap_or(Decimal::ZERO);
+        item.insert(version_attribute.to_string(), MemValue::Num(next));
+        if let Some(MemValue::Set(written)) = item.get_mut(measures_attribute) {
+            written.retain(|w| !names.contains(w));
+            if written.is_empty() {
+                item.remove(measures_attribute);
+            }
+        }
+        true
+    }
+
     /// Ledger entries (of any namespace) of the item holding the most.
     pub fn most_entries(&self) -> usize {
         let s = self.lock();

@@ -41,6 +41,21 @@ pub struct RuleDef {
 pub struct Retired {
     pub name: String,
     pub definition: String,
+    /// When its leftovers were zeroed (epoch ms): they are removed once
+    /// `reconcile.remove_leftovers_after` has passed since. None: still to be zeroed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zeroed_ms: Option<u64>,
+}
+
+impl Retired {
+    pub fn new(name: &str, definition: &str) -> Retired {
+        Retired { name: name.to_string(), definition: definition.to_string(), zeroed_ms: None }
+    }
+
+    /// Whether `other` is the same old definition (whatever its progress).
+    pub fn same(&self, other: &Retired) -> bool {
+        self.name == other.name && self.definition == other.definition
+    }
 }
 
 /// What the state table holds as committed.
@@ -89,9 +104,25 @@ impl Committed {
         self.draining.as_ref().is_some_and(|d| d.owner == me && d.until_ms > now_ms)
     }
 
-    /// Whether the rebuild and the clean-up of this generation are done.
+    /// Whether the rebuild of this generation is done and every old definition's leftovers are
+    /// zeroed (their removal may still be due: [`Committed::removal_due_ms`]).
     pub fn settled(&self) -> bool {
-        self.rebuild.is_empty() && self.retire.is_empty()
+        self.rebuild.is_empty() && self.retire.iter().all(|r| r.zeroed_ms.is_some())
+    }
+
+    /// Old definitions whose leftovers are still to be zeroed.
+    pub fn to_zero(&self) -> usize {
+        self.retire.iter().filter(|r| r.zeroed_ms.is_none()).count()
+    }
+
+    /// Old definitions whose zeroed leftovers are still to be removed.
+    pub fn to_remove(&self) -> usize {
+        self.retire.iter().filter(|r| r.zeroed_ms.is_some()).count()
+    }
+
+    /// When the first zeroed leftovers are due for removal, `after_ms` after they were zeroed.
+    pub fn removal_due_ms(&self, after_ms: u64) -> Option<u64> {
+        self.retire.iter().filter_map(|r| r.zeroed_ms).min().map(|z| z.saturating_add(after_ms))
     }
 }
 
@@ -310,7 +341,7 @@ pub fn next(c: &Committed, mine: &Running) -> Committed {
     let mut retire: Vec<Retired> = c.retire.clone();
     for (name, old) in &c.rules {
         if mine.rules.get(name) != Some(&old.definition) {
-            retire.push(Retired { name: name.clone(), definition: old.definition.clone() });
+            retire.push(Retired::new(name, &old.definition));
         }
     }
     // A definition current again (a rollback) is rebuilt, not cleaned up; each once.
@@ -380,7 +411,7 @@ mod tests {
         assert_eq!(next.generation, 2);
         assert_eq!(next.draining, None);
         assert_eq!(next.rebuild, BTreeSet::from(["monthly".to_string()]), "orders is unchanged");
-        assert_eq!(next.retire, vec![Retired { name: "daily".into(), definition: "{D}".into() }]);
+        assert_eq!(next.retire, vec![Retired::new("daily", "{D}")]);
         assert_eq!(next.rules["orders"].since, 1);
         assert_eq!(next.rules["monthly"].since, 2);
         // Once committed, the new replicas run and an old one restarted now waits.
@@ -409,13 +440,13 @@ mod tests {
         let b = running(&[("orders", "{B}")]);
         let g1 = committed(&a);
         let g2 = next(&g1, &b);
-        assert_eq!(g2.retire, vec![Retired { name: "orders".into(), definition: "{A}".into() }]);
+        assert_eq!(g2.retire, vec![Retired::new("orders", "{A}")]);
         // Rolled back before the rebuild of B finished: A is current again (rebuilt, since B
         // was applied meanwhile), and B's leftovers are what is cleaned up.
         let g3 = next(&g2, &a);
         assert_eq!(g3.rules["orders"].since, 3);
         assert_eq!(g3.rebuild, BTreeSet::from(["orders".to_string()]));
-        assert_eq!(g3.retire, vec![Retired { name: "orders".into(), definition: "{B}".into() }]);
+        assert_eq!(g3.retire, vec![Retired::new("orders", "{B}")]);
     }
 
     #[test]
@@ -426,7 +457,7 @@ mod tests {
         let g2 = next(&committed(&a), &b);
         let g3 = next(&g2, &c);
         assert_eq!(g3.rebuild, BTreeSet::from(["daily".to_string(), "extra".to_string()]));
-        assert_eq!(g3.retire, vec![Retired { name: "daily".into(), definition: "{D}".into() }], "not cleaned up yet: still due");
+        assert_eq!(g3.retire, vec![Retired::new("daily", "{D}")], "not cleaned up yet: still due");
     }
 
     #[test]

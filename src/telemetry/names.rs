@@ -21,6 +21,10 @@ pub const DEFINITIONS_WAITING: &str = "ddb_aggregator_definitions_waiting";
 pub const DEFINITIONS_GENERATION: &str = "ddb_aggregator_definitions_generation";
 /// Old definitions whose leftovers (targets, attributes, helper items) are still to be zeroed.
 pub const DEFINITIONS_RETIRE_PENDING: &str = "ddb_aggregator_definitions_retire_pending";
+/// Old definitions whose zeroed leftovers wait for `reconcile.remove_leftovers_after` to be removed.
+pub const DEFINITIONS_REMOVAL_PENDING: &str = "ddb_aggregator_definitions_removal_pending";
+/// Items deleted and attributes removed after a rule change (`kind`: item, attribute).
+pub const DEFINITIONS_REMOVED: &str = "ddb_aggregator_definitions_leftovers_removed_total";
 pub const RULE_REBUILD_SKIPPED: &str = "ddb_aggregator_rule_rebuild_skipped_targets_total";
 pub const COALESCED_UPDATES: &str = "ddb_aggregator_coalesced_record_updates_total";
 pub const WRITE_CAPACITY_UNITS: &str = "ddb_aggregator_write_capacity_units_total";
@@ -79,6 +83,11 @@ pub fn describe() {
         DEFINITIONS_RETIRE_PENDING,
         "Old rule definitions whose leftovers (targets, attributes and helper items the current rules do not write) are still to be zeroed."
     );
+    describe_gauge!(
+        DEFINITIONS_REMOVAL_PENDING,
+        "Old rule definitions whose zeroed leftovers are removed once reconcile.remove_leftovers_after has passed."
+    );
+    describe_counter!(DEFINITIONS_REMOVED, "Leftovers of old rule definitions removed after the replay window, by kind (item, attribute).");
     describe_counter!(
         RULE_REBUILD_SKIPPED,
         "Targets a rule's rebuild could not correct in its passes (written all through them, or refused): reported in the log and left to the scheduled reconcile."
@@ -151,6 +160,10 @@ pub fn init_series(rules: &[String]) {
     for outcome in ["written", "lost_race", "covered", "refused", "error"] {
         counter!(DERIVATIONS, "outcome" => outcome).increment(0);
     }
+    for kind in ["item", "attribute"] {
+        counter!(DEFINITIONS_REMOVED, "kind" => kind).increment(0);
+    }
+    metrics::gauge!(DEFINITIONS_REMOVAL_PENDING).set(0.0);
     for outcome in ReadOutcome::ALL {
         counter!(GET_RECORDS, "outcome" => outcome.as_str()).increment(0);
     }

@@ -199,7 +199,8 @@ impl DefinitionsGate {
             let pending = c.rebuild.contains(name) && self.running.runs(c);
             metrics::gauge!(names::RULE_REBUILD_PENDING, "rule" => name.clone()).set(if pending { 1.0 } else { 0.0 });
         }
-        metrics::gauge!(names::DEFINITIONS_RETIRE_PENDING).set(c.retire.len() as f64);
+        metrics::gauge!(names::DEFINITIONS_RETIRE_PENDING).set(c.to_zero() as f64);
+        metrics::gauge!(names::DEFINITIONS_REMOVAL_PENDING).set(c.to_remove() as f64);
     }
 
     fn wait(&mut self, why: WaitReason) {

@@ -18,7 +18,7 @@ use std::time::Duration;
 use ddb_aggregator::config::Config;
 use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::reconcile::memory::MemorySources;
-use ddb_aggregator::reconcile::protocol::{self, Retirement};
+use ddb_aggregator::reconcile::protocol::{self, Removed, Retirement};
 use ddb_aggregator::reconcile::rebuild::{self, Passes};
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Rule, TargetKey};
@@ -42,6 +42,9 @@ const ORDERS_PER_CUSTOMER: usize = 20;
 const HOT: u32 = 0;
 const USERS: u32 = 5;
 const USER_TEXT: &str = "set by a user";
+/// `reconcile.remove_leftovers_after`, short here: zeroed leftovers (the renamed measure's old
+/// attribute) are removed this long after the rebuild zeroed them.
+const REMOVE_AFTER_S: u64 = 600;
 
 #[derive(Debug, Clone)]
 pub struct RebuildParams {
@@ -85,6 +88,10 @@ pub struct RebuildReport {
     pub values_compared: u64,
     pub wrong_after_reconcile: Vec<String>,
     pub user_string_kept: bool,
+    /// Items still holding the renamed measure's old attribute once its removal was due, and
+    /// whether the committed definitions still list the old definition then.
+    pub old_attribute_left: Vec<String>,
+    pub retire_left: bool,
     pub wall_s: f64,
     pub problems: Vec<String>,
 }
@@ -111,6 +118,13 @@ impl std::fmt::Display for RebuildReport {
             self.wrong_after_reconcile.len(),
             self.wrong_after_reconcile,
             self.user_string_kept
+        )?;
+        write!(
+            f,
+            "\n  after the removal was due: {} items with the old attribute {:?}; the old definition still listed: {}",
+            self.old_attribute_left.len(),
+            self.old_attribute_left.iter().take(5).collect::<Vec<_>>(),
+            self.retire_left
         )?;
         for p in &self.problems {
             write!(f, "\n  PROBLEM: {p}")?;
@@ -147,6 +161,10 @@ impl Passes for SimPasses {
     async fn retire(&self, old: &Rule, current: &[Rule]) -> Result<Retirement, ReconcileError> {
         protocol::retire_rule(&self.targets, old, current).await
     }
+
+    async fn remove(&self, old: &Rule, current: &[Rule]) -> Result<Removed, ReconcileError> {
+        protocol::remove_leftovers(&self.targets, old, current).await
+    }
 }
 
 fn config(measures: &str) -> Config {
@@ -155,7 +173,7 @@ fn config(measures: &str) -> Config {
 source: {{ table: sim-source, start_position: trim_horizon, batch_size: 100 }}
 state: {{ table: sim-rebuild-state, lease_duration: 10s }}
 aggregates: {{ table: sim-aggregates }}
-reconcile: {{ interval: 0s, wait: 2m }}
+reconcile: {{ interval: 0s, wait: 2m, remove_leftovers_after: {REMOVE_AFTER_S}s }}
 rules:
   - name: orders
     source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{order_id}}" }}
@@ -281,6 +299,16 @@ impl World {
             .aggregates
             .item(&[&format!("CUST#c{USERS}"), "PROFILE"])
             .is_some_and(|i| matches!(i.get("spend"), Some(MemValue::Str(s)) if s == USER_TEXT));
+        // Quiet past the removal window: the rebuild loop removes the zeroed old attribute.
+        tokio::time::sleep(Duration::from_secs(REMOVE_AFTER_S + 60)).await;
+        self.report.old_attribute_left = self
+            .aggregates
+            .keys()
+            .into_iter()
+            .filter(|k| self.aggregates.item(&k.iter().map(String::as_str).collect::<Vec<_>>()).is_some_and(|i| i.contains_key("revenue")))
+            .map(|k| k.join("/"))
+            .collect();
+        self.report.retire_left = self.leases.definitions().await.ok().flatten().is_none_or(|(c, _)| !c.retire.is_empty());
         stop_loop.cancel();
         let _ = rebuilds.await;
         stop_b.cancel();
@@ -336,6 +364,7 @@ impl World {
     ) -> tokio::task::JoinHandle<()> {
         let (passes, leases, current, stop) = (self.passes(), self.leases.clone(), current.clone(), stop.clone());
         let wait = self.new.reconcile_wait;
+        let remove_after_ms = REMOVE_AFTER_S * 1000;
         tokio::spawn(async move {
             let mut progress = rebuild::Progress::default();
             let mut generation = None;
@@ -357,9 +386,13 @@ impl World {
                     lock(&seen).committed_at = Some(now_ms());
                 }
                 if c.settled() {
-                    let mut s = lock(&seen);
-                    s.settled_at = s.settled_at.or(Some(now_ms()));
-                    continue;
+                    {
+                        let mut s = lock(&seen);
+                        s.settled_at = s.settled_at.or(Some(now_ms()));
+                    }
+                    if c.removal_due_ms(remove_after_ms).is_none_or(|due| now_ms() < due) {
+                        continue;
+                    }
                 }
                 lock(&seen).steps += 1;
                 if let Ok(stepped) = rebuild::step(&passes, &*leases, &mut progress, wait).await {
