@@ -35,10 +35,14 @@
 //! A rule definition change during a rolling deploy (old and new replicas side by side, two
 //! target items, a generation in the state table, a rebuild) is a separate model:
 //! [`definitions`].
+//!
+//! Correcting a target written all the time (a hold its writers log under) is a third:
+//! [`hold`].
 
 use stateright::{Model, Property};
 
 pub mod definitions;
+pub mod hold;
 
 /// Shards: P = 0, C1 = 1, C2 = 2.
 pub const SHARDS: usize = 3;
