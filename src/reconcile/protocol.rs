@@ -384,27 +384,61 @@ pub struct Removed {
     pub attributes: u64,
     /// Items that changed between the read and the write: tried again later.
     pub changed: Vec<TargetKey>,
+    /// Items the table refused to change (left at zero, reported, never holding the others).
+    pub failed: Vec<(TargetKey, String)>,
 }
 
 /// Removes what the old definition `old` left and [`retire_rule`] zeroed, once no replay can
 /// reach it any more (the caller waits out the replay window: a deleted item loses its
 /// ledger, and a late write of a record it holds would then count the record again). Every
-/// write is conditioned on what was read ([`removal`]).
+/// write is conditioned on what was read ([`removal`]); an item is read again, strongly
+/// consistent, just before it is deleted, so what was written on it since the scan keeps it.
 pub async fn remove_leftovers<T: TargetStore>(targets: &T, old: &Rule, current: &[Rule]) -> Result<Removed, ReconcileError> {
     let items = targets.scan(old).await?;
     let mut out = Removed::default();
-    for (key, item) in &items {
-        let Some(r) = removal(old, current, key, item) else { continue };
-        if !targets.remove(key, &r).await? {
-            out.changed.push(key.clone());
+    for (key, scanned) in &items {
+        if removal(old, current, key, scanned).is_none() {
             continue;
         }
-        match r {
-            Removal::Item { .. } => out.items += 1,
-            Removal::Attributes(a) => out.attributes += a.len() as u64,
+        match remove_one(targets, old, current, key).await {
+            Ok(Gone::Nothing) => {}
+            Ok(Gone::Changed) => out.changed.push(key.clone()),
+            Ok(Gone::Removed(Removal::Item { .. })) => out.items += 1,
+            Ok(Gone::Removed(Removal::Attributes(a))) => out.attributes += a.len() as u64,
+            Err(e) => {
+                tracing::warn!(rule = %old.name, target = ?key.0, error = %e, "cannot remove this leftover; it stays at zero, the others go on");
+                out.failed.push((key.clone(), e.to_string()));
+            }
         }
     }
     Ok(out)
+}
+
+/// What [`remove_one`] did.
+enum Gone {
+    Removed(Removal),
+    /// The item changed between the read and the write.
+    Changed,
+    /// Nothing is left to remove.
+    Nothing,
+}
+
+/// Removes what [`removal`] says of `key` as it is now (read again, strongly consistent).
+/// Attributes go at most [`MAX_SET_PER_CORRECTION`] per write (DynamoDB's 4 KB expression
+/// limit).
+async fn remove_one<T: TargetStore>(targets: &T, old: &Rule, current: &[Rule], key: &TargetKey) -> Result<Gone, ReconcileError> {
+    let item = targets.read(key).await?;
+    let Some(r) = removal(old, current, key, &item) else { return Ok(Gone::Nothing) };
+    let writes = match &r {
+        Removal::Item { .. } => vec![r.clone()],
+        Removal::Attributes(names) => names.chunks(MAX_SET_PER_CORRECTION).map(|c| Removal::Attributes(c.to_vec())).collect(),
+    };
+    for w in &writes {
+        if !targets.remove(key, w).await? {
+            return Ok(Gone::Changed);
+        }
+    }
+    Ok(Gone::Removed(r))
 }
 
 /// What is removed from `item`, of `old`'s shapes, once its leftovers are zeroed (pure).
@@ -879,6 +913,74 @@ mod tests {
         let failed: Vec<_> = report.failed.iter().map(|(r, k, why)| (r.as_str(), k.clone(), why.contains("size"))).collect();
         assert_eq!(failed, [("customer-orders", key(&["CUST#c2", "PROFILE"]), true)]);
         assert!(report.uncorrected() >= 1, "the run reports the failure");
+    }
+
+    /// The memory fakes, where a user writes an attribute on `touched` just after the scan.
+    struct UserWritesAfterScan<'a> {
+        inner: super::super::memory::MemoryTargets<'a>,
+        touched: TargetKey,
+    }
+
+    impl TargetStore for UserWritesAfterScan<'_> {
+        async fn read(&self, key: &TargetKey) -> Result<TargetItem, ReconcileError> {
+            if *key == self.touched {
+                let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
+                self.inner.store.put(&parts, "note", crate::sink::memory::MemValue::Str("a user's".into()));
+            }
+            self.inner.read(key).await
+        }
+        async fn scan(&self, rule: &Rule) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+            self.inner.scan(rule).await
+        }
+        async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
+            self.inner.correct(key, c).await
+        }
+        async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
+            self.inner.helpers(rule, owner).await
+        }
+        async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
+            self.inner.derive(key_names, target).await
+        }
+        async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
+            self.inner.remove(key, r).await
+        }
+    }
+
+    /// Removal after the replay window: zeroed old-shape items go, unless something was
+    /// written on them after the scan (read again just before the delete); a renamed
+    /// measure's zero attribute goes from an item the current rules keep.
+    #[tokio::test]
+    async fn zeroed_leftovers_are_removed_and_a_user_write_after_the_scan_keeps_its_item() {
+        use crate::sink::memory::{MemValue, MemoryAggregates};
+        let (old, new) = (rules(), changed_rules());
+        let ledger = crate::sink::ledger::Ledger::new("t");
+        let store = MemoryAggregates::new();
+        let ours = |k: &[&str], attrs: &[(&str, &str)]| {
+            for (a, v) in attrs {
+                store.put(k, a, MemValue::Num(d(v)));
+            }
+            store.put(k, &ledger.version_attribute(), MemValue::Num(d("4")));
+            store.put(k, &ledger.measures_attribute(), MemValue::Set(attrs.iter().map(|(a, _)| a.to_string()).collect()));
+        };
+        ours(&["SALES#2026-11-14", "TOTAL"], &[("orders", "0"), ("revenue", "0")]);
+        ours(&["SALES#2026-11-15", "TOTAL"], &[("orders", "0"), ("revenue", "0")]);
+        ours(&["CUST#c1", "PROFILE"], &[("orderCount", "2"), ("revenue", "0"), ("spend", "9")]);
+        let targets = UserWritesAfterScan {
+            inner: super::super::memory::MemoryTargets { store: &store, ledger: ledger.clone() },
+            touched: key(&["SALES#2026-11-15", "TOTAL"]),
+        };
+        let daily = old.iter().find(|r| &*r.name == "daily-sales").unwrap();
+        let r = remove_leftovers(&targets, daily, &new).await.unwrap();
+        assert_eq!((r.items, r.attributes, r.changed.len(), r.failed.len()), (1, 2, 0, 0), "{r:?}");
+        assert!(store.item(&["SALES#2026-11-14", "TOTAL"]).is_none(), "deleted");
+        let kept = store.item(&["SALES#2026-11-15", "TOTAL"]).expect("kept: a user wrote on it after the scan");
+        assert!(kept.contains_key("note") && !kept.contains_key("orders") && !kept.contains_key("revenue"), "{kept:?}");
+        let customers = old.iter().find(|r| &*r.name == "customer-orders").unwrap();
+        let r = remove_leftovers(&targets, customers, &new).await.unwrap();
+        assert_eq!((r.items, r.attributes), (0, 1), "{r:?}");
+        let profile = store.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert!(!profile.contains_key("revenue") && profile["spend"] == MemValue::Num(d("9")), "{profile:?}");
+        assert_eq!(profile[&ledger.measures_attribute()], MemValue::Set(["orderCount".to_string(), "spend".to_string()].into()));
     }
 
     /// Reconcile repairs helper items (a stale one is zeroed, missing ones created) and derives

@@ -201,9 +201,10 @@ async fn clean_up<P: Passes, L: LeaseStore>(
                 }
             }
             Some(at) if crate::state::now_ms() >= at.saturating_add(after_ms) => {
+                // A removal not done does not hold back the entries after it.
                 if !remove_one(reconciler, config, old).await {
                     out.removal_left = true;
-                    return Ok(false);
+                    continue;
                 }
                 if !settle(leases, committed.generation, |c| c.retire.retain(|r| !r.same(old))).await? {
                     return Ok(false);
@@ -357,7 +358,13 @@ async fn remove_one<P: Passes>(reconciler: &P, config: &Config, old: &Retired) -
             metrics::counter!(names::DEFINITIONS_REMOVED, "kind" => "item").increment(r.items);
             metrics::counter!(names::DEFINITIONS_REMOVED, "kind" => "attribute").increment(r.attributes);
             if r.changed.is_empty() {
-                info!(rule = %old.name, items = r.items, attributes = r.attributes, "old definition's zeroed leftovers removed");
+                info!(
+                    rule = %old.name,
+                    items = r.items,
+                    attributes = r.attributes,
+                    refused = r.failed.len(),
+                    "old definition's zeroed leftovers removed (any the table refused stay at zero; the log above names them)"
+                );
                 return true;
             }
             warn!(rule = %old.name, changed = r.changed.len(), "items changed while an old definition's leftovers were removed; trying again");

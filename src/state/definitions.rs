@@ -338,7 +338,10 @@ pub fn next(c: &Committed, mine: &Running) -> Committed {
             }
         }
     }
-    let mut retire: Vec<Retired> = c.retire.clone();
+    // Carried entries are zeroed again under the new rules, and their removal waits a whole
+    // window from then: what the new generation stops writing (a rule removed now that wrote
+    // the same attributes) had its ledger written until now.
+    let mut retire: Vec<Retired> = c.retire.iter().map(|r| Retired::new(&r.name, &r.definition)).collect();
     for (name, old) in &c.rules {
         if mine.rules.get(name) != Some(&old.definition) {
             retire.push(Retired::new(name, &old.definition));
@@ -432,6 +435,26 @@ mod tests {
         let agree = [beat("b", &b, 5_000), beat("b2", &b, 5_000)];
         assert_eq!(decide("b", &b, seen(Some(&c), &agree, 0)), Gate::Drain);
         assert!(matches!(decide("b", &b, seen(Some(&marked(&c, "b")), &agree, 0)), Gate::Commit(_)));
+    }
+
+    #[test]
+    fn a_new_generation_zeroes_carried_leftovers_again_and_restarts_their_window() {
+        let g1 = Committed {
+            generation: 1,
+            protocol: PROTOCOL,
+            rules: [("x".to_string(), RuleDef { definition: "{X}".into(), since: 1 })].into(),
+            ..Committed::default()
+        };
+        let mut g2 = next(&g1, &running(&[("y", "{Y}")]));
+        assert_eq!(g2.retire, vec![Retired::new("x", "{X}")]);
+        g2.retire[0].zeroed_ms = Some(1_000);
+        g2.rebuild.clear();
+        assert!(g2.settled() && g2.to_remove() == 1 && g2.removal_due_ms(500) == Some(1_500));
+        // y removed later: x's leftovers may share what y wrote until now.
+        let g3 = next(&g2, &running(&[("z", "{Z}")]));
+        assert_eq!(g3.retire, vec![Retired::new("x", "{X}"), Retired::new("y", "{Y}")], "both zeroed again, no removal due");
+        assert_eq!(g3.removal_due_ms(500), None);
+        assert!(!g3.settled());
     }
 
     #[test]
