@@ -10,23 +10,50 @@ use crate::rules::{Engine, Rule};
 
 pub(super) fn check(engine: &Engine) -> Result<(), ConfigError> {
     for (i, writer) in engine.rules.iter().enumerate() {
-        for reader in &engine.rules {
-            if source_key_may_match(writer, reader) && filter_may_accept(writer, reader) {
-                return Err(err(
-                    format!("rules[{i}].target"),
-                    format!(
-                        "items written by rule {:?} could match rule {:?}'s source_key and filter, so it would aggregate its own writes (a feedback loop); use a target key that source_key cannot match (e.g. SK: PROFILE) or a separate aggregates.table",
-                        writer.name, reader.name
-                    ),
-                ));
+        for shape in shapes(writer) {
+            for reader in &engine.rules {
+                if source_key_may_match(&shape.key, reader) && filter_may_accept(&shape, reader) {
+                    let what = if shape.helper { "helper items (of max, min, latest, distinct)" } else { "items" };
+                    return Err(err(
+                        format!("rules[{i}].target"),
+                        format!(
+                            "{what} written by rule {:?} could match rule {:?}'s source_key and filter, so it would aggregate its own writes (a feedback loop); use a target key that source_key cannot match (e.g. SK: PROFILE) or a separate aggregates.table",
+                            writer.name, reader.name
+                        ),
+                    ));
+                }
             }
         }
     }
     Ok(())
 }
 
-fn source_key_may_match(writer: &Rule, reader: &Rule) -> bool {
-    reader.source_key.iter().all(|(attr, source)| match writer.target.iter().find(|(a, _)| a == attr) {
+/// One shape of item a rule writes: its key templates and its attributes.
+struct Shape {
+    key: Vec<(String, Template)>,
+    attributes: Vec<Template>,
+    helper: bool,
+}
+
+/// The target items a rule writes, and the helper items next to them, one per helper measure:
+/// the target's sort key followed by `#_agg#<measure>#<value>` ([`crate::rules::helper`]).
+fn shapes(rule: &Rule) -> Vec<Shape> {
+    let mut out =
+        vec![Shape { key: rule.target.clone(), attributes: rule.measures.iter().map(|m| m.name.clone()).collect(), helper: false }];
+    let Some(((sk_name, sk), rest)) = rule.target.split_last() else { return out };
+    for m in rule.measures.iter().filter(|m| matches!(m.kind, crate::rules::MeasureKind::Helper(_))) {
+        let text = format!("{}{}{}#{{_value}}", sk.text(), crate::rules::helper::MARK, m.name.text());
+        let Ok(helper_sk) = Template::parse(&text) else { continue };
+        let mut key = rest.to_vec();
+        key.push((sk_name.clone(), helper_sk));
+        let refs = Template::parse(crate::rules::helper::REFS).into_iter().collect();
+        out.push(Shape { key, attributes: refs, helper: true });
+    }
+    out
+}
+
+fn source_key_may_match(target: &[(String, Template)], reader: &Rule) -> bool {
+    reader.source_key.iter().all(|(attr, source)| match target.iter().find(|(a, _)| a == attr) {
         Some((_, target)) => may_overlap(target, source),
         None => false, // target items do not have this attribute
     })
@@ -98,17 +125,17 @@ fn glob(pieces: &[Piece], text: &str) -> bool {
 
 /// Builds the stream records a target item would produce (with a few sample values for its
 /// variables) and asks the reader's filter.
-fn filter_may_accept(writer: &Rule, reader: &Rule) -> bool {
+fn filter_may_accept(shape: &Shape, reader: &Rule) -> bool {
     let Some(filter) = &reader.filter else { return true };
     ["x", "1", "2026-01-01"].iter().any(|sample| {
         let mut image = Map::new();
-        for (attr, t) in &writer.target {
+        for (attr, t) in &shape.key {
             let value = t.expand(|_| Some(crate::rules::template::VarValue::Str(sample))).unwrap_or_else(|_| t.text().to_string());
             image.insert(attr.clone(), json!({ "S": value }));
         }
         let keys = Value::Object(image.clone());
-        for m in &writer.measures {
-            let name = m.name.expand(|_| Some(crate::rules::template::VarValue::Str(sample))).unwrap_or_else(|_| m.name.text().to_string());
+        for a in &shape.attributes {
+            let name = a.expand(|_| Some(crate::rules::template::VarValue::Str(sample))).unwrap_or_else(|_| a.text().to_string());
             image.insert(name, json!({"N": "1"}));
         }
         let image = Value::Object(image);
