@@ -13,8 +13,5 @@ COPY config /etc/ddb-aggregator/examples
 # 65532 is distroless's nonroot user; numeric, so Kubernetes can check runAsNonRoot.
 USER 65532:65532
 EXPOSE 9464
-# mimalloc returns freed pages to the OS at once instead of after 10 ms: the catch-up's peak RSS
-# at batch_size 10,000 fell from 84-86 MiB to 59-66 MiB at the same speed (BENCHMARKS.md).
-ENV MIMALLOC_PURGE_DELAY=0
 ENTRYPOINT ["/usr/local/bin/ddb-aggregator"]
 CMD ["run", "--config", "/etc/ddb-aggregator/config.yaml"]

@@ -121,7 +121,7 @@ def labelled(port: int, name: str) -> dict[str, float]:
 class Service:
     def __init__(self, binary: str, config: Path, ddb: str, log_path: Path):
         env = {**os.environ, "AWS_ENDPOINT_URL_DYNAMODB": ddb, "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": ddb, "AWS_REGION": "us-east-1"}
-        env.update({"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local", "RUST_LOG": "info", "MIMALLOC_PURGE_DELAY": "0"})
+        env.update({"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local", "RUST_LOG": "info"})
         self.log_path = log_path
         self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [binary, "run", "--config", str(config), "--log-format", "json"]

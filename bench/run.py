@@ -255,8 +255,6 @@ class Harness:
                     DDB_AGGREGATOR__METRICS__LISTEN=f"127.0.0.1:{port}",
                     # One debug line per applied batch with its phases (bench/phases.py).
                     RUST_LOG="info,aws_config=warn,aws_smithy_runtime=warn,ddb_aggregator::phases=debug",
-                    # As the container image sets it (Dockerfile): freed pages go back at once.
-                    MIMALLOC_PURGE_DELAY="0",
                 )
                 if batch_size is not None:
                     env["DDB_AGGREGATOR__SOURCE__BATCH_SIZE"] = str(batch_size)
@@ -723,7 +721,8 @@ def versions(binary: str) -> dict[str, str]:
     return out
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The harness's options (bench/memory.py builds its harness with them too)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", required=True, help="the ddb-aggregator binary")
     p.add_argument("--config", type=Path, default=ROOT / "bench/ddb-aggregator.yaml")
@@ -758,6 +757,11 @@ def main() -> int:
     )
     p.add_argument("--results", type=Path, default=ROOT / "bench/results")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    return p
+
+
+def main() -> int:
+    p = parser()
     a = p.parse_args()
     if a.backlog < 20_000 and not a.allow_small_backlog:
         p.error("--backlog must be at least 20,000 (--allow-small-backlog for development)")

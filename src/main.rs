@@ -21,6 +21,24 @@ use serde_json::Value;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `purge_delay` option (`MIMALLOC_PURGE_DELAY`), which the bindings leave out: the
+/// one before `use_numa_nodes` in mimalloc.h's option enum (mimalloc 2 and 3 alike).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Freed pages go back to the OS at once instead of after mimalloc's delay (1 s in the
+/// mimalloc 3 this build links, 10 ms in mimalloc 2): a catch-up
+/// allocates and frees a batch's worth every few hundred ms, and with the delay the peak RSS
+/// of a 1,000-record batch rose from about 46 to 51-63 MiB. A user's own
+/// `MIMALLOC_PURGE_DELAY` (or its older name `MIMALLOC_RESET_DELAY`) still decides.
+fn tune_allocator() {
+    if ["MIMALLOC_PURGE_DELAY", "MIMALLOC_RESET_DELAY"].iter().any(|v| std::env::var_os(v).is_some()) {
+        return;
+    }
+    // SAFETY: mi_option_set stores an integer in mimalloc's option table; it takes no pointer
+    // and touches no allocation.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
+}
+
 #[derive(Parser)]
 #[command(name = "ddb-aggregator", version, about = "Keeps counter and rollup items exactly right from a DynamoDB table's stream", long_about = None)]
 struct Cli {
@@ -245,6 +263,7 @@ fn command_for(args: &[String]) -> Result<(clap::Command, Vec<String>), String> 
 }
 
 fn main() -> ExitCode {
+    tune_allocator();
     let args: Vec<String> = std::env::args().collect();
     let (cmd, var_names) = match command_for(&args) {
         Ok(x) => x,
@@ -837,4 +856,21 @@ fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {
         return Err(anyhow!("no records read"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_pages_go_back_at_once_unless_the_user_set_the_delay() {
+        // The option's place in mimalloc.h's enum, next to one the bindings name.
+        assert_eq!(MI_OPTION_PURGE_DELAY + 1, libmimalloc_sys::mi_option_use_numa_nodes);
+        // SAFETY: as in tune_allocator; mi_option_get only reads the table.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 10) };
+        tune_allocator();
+        let user_set = ["MIMALLOC_PURGE_DELAY", "MIMALLOC_RESET_DELAY"].iter().any(|v| std::env::var_os(v).is_some());
+        let now = unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        assert_eq!(now, if user_set { 10 } else { 0 });
+    }
 }
