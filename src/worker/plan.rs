@@ -24,6 +24,14 @@ pub fn initial_position(checkpoint: Option<&Checkpoint>, parent_known: bool, sta
     }
 }
 
+/// Whether a reader starting at `position` with the lease at fencing `counter` follows an
+/// earlier reader of the same LATEST start: a shard with no checkpoint read from LATEST, taken
+/// more than once (every take advances the counter; the first makes it 1). The earlier reader's
+/// LATEST was before this one's, and what came in between may be skipped (pure).
+pub fn latest_taken_again(position: &Position, counter: u64) -> bool {
+    *position == Position::Latest && counter > 1
+}
+
 /// Whether the service knows `lease`'s parent: it has a lease for it, or DescribeStream lists it.
 pub fn parent_known(lease: &Lease, leases: &BTreeMap<String, Lease>, listed: &BTreeSet<&str>) -> bool {
     lease.parent.as_deref().is_some_and(|p| leases.contains_key(p) || listed.contains(p))
@@ -139,6 +147,10 @@ mod tests {
         assert_eq!(initial_position(Some(&Checkpoint::ShardEnd), false, Latest), None);
         assert_eq!(initial_position(None, true, Latest), Some(Position::TrimHorizon), "a rollover child is read from its start");
         assert_eq!(initial_position(None, false, Latest), Some(Position::Latest));
+        assert!(!latest_taken_again(&Position::Latest, 1), "the first reader");
+        assert!(latest_taken_again(&Position::Latest, 2), "a second reader of a LATEST start");
+        assert!(!latest_taken_again(&Position::TrimHorizon, 5), "the horizon loses nothing");
+        assert!(!latest_taken_again(&Position::After("7".into()), 5), "a checkpoint loses nothing");
         let horizon = Checkpoint::TrimHorizon;
         assert_eq!(
             initial_position(Some(&horizon), false, Latest),

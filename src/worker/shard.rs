@@ -174,6 +174,13 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     let ctx = ShardContext::new(&shared.ledger, &lease.shard_id);
     let idle_min = shared.polling.idle_min;
     info!(shard = %lease.shard_id, position = ?position, "reading shard");
+    if crate::worker::plan::latest_taken_again(&position, lease.counter) {
+        // An earlier reader started at LATEST and lost the lease (or crashed) before its first
+        // checkpoint: what arrived between its start and this one may be skipped. Never silent.
+        warn!(shard = %lease.shard_id, "a shard read from LATEST changed hands before its first checkpoint: records between the two readers' starts may be skipped; a reconcile of everything is requested");
+        shared.request_reconcile_everything();
+        persist_request(&shared).await;
+    }
     let reader = ShardReader {
         shared,
         lease,

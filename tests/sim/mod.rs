@@ -1340,7 +1340,9 @@ impl World {
                 return;
             }
             self.report.values_wrong += still.len() as u64;
-            self.report.problems.push(format!("reconcile did not repair: {}", still.join("; ")));
+            self.report
+                .problems
+                .push(format!("reconcile did not repair (requested by A/B: {requested}/{requested_b}): {}", still.join("; ")));
             return;
         }
         if requested || requested_b {
