@@ -849,14 +849,20 @@ mod tests {
         assert_eq!(floor("c4"), None, "never written by this deployment: left alone");
     }
 
-    /// The memory fakes, with one target whose corrections DynamoDB refuses.
+    /// The memory fakes, with one target whose corrections DynamoDB refuses (`refused`), and
+    /// one a user writes an attribute on whenever it is read (`touched`).
     struct Refusing<'a> {
         inner: super::super::memory::MemoryTargets<'a>,
         refused: TargetKey,
+        touched: Option<TargetKey>,
     }
 
     impl TargetStore for Refusing<'_> {
         async fn read(&self, key: &TargetKey) -> Result<TargetItem, ReconcileError> {
+            if self.touched.as_ref() == Some(key) {
+                let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
+                self.inner.store.put(&parts, "note", crate::sink::memory::MemValue::Str("a user's".into()));
+            }
             self.inner.read(key).await
         }
         async fn scan(&self, rule: &Rule) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
@@ -902,6 +908,7 @@ mod tests {
         let targets = Refusing {
             inner: super::super::memory::MemoryTargets { store: &store, ledger: crate::sink::ledger::Ledger::new("t") },
             refused: key(&["CUST#c2", "PROFILE"]),
+            touched: None,
         };
         let mut report = Report::default();
         let opts = Options { all: true, ..Options::default() };
@@ -913,37 +920,6 @@ mod tests {
         let failed: Vec<_> = report.failed.iter().map(|(r, k, why)| (r.as_str(), k.clone(), why.contains("size"))).collect();
         assert_eq!(failed, [("customer-orders", key(&["CUST#c2", "PROFILE"]), true)]);
         assert!(report.uncorrected() >= 1, "the run reports the failure");
-    }
-
-    /// The memory fakes, where a user writes an attribute on `touched` just after the scan.
-    struct UserWritesAfterScan<'a> {
-        inner: super::super::memory::MemoryTargets<'a>,
-        touched: TargetKey,
-    }
-
-    impl TargetStore for UserWritesAfterScan<'_> {
-        async fn read(&self, key: &TargetKey) -> Result<TargetItem, ReconcileError> {
-            if *key == self.touched {
-                let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
-                self.inner.store.put(&parts, "note", crate::sink::memory::MemValue::Str("a user's".into()));
-            }
-            self.inner.read(key).await
-        }
-        async fn scan(&self, rule: &Rule) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
-            self.inner.scan(rule).await
-        }
-        async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
-            self.inner.correct(key, c).await
-        }
-        async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
-            self.inner.helpers(rule, owner).await
-        }
-        async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
-            self.inner.derive(key_names, target).await
-        }
-        async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
-            self.inner.remove(key, r).await
-        }
     }
 
     /// Removal after the replay window: zeroed old-shape items go, unless something was
@@ -965,9 +941,10 @@ mod tests {
         ours(&["SALES#2026-11-14", "TOTAL"], &[("orders", "0"), ("revenue", "0")]);
         ours(&["SALES#2026-11-15", "TOTAL"], &[("orders", "0"), ("revenue", "0")]);
         ours(&["CUST#c1", "PROFILE"], &[("orderCount", "2"), ("revenue", "0"), ("spend", "9")]);
-        let targets = UserWritesAfterScan {
+        let targets = Refusing {
             inner: super::super::memory::MemoryTargets { store: &store, ledger: ledger.clone() },
-            touched: key(&["SALES#2026-11-15", "TOTAL"]),
+            refused: key(&["none"]),
+            touched: Some(key(&["SALES#2026-11-15", "TOTAL"])),
         };
         let daily = old.iter().find(|r| &*r.name == "daily-sales").unwrap();
         let r = remove_leftovers(&targets, daily, &new).await.unwrap();

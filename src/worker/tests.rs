@@ -924,6 +924,16 @@ async fn a_throttled_reader_at_latest_keeps_its_place() {
     r.handle.await.unwrap().unwrap();
 }
 
+/// Waits (at most 2 s) for a reconcile request in the state table.
+async fn await_request(fakes: &Fakes) {
+    for _ in 0..100 {
+        if fakes.1.reconcile_request().await.unwrap().is_some() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A shard read from LATEST that changes hands before its first checkpoint (its reader stopped,
 /// crashed or lost the lease before any record came) is read from LATEST again: what arrived
 /// between the two starts is skipped. Not silent: the second reader requests a reconcile of
@@ -939,12 +949,7 @@ async fn a_latest_shard_taken_again_before_its_first_checkpoint_requests_a_recon
     // Written while nobody reads: the next LATEST start is after it.
     fakes.0.append(&shard, order("c1", 1, "INSERT", "2", "PAID"));
     let second = start_at_latest(&fakes).await;
-    for _ in 0..100 {
-        if fakes.1.reconcile_request().await.unwrap().is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    await_request(&fakes).await;
     assert!(fakes.1.reconcile_request().await.unwrap().is_some(), "the second reader of the LATEST start asks for a reconcile");
     second.cancel.cancel();
     second.handle.await.unwrap().unwrap();
@@ -960,12 +965,7 @@ async fn a_trimmed_answer_at_latest_requests_a_reconcile() {
     let shard = fakes.0.add_shard(None);
     fakes.0.trimmed_when_empty();
     let r = start_at_latest(&fakes).await;
-    for _ in 0..100 {
-        if fakes.1.reconcile_request().await.unwrap().is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    await_request(&fakes).await;
     assert!(fakes.1.reconcile_request().await.unwrap().is_some(), "the request is in the state table");
     // The stretch a new LATEST iterator skips, then what comes after it.
     fakes.0.append(&shard, order("c1", 1, "INSERT", "2", "PAID"));
