@@ -21,6 +21,8 @@ struct State {
     /// By key, in key order: a partition's helper items are a range (as a Query reads them).
     items: BTreeMap<Vec<String>, BTreeMap<String, MemValue>>,
     fail_next: u32,
+    /// Writes that fail with an error no retry helps (the batch fails at once).
+    fatal_next: u32,
     calls: u64,
     /// Largest item size written, bytes, and the ledger entries (of any namespace) it held.
     largest_item: usize,
@@ -77,6 +79,11 @@ impl MemoryAggregates {
     /// The next `n` writes fail with a transient error.
     pub fn fail_next(&self, n: u32) {
         self.lock().fail_next = n;
+    }
+
+    /// The next `n` ledger writes fail with an error the write does not retry.
+    pub fn fail_next_for_good(&self, n: u32) {
+        self.lock().fatal_next = n;
     }
 
     pub fn calls(&self) -> u64 {
@@ -250,6 +257,10 @@ impl AggregateStore for MemoryAggregates {
         if s.fail_next > 0 {
             s.fail_next -= 1;
             return Err(SinkError::Transient("simulated throttling".into()));
+        }
+        if s.fatal_next > 0 {
+            s.fatal_next -= 1;
+            return Err(SinkError::Fatal("simulated failure".into()));
         }
         let longest = expressions(w).longest();
         if longest > MAX_EXPRESSION_BYTES {

@@ -163,6 +163,10 @@ pub struct ShardReader<S, L, A> {
     last_read_end: Option<Instant>,
     /// When a GetRecords call last returned records ([`next_idle`]).
     last_records_at: Option<Instant>,
+    /// Read from LATEST with no checkpoint yet: the iterator of the first page of the pending
+    /// batch (everything before it is applied). A failed batch, or a read error that drops the
+    /// pending records, reads again from it: a new LATEST iterator would skip them.
+    latest_from: Option<String>,
 }
 
 pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
@@ -198,6 +202,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         gathering: Gathering::default(),
         last_read_end: None,
         last_records_at: None,
+        latest_from: None,
     };
     reader.run().await
 }
@@ -234,6 +239,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                 Err(e) => return self.on_iterator_error(e).await,
             },
         };
+        if self.position == Position::Latest && self.pending.records == 0 {
+            self.latest_from = Some(it.clone());
+        }
         let called_at = now_ms();
         let batch_size = self.shared.config.source.batch_size as usize;
         let limit = u32::try_from(batch_size.saturating_sub(self.pending.records)).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
@@ -285,7 +293,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                 BatchOutcome::Failed(e) => {
                     self.failures += 1;
                     warn!(shard = %self.shard(), error = %e, attempt = self.failures, "batch not applied; re-reading it from the checkpoint");
-                    // The iterator stays None: reading restarts from `position`.
+                    // Reading restarts from `position`, or, before a first checkpoint at
+                    // LATEST, from the batch's first page.
+                    self.iterator = self.restart_at_latest();
                     return self.pause_or_stop(crate::sink::backoff(self.failures)).await;
                 }
             }
@@ -378,9 +388,13 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             warn!(shard = %self.shard(), error = %e, "GetRecords failed; backing off");
             return self.pause_or_stop(crate::sink::backoff(self.failures)).await;
         }
-        // Reading restarts from the checkpoint: what was gathered is read again.
+        // Reading restarts from the checkpoint: what was gathered is read again (before a
+        // first checkpoint at LATEST, from the pending batch's first page).
         self.pending = PendingBatch::default();
         self.pending_since = None;
+        if !matches!(e, StreamError::ExpiredIterator | StreamError::TrimmedData(_)) {
+            self.iterator = self.restart_at_latest();
+        }
         if e == StreamError::ExpiredIterator && self.position == Position::Latest {
             // Started at LATEST and not checkpointed yet: a new LATEST iterator would skip
             // whatever arrived since, so that stretch may be missing. Never silent.
@@ -405,6 +419,13 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                 self.pause_or_stop(crate::sink::backoff(self.failures)).await
             }
         }
+    }
+
+    /// Where reading restarts after a failure before a first checkpoint at LATEST: the pending
+    /// batch's first page (None: from `position`, a checkpoint or the horizon, as ever). An
+    /// iterator that expired meanwhile is answered as expired, which requests a reconcile.
+    fn restart_at_latest(&self) -> Option<String> {
+        (self.position == Position::Latest).then(|| self.latest_from.clone()).flatten()
     }
 
     async fn on_trimmed(&mut self, why: &str) -> Flow {

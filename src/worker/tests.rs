@@ -924,6 +924,24 @@ async fn a_throttled_reader_at_latest_keeps_its_place() {
     r.handle.await.unwrap().unwrap();
 }
 
+/// A first batch at LATEST whose writes fail is read again from its first page once the
+/// table takes writes, not from a new LATEST iterator that would skip it.
+#[tokio::test]
+async fn a_failed_first_batch_at_latest_is_read_again_not_skipped() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let shard = fakes.0.add_shard(None);
+    let r = start_at_latest(&fakes).await;
+    fakes.2.fail_next_for_good(3);
+    let records: Vec<Value> = (1..=3).map(|n| order("c1", n, "INSERT", "2", "PAID")).collect();
+    for rec in &records {
+        fakes.0.append(&shard, rec.clone());
+    }
+    settle(&fakes, &expected(&records), 0).await;
+    assert_eq!(fakes.1.reconcile_request().await.unwrap(), None, "nothing was skipped");
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+}
+
 /// Waits (at most 2 s) for a reconcile request in the state table.
 async fn await_request(fakes: &Fakes) {
     for _ in 0..100 {
