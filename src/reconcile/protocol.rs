@@ -179,7 +179,7 @@ pub fn query_for(rule: &Rule, target: &TargetKey) -> Option<Query> {
 /// The drifted attributes of one target: those reconcile manages ([`truth::manages`]) whose
 /// stored value differs from the truth (absent counts as zero).
 pub fn drifts(rule: &Rule, key: &TargetKey, want: &BTreeMap<String, Decimal>, item: &TargetItem) -> Vec<Drift> {
-    let is_helper = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)).is_some();
+    let is_helper = is_helper_key(key);
     let managed = |a: &String| if is_helper { a == helper::REFS } else { truth::manages(rule, a, &item.written, want.contains_key(a)) };
     let attrs: BTreeSet<&String> = want.keys().chain(item.values.keys()).filter(|a| managed(a)).collect();
     let mut out = Vec::new();
@@ -450,22 +450,36 @@ pub fn removal(old: &Rule, current: &[Rule], key: &TargetKey, item: &TargetItem)
     let seen_version = item.version.clone()?;
     let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
     let targeted = current.iter().any(|c| truth::is_target(c, &parts));
-    let is_helper = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)).is_some();
-    let zero = |v: &Stored| matches!(v, Stored::Number(n) if n.is_zero());
-    let gone: Vec<String> = item
-        .values
-        .iter()
-        .filter(|(a, v)| zero(v) && if is_helper { *a == helper::REFS } else { truth::manages(old, a, &item.written, false) })
-        .filter(|(a, _)| is_helper || !current.iter().any(|c| writes(c, key, a)))
-        .map(|(a, _)| a.clone())
-        .collect();
+    let is_helper = is_helper_key(key);
     if is_helper && targeted {
         return None;
     }
+    let zero = |v: &Stored| matches!(v, Stored::Number(n) if n.is_zero());
+    let gone: Vec<String> = old_only(old, current, key, item).filter(|(_, v)| zero(v)).map(|(a, _)| a.clone()).collect();
     if !targeted && !item.shared && gone.len() == item.values.len() {
         return Some(Removal::Item { seen_version });
     }
     (!gone.is_empty() && !is_helper).then_some(Removal::Attributes(gone))
+}
+
+/// Whether a target key is a helper item's (`<target SK>#_agg#<measure>#<value>`).
+fn is_helper_key(key: &TargetKey) -> bool {
+    key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)).is_some()
+}
+
+/// The attributes of `item` that `old` managed and no current rule writes (a helper item's:
+/// its count). The caller has checked that a helper item is not a current rule's.
+fn old_only<'i>(
+    old: &'i Rule,
+    current: &'i [Rule],
+    key: &'i TargetKey,
+    item: &'i TargetItem,
+) -> impl Iterator<Item = (&'i String, &'i Stored)> {
+    let is_helper = is_helper_key(key);
+    item.values
+        .iter()
+        .filter(move |(a, _)| if is_helper { *a == helper::REFS } else { truth::manages(old, a, &item.written, false) })
+        .filter(move |(a, _)| is_helper || !current.iter().any(|c| writes(c, key, a)))
 }
 
 /// Whether `rule` writes attribute `attribute` (a measure or a derived one) on `key`.
@@ -480,14 +494,10 @@ fn writes(rule: &Rule, key: &TargetKey, attribute: &str) -> bool {
 /// number other than zero (pure).
 pub fn leftovers(old: &Rule, current: &[Rule], key: &TargetKey, item: &TargetItem) -> Vec<(String, Decimal)> {
     let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
-    let is_helper = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)).is_some();
-    if is_helper && current.iter().any(|c| truth::is_target(c, &parts)) {
+    if is_helper_key(key) && current.iter().any(|c| truth::is_target(c, &parts)) {
         return Vec::new();
     }
-    item.values
-        .iter()
-        .filter(|(a, _)| if is_helper { *a == helper::REFS } else { truth::manages(old, a, &item.written, false) })
-        .filter(|(a, _)| is_helper || !current.iter().any(|c| writes(c, key, a)))
+    old_only(old, current, key, item)
         .filter_map(|(a, v)| match v {
             Stored::Number(n) if !n.is_zero() => Some((a.clone(), *n)),
             _ => None,
