@@ -377,7 +377,7 @@ def static():
     }
     for name, good in ecs.items():
         (ok if good else fail)(f"ECS task definition: {name}")
-    # Its placeholders are the template's outputs (README.md, "Deploy on ECS" fills them in), and
+    # Its placeholders are the template's outputs (docs/deploy-ecs.md, step 5, fills them in), and
     # the execution role the template creates can do what the task definition asks of it.
     placeholders = {"SERVICE_ROLE_ARN": "ServiceRoleArn", "TASK_EXECUTION_ROLE_ARN": "TaskExecutionRoleArn",
                     "QUEUE_URL": "QueueUrl", "CONFIG_PARAMETER_ARN": "ConfigParameterArn"}
