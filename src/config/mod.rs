@@ -3,6 +3,7 @@
 //!
 //! Every error names the path of the offending setting: `rules[1].measures.revenue.sum: ...`.
 
+mod doc;
 mod loops;
 pub mod raw;
 
@@ -18,6 +19,7 @@ use crate::pattern::{Pattern, PatternError, PatternOptions, PatternSet};
 use crate::rules::helper::Derive;
 use crate::rules::template::Template;
 use crate::rules::{Engine, HelperMeasure, Measure, MeasureKind, ReconcileSource, Rule, TtlDeletes, ValueOf, RESERVED_ATTRIBUTE_PREFIX};
+use doc::Doc;
 use raw::{RawConfig, RawRule};
 
 /// Prefix of environment variables that override settings; `__` separates path segments.
@@ -260,8 +262,7 @@ impl Config {
 
     /// Parses YAML text; `env` supplies overrides (pass `std::env::vars()`).
     pub fn from_yaml(text: &str, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
-        let mut doc: serde_yaml::Value =
-            serde_yaml::from_str(text).map_err(|e| err("", format!("not valid YAML: {}", yaml_message(&e))))?;
+        let mut doc = Doc::parse(text).map_err(|e| err("", format!("not valid YAML: {e}")))?;
         if doc.is_null() {
             return Err(err("", "the file is empty"));
         }
@@ -274,7 +275,7 @@ impl Config {
         }
         let raw: RawConfig = serde_path_to_error::deserialize(doc).map_err(|e| {
             let path = e.path().to_string();
-            let mut m = yaml_message(e.inner());
+            let mut m = e.inner().to_string();
             let path = if path == "." { String::new() } else { path };
             if !overridden.is_empty() {
                 m.push_str(&format!(" (after environment overrides {})", overridden.join(", ")));
@@ -290,44 +291,42 @@ impl Config {
     }
 }
 
-fn yaml_message(e: &serde_yaml::Error) -> String {
-    // serde_yaml puts the path first ("rules[0]: missing field `name` at line 3 column 5").
-    e.to_string()
+/// YAML text as the config reads it, as JSON (the form filters and measures take): for tests
+/// that hold the parser to the values it must read.
+pub fn yaml_value(text: &str) -> Result<Value, String> {
+    let doc = Doc::parse(text).map_err(|e| e.to_string())?;
+    serde::Deserialize::deserialize(doc).map_err(|e: serde::de::value::Error| e.to_string())
+}
+
+/// What an environment override's text sets, as JSON.
+pub fn override_value(text: &str) -> Value {
+    serde::Deserialize::deserialize(Doc::scalar(text)).unwrap_or(Value::Null)
 }
 
 /// Sets `path` (segments separated by `__`, matched to existing keys case-insensitively,
 /// numbers index lists) to `value` parsed as a YAML scalar.
-fn apply_override(doc: &mut serde_yaml::Value, path: &str, value: &str) -> Result<(), String> {
+fn apply_override(doc: &mut Doc, path: &str, value: &str) -> Result<(), String> {
     let segments: Vec<&str> = path.split("__").collect();
     if segments.iter().any(|s| s.is_empty()) {
         return Err("empty path segment in environment override".into());
     }
-    let parsed: serde_yaml::Value = match serde_yaml::from_str::<serde_yaml::Value>(value) {
-        Ok(v @ (serde_yaml::Value::Bool(_) | serde_yaml::Value::Number(_) | serde_yaml::Value::String(_))) => v,
-        _ => serde_yaml::Value::String(value.to_string()),
-    };
     let mut node = doc;
     for (i, seg) in segments.iter().enumerate() {
         let last = i + 1 == segments.len();
         node = match node {
-            serde_yaml::Value::Sequence(items) => {
+            Doc::Seq(items) => {
                 let idx: usize = seg.parse().map_err(|_| format!("{seg:?} must be a list index here"))?;
                 let len = items.len();
                 items.get_mut(idx).ok_or_else(|| format!("index {idx} is past the end of a list of {len}"))?
             }
-            serde_yaml::Value::Mapping(map) => {
-                let existing = map.keys().find(|k| k.as_str().is_some_and(|k| k.eq_ignore_ascii_case(seg))).cloned();
-                let key = existing.unwrap_or_else(|| serde_yaml::Value::String(seg.to_ascii_lowercase()));
-                if !map.contains_key(&key) {
-                    let fresh = if last { serde_yaml::Value::Null } else { serde_yaml::Value::Mapping(Default::default()) };
-                    map.insert(key.clone(), fresh);
-                }
-                map.get_mut(&key).ok_or("internal: key vanished")?
+            Doc::Map(map) => {
+                let key = map.keys().find(|k| k.eq_ignore_ascii_case(seg)).cloned().unwrap_or_else(|| seg.to_ascii_lowercase());
+                map.entry(key).or_insert_with(|| if last { Doc::Null } else { Doc::Map(Default::default()) })
             }
             _ => return Err(format!("cannot descend into {seg:?}: the value above it is not a mapping")),
         };
     }
-    *node = parsed;
+    *node = Doc::scalar(value);
     Ok(())
 }
 
