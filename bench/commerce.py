@@ -138,7 +138,11 @@ def aggregates_of(items: Iterable[Image]) -> Aggregates:
         pk, sk = item["PK"]["S"], item["SK"]["S"]
         if sk not in TARGET_SORT_KEYS:
             continue
-        attrs = {name: Decimal(value["N"]) for name, value in item.items() if "N" in value and not name.startswith("_agg")}
+        attrs = {
+            name: Decimal(value["N"])
+            for name, value in item.items()
+            if "N" in value and not name.startswith("_agg")
+        }
         out[(pk, sk)] = attrs
     return nonzero(out)
 
@@ -166,7 +170,11 @@ class Diff:
     def summary(self) -> str:
         if self.exact:
             return "exact"
-        share = f" ({100 * self.extra_orders / self.truth_orders:+.0f}% of the orders)" if self.truth_orders else ""
+        share = (
+            f" ({100 * self.extra_orders / self.truth_orders:+.0f}% of the orders)"
+            if self.truth_orders
+            else ""
+        )
         return (
             f"{self.extra_orders:+} orders{share}, revenue {self.extra_revenue:+}; "
             f"{self.attributes_differing} attributes of {self.targets_differing} items differ"
@@ -189,7 +197,9 @@ class Diff:
 def compare(stored: Aggregates, want: Aggregates) -> Diff:
     """Differences between stored aggregates and the truth (both as `nonzero` gives them)."""
     diff = Diff()
-    diff.truth_orders = sum((a.get("orderCount", Decimal(0)) for t, a in want.items() if t[1] == "PROFILE"), Decimal(0))
+    diff.truth_orders = sum(
+        (a.get("orderCount", Decimal(0)) for t, a in want.items() if t[1] == "PROFILE"), Decimal(0)
+    )
     for target in set(stored) | set(want):
         got, exp = stored.get(target, {}), want.get(target, {})
         differing = 0

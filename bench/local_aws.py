@@ -10,8 +10,14 @@ from botocore.config import Config
 
 REGION = "us-east-1"
 KEY_SCHEMA = {
-    "AttributeDefinitions": [{"AttributeName": "PK", "AttributeType": "S"}, {"AttributeName": "SK", "AttributeType": "S"}],
-    "KeySchema": [{"AttributeName": "PK", "KeyType": "HASH"}, {"AttributeName": "SK", "KeyType": "RANGE"}],
+    "AttributeDefinitions": [
+        {"AttributeName": "PK", "AttributeType": "S"},
+        {"AttributeName": "SK", "AttributeType": "S"},
+    ],
+    "KeySchema": [
+        {"AttributeName": "PK", "KeyType": "HASH"},
+        {"AttributeName": "SK", "KeyType": "RANGE"},
+    ],
 }
 
 
@@ -23,7 +29,12 @@ def client(service: str, endpoint: str) -> Any:
         region_name=REGION,
         aws_access_key_id="local",
         aws_secret_access_key="local",
-        config=Config(connect_timeout=3, read_timeout=30, retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=16),
+        config=Config(
+            connect_timeout=3,
+            read_timeout=30,
+            retries={"mode": "standard", "max_attempts": 5},
+            max_pool_connections=16,
+        ),
     )
 
 
@@ -32,7 +43,9 @@ def delete_table(ddb: Any, name: str) -> None:
         ddb.delete_table(TableName=name)
     except ddb.exceptions.ResourceNotFoundException:
         return
-    ddb.get_waiter("table_not_exists").wait(TableName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 60})
+    ddb.get_waiter("table_not_exists").wait(
+        TableName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 60}
+    )
 
 
 def create_table(ddb: Any, name: str, stream: bool) -> None:
@@ -40,9 +53,14 @@ def create_table(ddb: Any, name: str, stream: bool) -> None:
     delete_table(ddb, name)
     kwargs: dict[str, Any] = {"TableName": name, "BillingMode": "PAY_PER_REQUEST", **KEY_SCHEMA}
     if stream:
-        kwargs["StreamSpecification"] = {"StreamEnabled": True, "StreamViewType": "NEW_AND_OLD_IMAGES"}
+        kwargs["StreamSpecification"] = {
+            "StreamEnabled": True,
+            "StreamViewType": "NEW_AND_OLD_IMAGES",
+        }
     ddb.create_table(**kwargs)
-    ddb.get_waiter("table_exists").wait(TableName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 60})
+    ddb.get_waiter("table_exists").wait(
+        TableName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 60}
+    )
 
 
 def scan(ddb: Any, name: str) -> list[dict[str, Any]]:
@@ -56,7 +74,9 @@ def scan(ddb: Any, name: str) -> list[dict[str, Any]]:
         kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
 
 
-def read_stream(ddb: Any, streams: Any, table: str, timeout: float = 300.0) -> tuple[list[dict[str, Any]], int]:
+def read_stream(
+    ddb: Any, streams: Any, table: str, timeout: float = 300.0
+) -> tuple[list[dict[str, Any]], int]:
     """Every record of the table's stream, shards parent first, and the number of shards.
 
     An open shard is read until GetRecords returns an empty page (DynamoDB Local returns
@@ -74,7 +94,12 @@ def read_stream(ddb: Any, streams: Any, table: str, timeout: float = 300.0) -> t
     ordered: list[dict[str, Any]] = []
     done: set[str] = set()
     while len(ordered) < len(shards):  # parents first (a parent that is not listed counts as read)
-        ready = [s for s in shards if s["ShardId"] not in done and (s.get("ParentShardId") not in ids or s.get("ParentShardId") in done)]
+        ready = [
+            s
+            for s in shards
+            if s["ShardId"] not in done
+            and (s.get("ParentShardId") not in ids or s.get("ParentShardId") in done)
+        ]
         if not ready:
             raise RuntimeError(f"stream of {table}: shard lineage has a cycle")
         for s in ready:
@@ -83,7 +108,9 @@ def read_stream(ddb: Any, streams: Any, table: str, timeout: float = 300.0) -> t
     deadline = time.monotonic() + timeout
     records: list[dict[str, Any]] = []
     for shard in ordered:
-        it = streams.get_shard_iterator(StreamArn=arn, ShardId=shard["ShardId"], ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+        it = streams.get_shard_iterator(
+            StreamArn=arn, ShardId=shard["ShardId"], ShardIteratorType="TRIM_HORIZON"
+        )["ShardIterator"]
         while it is not None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading the stream of {table} took over {timeout:.0f} s")

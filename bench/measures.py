@@ -120,8 +120,15 @@ def labelled(port: int, name: str) -> dict[str, float]:
 
 class Service:
     def __init__(self, binary: str, config: Path, ddb: str, log_path: Path):
-        env = {**os.environ, "AWS_ENDPOINT_URL_DYNAMODB": ddb, "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": ddb, "AWS_REGION": "us-east-1"}
-        env.update({"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local", "RUST_LOG": "info"})
+        env = {
+            **os.environ,
+            "AWS_ENDPOINT_URL_DYNAMODB": ddb,
+            "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": ddb,
+            "AWS_REGION": "us-east-1",
+        }
+        env.update(
+            {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local", "RUST_LOG": "info"}
+        )
         self.log_path = log_path
         self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [binary, "run", "--config", str(config), "--log-format", "json"]
@@ -129,7 +136,9 @@ class Service:
 
     def alive(self) -> None:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"ddb-aggregator exited with {self.proc.returncode}; log {self.log_path}:\n{self.tail()}")
+            raise RuntimeError(
+                f"ddb-aggregator exited with {self.proc.returncode}; log {self.log_path}:\n{self.tail()}"
+            )
 
     def tail(self) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
@@ -165,14 +174,19 @@ def wait_for(what: str, timeout: float, svc: Service, cond: Callable[[], Any]) -
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; log:\n{svc.tail()}")
 
 
-def settled(port: int, svc: Service, quiet: float = 3.0, timeout: float = 120.0) -> dict[str, float]:
+def settled(
+    port: int, svc: Service, quiet: float = 3.0, timeout: float = 120.0
+) -> dict[str, float]:
     """Metrics once the write capacity counter stopped moving for `quiet` seconds."""
     last, since = None, time.monotonic()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         svc.alive()
         m = scrape(port)
-        wcu = (m.get("ddb_aggregator_write_capacity_units_total"), m.get("ddb_aggregator_records_read_total"))
+        wcu = (
+            m.get("ddb_aggregator_write_capacity_units_total"),
+            m.get("ddb_aggregator_records_read_total"),
+        )
         if wcu != last:
             last, since = wcu, time.monotonic()
         elif time.monotonic() - since >= quiet:
@@ -213,21 +227,30 @@ def stored(ddb: Any, table: str, pks: list[str]) -> dict[str, dict[str, Any]]:
         for _ in range(50):  # unprocessed keys come back; bounded
             r = ddb.batch_get_item(RequestItems={table: {"Keys": keys, "ConsistentRead": True}})
             for item in r["Responses"].get(table, []):
-                out[item["PK"]["S"]] = {k: Decimal(v["N"]) if "N" in v else v.get("S") for k, v in item.items()}
+                out[item["PK"]["S"]] = {
+                    k: Decimal(v["N"]) if "N" in v else v.get("S") for k, v in item.items()
+                }
             keys = r.get("UnprocessedKeys", {}).get(table, {}).get("Keys", [])
             if not keys:
                 break
     return out
 
 
-def check(kind: str, want: dict[str, dict[str, Any]], got: dict[str, dict[str, Any]], attributes: list[str]) -> int:
+def check(
+    kind: str,
+    want: dict[str, dict[str, Any]],
+    got: dict[str, dict[str, Any]],
+    attributes: list[str],
+) -> int:
     """Number of (customer, attribute) values that differ; prints the first few."""
     wrong = 0
     for pk in sorted(set(want) | set(got)):
         for a in attributes:
             w = want.get(pk, {}).get(a)
             g = got.get(pk, {}).get(a)
-            if a in ("orderCount", "revenue", "avgOrder_sum", "avgOrder_count") and (w or 0) == (g or 0):
+            if a in ("orderCount", "revenue", "avgOrder_sum", "avgOrder_count") and (w or 0) == (
+                g or 0
+            ):
                 continue  # a counter that fell to 0 stays as 0
             if w != g:
                 wrong += 1
@@ -238,13 +261,24 @@ def check(kind: str, want: dict[str, dict[str, Any]], got: dict[str, dict[str, A
 
 def attributes_of(kind: str) -> list[str]:
     if kind == EXAMPLE:
-        return ["orderCount", "revenue", "avgOrder_sum", "avgOrder_count", "largestOrder", "firstOrderDay", "lastStatus", "activeDays"]
+        return [
+            "orderCount",
+            "revenue",
+            "avgOrder_sum",
+            "avgOrder_count",
+            "largestOrder",
+            "firstOrderDay",
+            "lastStatus",
+            "activeDays",
+        ]
     if kind == "avg":
         return ["avgOrder_sum", "avgOrder_count"]
     return [KINDS[kind][1]]
 
 
-def one_run(a: argparse.Namespace, ddb: Any, kind: str, work: wl.Workload, records: int, tmp: Path) -> dict[str, Any]:
+def one_run(
+    a: argparse.Namespace, ddb: Any, kind: str, work: wl.Workload, records: int, tmp: Path
+) -> dict[str, Any]:
     name = re.sub(r"[^a-z0-9]", "-", kind.lower())
     aggregates, state = f"measures-agg-{name}", f"measures-state-{name}"
     create_table(ddb, aggregates, stream=False)
@@ -259,7 +293,11 @@ def one_run(a: argparse.Namespace, ddb: Any, kind: str, work: wl.Workload, recor
     try:
 
         def marker() -> bool:
-            item = ddb.get_item(TableName=aggregates, Key={"PK": {"S": f"CUST#{MARKER}"}, "SK": {"S": "PROFILE"}}, ConsistentRead=True)
+            item = ddb.get_item(
+                TableName=aggregates,
+                Key={"PK": {"S": f"CUST#{MARKER}"}, "SK": {"S": "PROFILE"}},
+                ConsistentRead=True,
+            )
             return marker_attribute in item.get("Item", {})
 
         wait_for(f"the marker order's {marker_attribute}", a.timeout, svc, marker)
@@ -299,7 +337,11 @@ def rebuild(a: argparse.Namespace, ddb: Any, work: wl.Workload, tmp: Path) -> di
     name = re.sub(r"[^a-z0-9]", "-", EXAMPLE)
     aggregates, state = f"measures-agg-{name}", f"measures-state-{name}"
     port = free_port()
-    rules = example_rules().replace("      largestOrder: { max: total }\n", "      largestOrder: { max: total }\n      smallestOrder: { min: total }\n", 1)
+    rules = example_rules().replace(
+        "      largestOrder: { max: total }\n",
+        "      largestOrder: { max: total }\n      smallestOrder: { min: total }\n",
+        1,
+    )
     assert "smallestOrder" in rules, "config/commerce-measures.yaml no longer has largestOrder"
     config = tmp / "rebuild.yaml"
     config.write_text(head(a.source, state, aggregates, port, a.batch_size) + rules)
@@ -307,14 +349,23 @@ def rebuild(a: argparse.Namespace, ddb: Any, work: wl.Workload, tmp: Path) -> di
     try:
 
         def rebuilt() -> dict[str, Any] | None:
-            return next((line for line in svc.lines() if line.get("message") == "rule rebuilt"), None)
+            return next(
+                (line for line in svc.lines() if line.get("message") == "rule rebuilt"), None
+            )
 
         line = wait_for("the rule rebuilt line", a.timeout, svc, rebuilt)
     finally:
         svc.stop()
     want = truth(work.items)
     got = stored(ddb, aggregates, sorted(want))
-    smallest = {pk: min(Decimal(i["total"]["N"]) for (p, sk), i in work.items.items() if p == pk and sk.startswith("ORDER#")) for pk in want}
+    smallest = {
+        pk: min(
+            Decimal(i["total"]["N"])
+            for (p, sk), i in work.items.items()
+            if p == pk and sk.startswith("ORDER#")
+        )
+        for pk in want
+    }
     wrong = sum(1 for pk, s in smallest.items() if got.get(pk, {}).get("smallestOrder") != s)
     row = {
         "rule": line.get("rule"),
@@ -330,16 +381,29 @@ def rebuild(a: argparse.Namespace, ddb: Any, work: wl.Workload, tmp: Path) -> di
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--bin", required=True, help="the ddb-aggregator binary")
-    p.add_argument("--ddb-endpoint", default=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:8140"))
+    p.add_argument(
+        "--ddb-endpoint",
+        default=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:8140"),
+    )
     p.add_argument("--source", default="measures-src", help="the backlog table (recreated)")
-    p.add_argument("--writes", type=int, default=17_000, help="backlog writes (one stream record each)")
+    p.add_argument(
+        "--writes", type=int, default=17_000, help="backlog writes (one stream record each)"
+    )
     p.add_argument("--customers", type=int, default=500)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--kinds", default=",".join([*KINDS, EXAMPLE]), help="comma-separated: " + ", ".join([*KINDS, EXAMPLE]))
-    p.add_argument("--no-rebuild", action="store_true", help="skip the rebuild after the example run")
+    p.add_argument(
+        "--kinds",
+        default=",".join([*KINDS, EXAMPLE]),
+        help="comma-separated: " + ", ".join([*KINDS, EXAMPLE]),
+    )
+    p.add_argument(
+        "--no-rebuild", action="store_true", help="skip the rebuild after the example run"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--json-out", type=Path, help="also write the rows as JSON")
     a = p.parse_args()
@@ -353,10 +417,18 @@ def main() -> int:
     create_table(ddb, a.source, stream=True)
     work = wl.Workload(customers=a.customers, seed=a.seed, updated_at=True)
     t = time.monotonic()
-    result = wl.generate(work, count=a.writes, threads=4, client_factory=lambda: client("dynamodb", a.ddb_endpoint), table=a.source)
+    result = wl.generate(
+        work,
+        count=a.writes,
+        threads=4,
+        client_factory=lambda: client("dynamodb", a.ddb_endpoint),
+        table=a.source,
+    )
     wl.apply(ddb, a.source, work.insert_for(MARKER))
     records = result.writes + 1
-    log(f"backlog: {records} writes in {time.monotonic() - t:.0f} s {json.dumps(result.by_kind)}; {len(work.items)} orders remain")
+    log(
+        f"backlog: {records} writes in {time.monotonic() - t:.0f} s {json.dumps(result.by_kind)}; {len(work.items)} orders remain"
+    )
     rows: list[dict[str, Any]] = []
     rebuilt = None
     with tempfile.TemporaryDirectory(prefix="bench-measures-") as d:
@@ -365,8 +437,12 @@ def main() -> int:
         if EXAMPLE in kinds and not a.no_rebuild:
             rebuilt = rebuild(a, ddb, work, Path(d))
     print()
-    print(f"{records} stream records ({a.customers} customers, seed {a.seed}), batch_size {a.batch_size}, DynamoDB Local")
-    print(f"{'measures':<24} {'WCU/record':>10} {'WCU':>8} {'ledger writes':>13} {'derivations':>11} {'seconds':>8} {'wrong':>6}")
+    print(
+        f"{records} stream records ({a.customers} customers, seed {a.seed}), batch_size {a.batch_size}, DynamoDB Local"
+    )
+    print(
+        f"{'measures':<24} {'WCU/record':>10} {'WCU':>8} {'ledger writes':>13} {'derivations':>11} {'seconds':>8} {'wrong':>6}"
+    )
     for r in rows:
         print(
             f"{r['kind']:<24} {r['wcu_per_record']:>10.3f} {r['wcu']:>8.0f} {r['aggregate_writes']:>13} "
@@ -379,7 +455,9 @@ def main() -> int:
             f"smallestOrder wrong: {rebuilt['smallestOrder_wrong']}"
         )
     if a.json_out:
-        a.json_out.write_text(json.dumps({"records": records, "runs": rows, "rebuild": rebuilt}, indent=2) + "\n")
+        a.json_out.write_text(
+            json.dumps({"records": records, "runs": rows, "rebuild": rebuilt}, indent=2) + "\n"
+        )
     bad = sum(r["wrong_values"] for r in rows) + (rebuilt["smallestOrder_wrong"] if rebuilt else 0)
     return 1 if bad else 0
 

@@ -41,19 +41,30 @@ def main() -> int:
             tag = 10 * run + len(figures[name]) + (0 if value is None else 5)
             out = harness.catchup_run("ddb-aggregator", tag, batch_size=a.batch_size)
             figures[name].append((out["records_per_second"], out["peak_rss_mib"]))
-            bench.log(f"{name} run {run}: {out['records_per_second']} records/s, peak RSS {out['peak_rss_mib']} MiB")
+            bench.log(
+                f"{name} run {run}: {out['records_per_second']} records/s, peak RSS {out['peak_rss_mib']} MiB"
+            )
     os.environ.pop("MIMALLOC_PURGE_DELAY", None)
     if harness.results["failures"]:
         for f in harness.results["failures"]:
             bench.log(f"FAILURE: {f}")
         return 1
-    medians = {name: (statistics.median(r for r, _ in v), statistics.median(m for _, m in v)) for name, v in figures.items()}
-    print(f"\n| variant (batch_size {a.batch_size}, {a.runs} runs each) | records/s (median) | peak RSS MiB (median) | peak RSS per run |")
+    medians = {
+        name: (statistics.median(r for r, _ in v), statistics.median(m for _, m in v))
+        for name, v in figures.items()
+    }
+    print(
+        f"\n| variant (batch_size {a.batch_size}, {a.runs} runs each) | records/s (median) | peak RSS MiB (median) | peak RSS per run |"
+    )
     print("|---|---|---|---|")
     for name, v in figures.items():
-        print(f"| {name} | {medians[name][0]:,.0f} | {medians[name][1]:.1f} | {', '.join(f'{m:.1f}' for _, m in v)} |")
+        print(
+            f"| {name} | {medians[name][0]:,.0f} | {medians[name][1]:.1f} | {', '.join(f'{m:.1f}' for _, m in v)} |"
+        )
     (d_rate, d_rss), (p_rate, p_rss) = medians["default"], medians["purge_delay 1000"]
-    print(f"\ndefault / purge_delay 1000: records/s x{d_rate / p_rate:.2f}, peak RSS x{d_rss / p_rss:.2f}")
+    print(
+        f"\ndefault / purge_delay 1000: records/s x{d_rate / p_rate:.2f}, peak RSS x{d_rss / p_rss:.2f}"
+    )
     return 0
 
 

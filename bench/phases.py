@@ -36,7 +36,16 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("poll_wait", "get_records", "evaluate", "dead_letters", "writes", "checkpoint")
-PARTS = ("poll_wait", "earlier_batch", "not_readable", "get_records", "evaluate", "dead_letters", "writes", "visible_after")
+PARTS = (
+    "poll_wait",
+    "earlier_batch",
+    "not_readable",
+    "get_records",
+    "evaluate",
+    "dead_letters",
+    "writes",
+    "visible_after",
+)
 EPS = 0.002  # seconds of clock and rounding slack between the harness and the service's log
 
 
@@ -72,7 +81,9 @@ def batches(log_path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def attribute(sent: float, visible: float, found: list[dict[str, Any]], starts: list[float]) -> dict[str, float] | None:
+def attribute(
+    sent: float, visible: float, found: list[dict[str, Any]], starts: list[float]
+) -> dict[str, float] | None:
     """The probe's lag by part (they add up to visible - sent), or None when no batch fits."""
     i = bisect.bisect_right(starts, visible + EPS) - 1
     if i >= 0 and found[i]["read_start"] + found[i]["get_records"] >= sent - EPS:
@@ -120,7 +131,10 @@ def breakdown(log_path: Path, probes: list[tuple[float, float]]) -> dict[str, An
     found = batches(log_path)
     starts = [b["writes_start"] for b in found]
     per_phase = {
-        p: {"p50_ms": round(quantile([b[p] for b in found], 0.5) * 1000, 2), "p99_ms": round(quantile([b[p] for b in found], 0.99) * 1000, 2)}
+        p: {
+            "p50_ms": round(quantile([b[p] for b in found], 0.5) * 1000, 2),
+            "p99_ms": round(quantile([b[p] for b in found], 0.99) * 1000, 2),
+        }
         for p in PHASES
     }
     lags = [v - s for s, v in probes]
@@ -131,12 +145,16 @@ def breakdown(log_path: Path, probes: list[tuple[float, float]]) -> dict[str, An
         chosen = [(s, v) for s, v in probes if v - s >= threshold - 1e-9]
         parts = [attribute(s, v, found, starts) for s, v in chosen]
         matched = [p for p in parts if p is not None]
-        mean = {k: (sum(p[k] for p in matched) / len(matched) * 1000 if matched else 0.0) for k in PARTS}
+        mean = {
+            k: (sum(p[k] for p in matched) / len(matched) * 1000 if matched else 0.0) for k in PARTS
+        }
         return {
             "threshold_s": round(threshold, 4),
             "probes": len(chosen),
             "matched": len(matched),
-            "mean_lag_ms": round(sum(v - s for s, v in chosen) / len(chosen) * 1000, 1) if chosen else 0.0,
+            "mean_lag_ms": round(sum(v - s for s, v in chosen) / len(chosen) * 1000, 1)
+            if chosen
+            else 0.0,
             "mean_parts_ms": {k: round(x, 1) for k, x in mean.items()},
         }
 

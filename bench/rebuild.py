@@ -40,9 +40,13 @@ def log(msg: str) -> None:
 
 
 def changed(text: str) -> str:
-    out = text.replace("SALES#{date|day}", "MONTHLY#{date|month}").replace("      revenue: { sum: total }\n", "      spend: { sum: total }\n")
+    out = text.replace("SALES#{date|day}", "MONTHLY#{date|month}").replace(
+        "      revenue: { sum: total }\n", "      spend: { sum: total }\n"
+    )
     if "MONTHLY#" not in out or "spend: { sum: total }" not in out:
-        raise SystemExit("config/commerce.yaml no longer has the daily rollup or `revenue` this bench changes")
+        raise SystemExit(
+            "config/commerce.yaml no longer has the daily rollup or `revenue` this bench changes"
+        )
     return out
 
 
@@ -52,7 +56,12 @@ class Service:
         self.log_path = log_path
         env = {**env, "DDB_AGGREGATOR__METRICS__LISTEN": f"127.0.0.1:{self.port}"}
         self.out = open(log_path, "wb")
-        self.proc = subprocess.Popen([binary, "run", "--config", str(config)], stdout=self.out, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [binary, "run", "--config", str(config)],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def metrics(self) -> dict[str, float]:
         import urllib.request
@@ -92,10 +101,15 @@ def hot_writer(ddb_endpoint: str, table: str, stop: threading.Event, written: li
     for n in range(3600):
         if stop.is_set():
             return
-        c.put_item(TableName=table, Item={
-            "PK": {"S": "CUST#hot"}, "SK": {"S": f"ORDER#2026-12-03#hot{n}"},
-            "status": {"S": "PAID"}, "total": {"N": f"{n % 90}.50"},
-        })
+        c.put_item(
+            TableName=table,
+            Item={
+                "PK": {"S": "CUST#hot"},
+                "SK": {"S": f"ORDER#2026-12-03#hot{n}"},
+                "status": {"S": "PAID"},
+                "total": {"N": f"{n % 90}.50"},
+            },
+        )
         written[0] += 1
         stop.wait(1.0)
 
@@ -151,13 +165,20 @@ def caught_up(svc: Service, records: int, timeout: float) -> float:
             return time.time() - t0
         last = read
         time.sleep(1)
-    raise SystemExit(f"the service did not read {records} records in {timeout:.0f}s (read {last:.0f}):\n{svc.log_tail()}")
+    raise SystemExit(
+        f"the service did not read {records} records in {timeout:.0f}s (read {last:.0f}):\n{svc.log_tail()}"
+    )
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--bin", required=True)
-    p.add_argument("--ddb-endpoint", default=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:8130"))
+    p.add_argument(
+        "--ddb-endpoint",
+        default=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:8130"),
+    )
     p.add_argument("--orders", type=int, default=100_000)
     p.add_argument("--customers", type=int, default=5000)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for the rebuild")
@@ -171,9 +192,16 @@ def main() -> int:
     old, new = work / "old.yaml", work / "new.yaml"
     old.write_text(config_text(table, state) + "\n")
     new.write_text(changed(old.read_text()))
-    env = {**os.environ, "AWS_ENDPOINT_URL_DYNAMODB": a.ddb_endpoint, "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": a.ddb_endpoint,
-           "AWS_ENDPOINT_URL": a.ddb_endpoint, "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
-           "RUST_LOG": "info"}
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL_DYNAMODB": a.ddb_endpoint,
+        "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": a.ddb_endpoint,
+        "AWS_ENDPOINT_URL": a.ddb_endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "local",
+        "AWS_SECRET_ACCESS_KEY": "local",
+        "RUST_LOG": "info",
+    }
     svc = Service(a.bin, old, env, work / "old.log")
     try:
         time.sleep(3)
@@ -192,17 +220,35 @@ def main() -> int:
     try:
         while True:
             m = svc.metrics()
-            pending = sum(m.get(f'ddb_aggregator_rule_rebuild_pending{{rule="{r}"}}', 1.0) for r in RULES)
+            pending = sum(
+                m.get(f'ddb_aggregator_rule_rebuild_pending{{rule="{r}"}}', 1.0) for r in RULES
+            )
             retire = m.get("ddb_aggregator_definitions_retire_pending", 1.0)
-            if m and pending == 0 and retire == 0 and "rule rebuilt" in svc.log_path.read_text(errors="replace"):
+            if (
+                m
+                and pending == 0
+                and retire == 0
+                and "rule rebuilt" in svc.log_path.read_text(errors="replace")
+            ):
                 break
             if time.time() - started > a.timeout:
-                raise SystemExit(f"the rebuild did not finish in {a.timeout:.0f}s (pending {pending}, retire {retire}):\n{svc.log_tail()}")
+                raise SystemExit(
+                    f"the rebuild did not finish in {a.timeout:.0f}s (pending {pending}, retire {retire}):\n{svc.log_tail()}"
+                )
             time.sleep(1)
         took = time.time() - started
-        skipped = {r: m.get(f'ddb_aggregator_rule_rebuild_skipped_targets_total{{rule="{r}"}}', 0.0) for r in RULES}
-        lines = [json.loads(x) for x in svc.log_path.read_text(errors="replace").splitlines() if x.startswith("{")]
-        rebuilt = [x.get("fields", x) for x in lines if x.get("fields", x).get("message") == "rule rebuilt"]
+        skipped = {
+            r: m.get(f'ddb_aggregator_rule_rebuild_skipped_targets_total{{rule="{r}"}}', 0.0)
+            for r in RULES
+        }
+        lines = [
+            json.loads(x)
+            for x in svc.log_path.read_text(errors="replace").splitlines()
+            if x.startswith("{")
+        ]
+        rebuilt = [
+            x.get("fields", x) for x in lines if x.get("fields", x).get("message") == "rule rebuilt"
+        ]
         stop.set()
         hot.join()
         time.sleep(5)
@@ -211,15 +257,36 @@ def main() -> int:
     finally:
         stop.set()
         svc.stop()
-    code = subprocess.run([a.bin, "reconcile", "--config", str(new), "--all", "--no-wait"], env=env, capture_output=True, text=True)
+    code = subprocess.run(
+        [a.bin, "reconcile", "--config", str(new), "--all", "--no-wait"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     after_reconcile = wrong_targets(ddb, table, truth(scan(ddb, table)))
     print()
-    print(f"rebuild of {a.orders:,} orders ({a.customers:,} customers) beside one customer written every second")
-    print(f"  finished in {took:.1f} s with {written[0]} hot orders written meanwhile; skipped targets: {skipped}")
+    print(
+        f"rebuild of {a.orders:,} orders ({a.customers:,} customers) beside one customer written every second"
+    )
+    print(
+        f"  finished in {took:.1f} s with {written[0]} hot orders written meanwhile; skipped targets: {skipped}"
+    )
     for r in rebuilt:
-        print("  " + json.dumps({k: r.get(k) for k in ("rule", "items", "targets", "drifts", "seconds", "items_per_second")}))
-    print(f"  after the rebuild, hot writer stopped: {len(after_rebuild)} of {len(want)} values wrong {after_rebuild[:6]}")
-    print(f"  after reconcile --all (exit {code.returncode}): {len(after_reconcile)} wrong {after_reconcile[:6]}")
+        print(
+            "  "
+            + json.dumps(
+                {
+                    k: r.get(k)
+                    for k in ("rule", "items", "targets", "drifts", "seconds", "items_per_second")
+                }
+            )
+        )
+    print(
+        f"  after the rebuild, hot writer stopped: {len(after_rebuild)} of {len(want)} values wrong {after_rebuild[:6]}"
+    )
+    print(
+        f"  after reconcile --all (exit {code.returncode}): {len(after_reconcile)} wrong {after_reconcile[:6]}"
+    )
     return 0 if not after_reconcile else 1
 
 

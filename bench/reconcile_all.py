@@ -34,7 +34,9 @@ def config_text(table: str, state: str) -> str:
     return text
 
 
-def load_orders(ddb: Any, table: str, start: int, count: int, customers: int, threads: int = 4) -> None:
+def load_orders(
+    ddb: Any, table: str, start: int, count: int, customers: int, threads: int = 4
+) -> None:
     """Writes orders start..start+count, spread over `customers`, with a few writer threads."""
 
     def part(lo: int, hi: int) -> None:
@@ -60,7 +62,10 @@ def load_orders(ddb: Any, table: str, start: int, count: int, customers: int, th
 
     step = count // threads
     workers = [
-        threading.Thread(target=part, args=(start + i * step, start + (count if i == threads - 1 else (i + 1) * step)))
+        threading.Thread(
+            target=part,
+            args=(start + i * step, start + (count if i == threads - 1 else (i + 1) * step)),
+        )
         for i in range(threads)
     ]
     for w in workers:
@@ -81,7 +86,10 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[int, str, str, in
 
 
 def reconcile_all(binary: str, config: Path, env: dict[str, str]) -> dict[str, Any]:
-    code, out, err, rss_kib = run_measured([binary, "reconcile", "--config", str(config), "--all", "--no-wait", "--output", "json"], env)
+    code, out, err, rss_kib = run_measured(
+        [binary, "reconcile", "--config", str(config), "--all", "--no-wait", "--output", "json"],
+        env,
+    )
     if code not in (0, 1):
         raise SystemExit(f"reconcile --all failed ({code}): {err[-2000:]}")
     summary = json.loads(out.strip().splitlines()[-1])["summary"]
@@ -94,12 +102,20 @@ def reconcile_all(binary: str, config: Path, env: dict[str, str]) -> dict[str, A
     }
 
 
-def schedule_throughput(binary: str, config: Path, env: dict[str, str], ddb: Any, table: str, targets: int) -> dict[str, Any]:
+def schedule_throughput(
+    binary: str, config: Path, env: dict[str, str], ddb: Any, table: str, targets: int
+) -> dict[str, Any]:
     """Starts `run` with a short schedule, touches `targets` new customers, and adds up the
     schedule's own reports (targets, seconds) from its log until they cover them all."""
-    env = {**env, "DDB_AGGREGATOR__RECONCILE__INTERVAL": "20s", "DDB_AGGREGATOR__METRICS__LISTEN": "127.0.0.1:0"}
+    env = {
+        **env,
+        "DDB_AGGREGATOR__RECONCILE__INTERVAL": "20s",
+        "DDB_AGGREGATOR__METRICS__LISTEN": "127.0.0.1:0",
+    }
     logf = tempfile.NamedTemporaryFile(delete=False)
-    svc = subprocess.Popen([binary, "run", "--config", str(config)], stdout=logf, stderr=subprocess.STDOUT, env=env)
+    svc = subprocess.Popen(
+        [binary, "run", "--config", str(config)], stdout=logf, stderr=subprocess.STDOUT, env=env
+    )
     try:
         time.sleep(5)
         load_orders(ddb, table, 10_000_000, targets, targets)
@@ -113,12 +129,17 @@ def schedule_throughput(binary: str, config: Path, env: dict[str, str], ddb: Any
                 except ValueError:
                     continue
                 fields = rec.get("fields", rec)
-                if fields.get("message") == "scheduled reconcile done" and int(fields.get("targets", 0)) > 0:
+                if (
+                    fields.get("message") == "scheduled reconcile done"
+                    and int(fields.get("targets", 0)) > 0
+                ):
                     t, s, runs = t + int(fields["targets"]), s + float(fields["seconds"]), runs + 1
             # Both rules' targets: a customer's profile and the daily totals.
             if t >= targets:
                 return {"targets": t, "seconds": s, "runs": runs, "targets_per_s": t / max(s, 1e-3)}
-        raise SystemExit("the schedule did not report within 10 minutes:\n" + Path(logf.name).read_text()[-3000:])
+        raise SystemExit(
+            "the schedule did not report within 10 minutes:\n" + Path(logf.name).read_text()[-3000:]
+        )
     finally:
         svc.terminate()
         svc.wait(timeout=30)
@@ -128,7 +149,10 @@ def schedule_throughput(binary: str, config: Path, env: dict[str, str], ddb: Any
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--bin", required=True)
-    p.add_argument("--ddb-endpoint", default=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:8130"))
+    p.add_argument(
+        "--ddb-endpoint",
+        default=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:8130"),
+    )
     p.add_argument("--sizes", default="50000,200000", help="table sizes to measure, ascending")
     p.add_argument("--customers", type=int, default=5000)
     p.add_argument("--schedule-targets", type=int, default=2000)
@@ -141,9 +165,17 @@ def main() -> int:
     work = Path(tempfile.mkdtemp())
     config = work / "config.yaml"
     config.write_text(config_text(table, state) + "\n")
-    env = {**os.environ, "AWS_ENDPOINT_URL_DYNAMODB": a.ddb_endpoint, "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": a.ddb_endpoint,
-           "AWS_ENDPOINT_URL": a.ddb_endpoint, "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
-           "DDB_AGGREGATOR__STATE__CREATE_TABLE": "true", "RUST_LOG": "info"}
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL_DYNAMODB": a.ddb_endpoint,
+        "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": a.ddb_endpoint,
+        "AWS_ENDPOINT_URL": a.ddb_endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "local",
+        "AWS_SECRET_ACCESS_KEY": "local",
+        "DDB_AGGREGATOR__STATE__CREATE_TABLE": "true",
+        "RUST_LOG": "info",
+    }
     # The schedule first, on a small table: a scan rule's touched targets are read with a scan.
     log(f"schedule: {a.schedule_targets} touched targets")
     sched = schedule_throughput(a.bin, config, env, ddb, table, a.schedule_targets)
@@ -158,15 +190,21 @@ def main() -> int:
         loaded = size
         r = reconcile_all(a.bin, config, env)
         r["orders"] = size
-        log(f"  reconcile --all: {r['items_read']} items in {r['seconds']:.1f}s ({r['items_per_s']:.0f}/s), peak RSS {r['peak_rss_mib']:.1f} MiB")
+        log(
+            f"  reconcile --all: {r['items_read']} items in {r['seconds']:.1f}s ({r['items_per_s']:.0f}/s), peak RSS {r['peak_rss_mib']:.1f} MiB"
+        )
         rows.append(r)
     print()
     print("| orders | items read | seconds | items/s | peak RSS (MiB) |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['orders']:,} | {r['items_read']:,} | {r['seconds']:.1f} | {r['items_per_s']:,.0f} | {r['peak_rss_mib']:.1f} |")
+        print(
+            f"| {r['orders']:,} | {r['items_read']:,} | {r['seconds']:.1f} | {r['items_per_s']:,.0f} | {r['peak_rss_mib']:.1f} |"
+        )
     print()
-    print(f"schedule: {sched['targets']:,} touched targets reconciled in {sched['seconds']:.1f}s over {sched['runs']} run(s) ({sched['targets_per_s']:.0f} targets/s)")
+    print(
+        f"schedule: {sched['targets']:,} touched targets reconciled in {sched['seconds']:.1f}s over {sched['runs']} run(s) ({sched['targets_per_s']:.0f} targets/s)"
+    )
     return 0
 
 

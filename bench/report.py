@@ -72,11 +72,15 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
         rss = [r["peak_rss_mib"] for r in runs + lag if r.get("peak_rss_mib") is not None]
         replay = results.get("replay", {}).get(system)
         out[system] = {
-            "rate": median_min_max([r["records_per_second"] for r in runs if r.get("records_per_second")]),
+            "rate": median_min_max(
+                [r["records_per_second"] for r in runs if r.get("records_per_second")]
+            ),
             "runs": len(runs),
             "complete_runs": sum(1 for r in runs if r["complete"]),
             "records_per_run": [r["records"] for r in runs],
-            "writes_per_record": sum(r["write_requests"] for r in runs) / counted if counted else None,
+            "writes_per_record": sum(r["write_requests"] for r in runs) / counted
+            if counted
+            else None,
             "wcu_per_record": sum(r["wcu"] for r in runs) / counted if counted else None,
             "peak_rss_mib": max(rss) if rss else None,
             "lag_p50": statistics.median([r["lag_p50"] for r in lag]) if lag else None,
@@ -84,7 +88,9 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "lag_p99_worst": max(r["lag_p99"] for r in lag) if lag else None,
             "lag_not_seen": sum(r["probes_not_seen"] for r in lag),
             "lag_runs": len(lag),
-            "lag_writes_per_second": statistics.median([r["writes_per_second"] for r in lag]) if lag else None,
+            "lag_writes_per_second": statistics.median([r["writes_per_second"] for r in lag])
+            if lag
+            else None,
             "replay": replay["correctness"]["summary"] if replay else "not run",
             "replay_records": replay["records"] if replay else None,
             "exact_runs": sum(1 for r in runs if r["correctness"]["exact"]),
@@ -112,7 +118,9 @@ def verdict(met: bool | None, miss: str) -> str:
     return "not measured" if met is None else "**met**" if met else f"**missed** {miss}"
 
 
-def targets(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> list[tuple[str, str, str]]:
+def targets(
+    summary: dict[str, dict[str, Any]], results: dict[str, Any]
+) -> list[tuple[str, str, str]]:
     agg = summary["ddb-aggregator"]
     rows = []
     wcu = agg["wcu_per_record"]
@@ -122,27 +130,44 @@ def targets(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> list
             "n/a" if wcu is None else f"{wcu:.3f}",
             verdict(
                 None if wcu is None else wcu <= WCU_TARGET,
-                "" if wcu is None else f"by {wcu - WCU_TARGET:.3f} ({wcu / WCU_TARGET:.1f}x the target)",
+                ""
+                if wcu is None
+                else f"by {wcu - WCU_TARGET:.3f} ({wcu / WCU_TARGET:.1f}x the target)",
             ),
         )
     )
-    r = ratio(agg["rate"][0] if agg["rate"] else None, summary["idempotent"]["rate"][0] if summary["idempotent"]["rate"] else None)
+    r = ratio(
+        agg["rate"][0] if agg["rate"] else None,
+        summary["idempotent"]["rate"][0] if summary["idempotent"]["rate"] else None,
+    )
     rows.append(
         (
             f"catch-up >= {CATCHUP_RATIO_TARGET:.0f}x the idempotent baseline (medians)",
             "n/a" if r is None else f"{r:.1f}x",
-            verdict(None if r is None else r >= CATCHUP_RATIO_TARGET, "" if r is None else f"by {CATCHUP_RATIO_TARGET - r:.1f}x"),
+            verdict(
+                None if r is None else r >= CATCHUP_RATIO_TARGET,
+                "" if r is None else f"by {CATCHUP_RATIO_TARGET - r:.1f}x",
+            ),
         )
     )
     p99 = agg["lag_p99"]
     rate = results["settings"]["lag_rate"]
     reached = agg["lag_writes_per_second"]
-    reached_note = f"; the generator reached only {reached:.0f} writes/s" if reached is not None and reached < 0.95 * rate else ""
+    reached_note = (
+        f"; the generator reached only {reached:.0f} writes/s"
+        if reached is not None and reached < 0.95 * rate
+        else ""
+    )
     rows.append(
         (
             f"end-to-end lag p99 <= {LAG_P99_TARGET * 1000:.0f} ms at {rate:.0f} writes/s (ddb-aggregator, median of runs)",
-            "n/a" if p99 is None else f"{fmt_seconds(p99)} (worst run {fmt_seconds(agg['lag_p99_worst'])}){reached_note}",
-            verdict(None if p99 is None else p99 <= LAG_P99_TARGET, "" if p99 is None else f"by {fmt_seconds(p99 - LAG_P99_TARGET)}")
+            "n/a"
+            if p99 is None
+            else f"{fmt_seconds(p99)} (worst run {fmt_seconds(agg['lag_p99_worst'])}){reached_note}",
+            verdict(
+                None if p99 is None else p99 <= LAG_P99_TARGET,
+                "" if p99 is None else f"by {fmt_seconds(p99 - LAG_P99_TARGET)}",
+            )
             + (" (at the rate reached)" if reached_note else ""),
         )
     )
@@ -153,9 +178,14 @@ def targets(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> list
             f"pipeline from raw JSON >= {PIPELINE_RATIO_TARGET:.0f}% of parse-only (micro-benchmark)",
             f"{pr:.0f}% (`{line}`)"
             if pr is not None
-            else ("micro-benchmarks not run" if results.get("micro") is None else "no `ratio full/parse:` line"),
+            else (
+                "micro-benchmarks not run"
+                if results.get("micro") is None
+                else "no `ratio full/parse:` line"
+            ),
             verdict(
-                None if pr is None else pr >= PIPELINE_RATIO_TARGET, "" if pr is None else f"by {PIPELINE_RATIO_TARGET - pr:.0f} points"
+                None if pr is None else pr >= PIPELINE_RATIO_TARGET,
+                "" if pr is None else f"by {PIPELINE_RATIO_TARGET - pr:.0f} points",
             ),
         )
     )
@@ -165,7 +195,10 @@ def targets(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> list
             (
                 f"peak RSS <= {limit:.0f} MiB at batch_size {batch:,} (ddb-aggregator, catch-up of the backlog)",
                 "n/a" if peak is None else f"{peak:.0f} MiB",
-                verdict(None if peak is None else peak <= limit, "" if peak is None else f"by {peak - limit:.0f} MiB"),
+                verdict(
+                    None if peak is None else peak <= limit,
+                    "" if peak is None else f"by {peak - limit:.0f} MiB",
+                ),
             )
         )
     mr = match_ratio(results.get("micro"))
@@ -173,7 +206,10 @@ def targets(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> list
         (
             f"matching >= {MATCH_RATIO_TARGET}x quamina's records/s, side by side (micro-benchmark, both from raw JSON)",
             "n/a" if mr is None else f"{mr:.2f}x",
-            verdict(None if mr is None else mr >= MATCH_RATIO_TARGET, "" if mr is None else f"by {MATCH_RATIO_TARGET - mr:.2f}x"),
+            verdict(
+                None if mr is None else mr >= MATCH_RATIO_TARGET,
+                "" if mr is None else f"by {MATCH_RATIO_TARGET - mr:.2f}x",
+            ),
         )
     )
     return rows
@@ -193,7 +229,9 @@ def catchup_rss(results: dict[str, Any], batch: int) -> float | None:
 
 def match_ratio(micro: dict[str, Any] | None) -> float | None:
     """From the micro-benchmark's `ratio match/quamina: 0.36x` line."""
-    found = re.search(r"^ratio match/quamina:\s*(\d+(?:\.\d+)?)x", (micro or {}).get("stdout", ""), re.M)
+    found = re.search(
+        r"^ratio match/quamina:\s*(\d+(?:\.\d+)?)x", (micro or {}).get("stdout", ""), re.M
+    )
     return float(found.group(1)) if found else None
 
 
@@ -242,7 +280,10 @@ def why_missed(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> l
     if over:
         out.append(
             "Memory: "
-            + "; ".join(f"{peak:.0f} MiB at batch_size {b:,} (target {limit:.0f})" for b, peak, limit in over)
+            + "; ".join(
+                f"{peak:.0f} MiB at batch_size {b:,} (target {limit:.0f})"
+                for b, peak, limit in over
+            )
             + ". A batch no longer holds its records: each GetRecords page is evaluated as it arrives and dropped (the "
             "batch keeps its coalesced deltas, each record's contribution per target for a write the ledger refuses, and "
             "the letters), and mimalloc returns freed pages at once (`MIMALLOC_PURGE_DELAY=0`, as the image sets it). "
@@ -289,7 +330,10 @@ def plots(results: dict[str, Any], summary: dict[str, dict[str, Any]], out_dir: 
         )
     runs = max((summary[s]["runs"] for s in systems), default=0)
     ax.set_ylabel("stream records per second")
-    ax.set_title(f"Catch-up throughput on DynamoDB Local (median of {runs} runs, whiskers min-max)", fontsize=10)
+    ax.set_title(
+        f"Catch-up throughput on DynamoDB Local (median of {runs} runs, whiskers min-max)",
+        fontsize=10,
+    )
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_dir / "throughput.png")
@@ -342,7 +386,11 @@ def tail_parts(runs: list[dict[str, Any]], group: str) -> dict[str, float] | Non
 
 
 def probe_write_p99(runs: list[dict[str, Any]]) -> str:
-    p99s = sorted(r["probe_write_ms"]["p99"] for r in runs if (r.get("probe_write_ms") or {}).get("p99") is not None)
+    p99s = sorted(
+        r["probe_write_ms"]["p99"]
+        for r in runs
+        if (r.get("probe_write_ms") or {}).get("p99") is not None
+    )
     return f"{p99s[len(p99s) // 2]:.0f} ms (median of runs)" if p99s else "an unmeasured time"
 
 
@@ -364,7 +412,11 @@ def phase_section(results: dict[str, Any]) -> list[str]:
     groups = [tail_parts(runs, g) for g in ("all", "p90", "p99")]
     for k, name in PART_NAMES.items():
         w(f"| {name} | " + " | ".join("-" if g is None else f"{g[k]:.1f}" for g in groups) + " |")
-    w("| **lag** | " + " | ".join("-" if g is None else f"**{sum(g.values()):.1f}**" for g in groups) + " |")
+    w(
+        "| **lag** | "
+        + " | ".join("-" if g is None else f"**{sum(g.values()):.1f}**" for g in groups)
+        + " |"
+    )
     w("")
     matched = sum(r["phases"]["probes_matched"] for r in runs)
     probes = sum(r["probes"] for r in runs)
@@ -374,18 +426,24 @@ def phase_section(results: dict[str, Any]) -> list[str]:
     )
     w(
         "- Batch phases over every batch of the runs (p50 / p99 of the run with the median p99): "
-        + ", ".join(f"{p} {v['p50_ms']:.1f} / {v['p99_ms']:.1f} ms" for p, v in median_run(runs)["phases"]["phases"].items())
+        + ", ".join(
+            f"{p} {v['p50_ms']:.1f} / {v['p99_ms']:.1f} ms"
+            for p, v in median_run(runs)["phases"]["phases"].items()
+        )
         + f"; {median_run(runs)['phases']['batches']} batches, {median_run(runs)['phases']['records_per_batch_p50']:.0f} records each at the median."
     )
     w(
         f"- The emulator alone: the probes' PutItem round trips took {probe_write_p99(runs)} at p99 "
         + "("
-        + ", ".join(f"run {r['run']}: p50 {r['probe_write_ms']['p50']} ms, p99 {r['probe_write_ms']['p99']} ms" for r in runs)
+        + ", ".join(
+            f"run {r['run']}: p50 {r['probe_write_ms']['p50']} ms, p99 {r['probe_write_ms']['p99']} ms"
+            for r in runs
+        )
         + ")."
     )
     w(
         "- The checkpoint is in no probe's lag directly: it delays the next batch, whose probes show it under "
-        "\"earlier batch\"."
+        '"earlier batch".'
     )
     w("")
     return L
@@ -403,7 +461,10 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
     v = results["versions"]
     agg = summary["ddb-aggregator"]
     config = results.get("config", "")
-    setting = {k: (re.search(rf"^\s*{k}:\s*(\S+)", config, re.M) or [None, "?"])[1] for k in ("batch_size", "batching_window")}
+    setting = {
+        k: (re.search(rf"^\s*{k}:\s*(\S+)", config, re.M) or [None, "?"])[1]
+        for k in ("batch_size", "batching_window")
+    }
     L: list[str] = []
     w = L.append
     w("# Benchmarks")
@@ -421,12 +482,18 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
             if "script_seconds_before_report" in results
             else ""
         )
-        + (f" (release build {results['build_seconds']:.0f} s)" if "build_seconds" in results else "")
+        + (
+            f" (release build {results['build_seconds']:.0f} s)"
+            if "build_seconds" in results
+            else ""
+        )
         + "."
     )
     w("")
     if results.get("failures"):
-        w("**This run had failures** (see [Failures](#failures)); figures involved are missing or partial.")
+        w(
+            "**This run had failures** (see [Failures](#failures)); figures involved are missing or partial."
+        )
         w("")
     w("## Results")
     w("")
@@ -438,7 +505,11 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
     w("|---|---|---|---|---|---|---|---|")
     for system in SYSTEMS:
         x = summary[system]
-        rate = f"{fmt_rate(x['rate'][0])} ({fmt_rate(x['rate'][1])}-{fmt_rate(x['rate'][2])})" if x["rate"] else "n/a"
+        rate = (
+            f"{fmt_rate(x['rate'][0])} ({fmt_rate(x['rate'][1])}-{fmt_rate(x['rate'][2])})"
+            if x["rate"]
+            else "n/a"
+        )
         if x["rate"] and x["complete_runs"] < x["runs"]:
             rate += " ¹"
         ge = "≥ " if x["lag_not_seen"] else ""
@@ -448,7 +519,11 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
             f"| {fmt_number(x['peak_rss_mib'], 0)} | {x['replay']} |"
         )
     w("")
-    partial = [sy for sy in SYSTEMS if summary[sy]["rate"] and summary[sy]["complete_runs"] < summary[sy]["runs"]]
+    partial = [
+        sy
+        for sy in SYSTEMS
+        if summary[sy]["rate"] and summary[sy]["complete_runs"] < summary[sy]["runs"]
+    ]
     if partial:
         w(
             f"¹ stopped at the {s['baseline_window']:.0f} s window before reaching the end of the backlog: the rate is over the "
@@ -456,9 +531,14 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
         )
         w("")
     for base in ("naive", "idempotent"):
-        r = ratio(agg["rate"][0] if agg["rate"] else None, summary[base]["rate"][0] if summary[base]["rate"] else None)
+        r = ratio(
+            agg["rate"][0] if agg["rate"] else None,
+            summary[base]["rate"][0] if summary[base]["rate"] else None,
+        )
         if r is not None:
-            w(f"- ddb-aggregator catches up **{r:.1f}x** as fast as the {base} baseline (ratio of the medians).")
+            w(
+                f"- ddb-aggregator catches up **{r:.1f}x** as fast as the {base} baseline (ratio of the medians)."
+            )
     not_seen = {sy: summary[sy]["lag_not_seen"] for sy in SYSTEMS if summary[sy]["lag_not_seen"]}
     if not_seen:
         w(
@@ -466,7 +546,11 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
             + ", ".join(f"{sy}: {n}" for sy, n in not_seen.items())
             + f"; they count with the time waited ({s['lag_drain']:.0f} s drain after the writes), so the percentile is a lower bound."
         )
-    reached = {sy: summary[sy]["lag_writes_per_second"] for sy in SYSTEMS if summary[sy]["lag_writes_per_second"] is not None}
+    reached = {
+        sy: summary[sy]["lag_writes_per_second"]
+        for sy in SYSTEMS
+        if summary[sy]["lag_writes_per_second"] is not None
+    }
     if reached:
         w(
             f"- Lag runs: {s['lag_rate']:.0f} writes/s offered; the generator reached (median of runs) "
@@ -505,7 +589,10 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
     )
     w("")
     if b:
-        kinds = ", ".join(f"{count:,} {KIND_NAMES.get(kind, kind)}" for kind, count in g.get("by_kind", {}).items())
+        kinds = ", ".join(
+            f"{count:,} {KIND_NAMES.get(kind, kind)}"
+            for kind, count in g.get("by_kind", {}).items()
+        )
         w(
             f"Backlog: {b['writes']:,} writes ({kinds}, then 1 marker order for a customer no other write uses), "
             f"written in {g.get('seconds', 0):.0f} s by {s['threads']} threads ({g.get('writes_per_second', 0):.0f} writes/s) "
@@ -623,7 +710,9 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
         f"- DynamoDB Local {v.get('dynamodb_local', '?')} in memory ({v.get('java', '?')}); moto {v.get('moto', '?')} (SQS). "
         "All on 127.0.0.1, on the same machine as the consumers and the harness."
     )
-    w(f"- {v.get('ddb_aggregator', '?')}; baselines and harness on Python {v.get('python', '?')}, boto3 {v.get('boto3', '?')}.")
+    w(
+        f"- {v.get('ddb_aggregator', '?')}; baselines and harness on Python {v.get('python', '?')}, boto3 {v.get('boto3', '?')}."
+    )
     w("")
     w(
         "DynamoDB Local is much slower than DynamoDB and shares the 2 cores with every consumer, so absolute numbers "
@@ -634,15 +723,23 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
     w("")
     micro = results.get("micro")
     if micro is None:
-        w("Skipped (`BENCH_SKIP_MICRO=1`)." if s["skip_micro"] else "Failed: see [Failures](#failures).")
+        w(
+            "Skipped (`BENCH_SKIP_MICRO=1`)."
+            if s["skip_micro"]
+            else "Failed: see [Failures](#failures)."
+        )
     else:
-        w(f"`cargo bench --locked --bench pipeline` (exit {micro['exit_code']}, {micro['seconds']} s), its stdout:")
+        w(
+            f"`cargo bench --locked --bench pipeline` (exit {micro['exit_code']}, {micro['seconds']} s), its stdout:"
+        )
         w("")
         w(micro["stdout"].rstrip("\n"))
     w("")
     w("## Per-run figures")
     w("")
-    w("| system | catch-up run | records | seconds | records/s | reached the marker | write requests | WCU | peak RSS MiB | vs truth |")
+    w(
+        "| system | catch-up run | records | seconds | records/s | reached the marker | write requests | WCU | peak RSS MiB | vs truth |"
+    )
     w("|---|---|---|---|---|---|---|---|---|---|")
     for system in SYSTEMS:
         for r in results.get("catchup", {}).get(system, []):

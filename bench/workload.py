@@ -85,7 +85,9 @@ class Write:
     old: Item | None
     new: Item | None
 
-    def stream_record(self, sequence: int, created: float, region: str, event_id: str) -> dict[str, Any]:
+    def stream_record(
+        self, sequence: int, created: float, region: str, event_id: str
+    ) -> dict[str, Any]:
         """The stream record DynamoDB emits for this write (NEW_AND_OLD_IMAGES)."""
         ddb: dict[str, Any] = {"ApproximateCreationDateTime": int(created), "Keys": self.key}
         if self.new is not None:
@@ -121,7 +123,13 @@ class Workload:
     """A deterministic sequence of writes over a model of the table it has written so far."""
 
     def __init__(
-        self, customers: int = 500, skew: float = 1.1, seed: int = 1, days: int = 30, mix: Mix = Mix(), updated_at: bool = False
+        self,
+        customers: int = 500,
+        skew: float = 1.1,
+        seed: int = 1,
+        days: int = 30,
+        mix: Mix = Mix(),
+        updated_at: bool = False,
     ):
         """`updated_at`: every insert and change also sets updatedAt (N), a number that grows
         with each write (the `by` of a `latest` measure); off by default, so the main
@@ -134,7 +142,9 @@ class Workload:
         self.mix = mix
         self.days = days
         self.customers = [f"c{k:05d}" for k in range(1, customers + 1)]
-        self._customer_cum = list(itertools.accumulate(1 / k**skew for k in range(1, customers + 1)))
+        self._customer_cum = list(
+            itertools.accumulate(1 / k**skew for k in range(1, customers + 1))
+        )
         self._kind_names, self._kind_cum = mix.kinds()
         self.items: dict[ItemKey, Item] = {}
         self.live: dict[str, list[ItemKey]] = {}  # the customer's orders
@@ -149,11 +159,15 @@ class Workload:
         return item
 
     def customer(self) -> str:
-        return self.customers[bisect.bisect_left(self._customer_cum, self.rng.random() * self._customer_cum[-1])]
+        return self.customers[
+            bisect.bisect_left(self._customer_cum, self.rng.random() * self._customer_cum[-1])
+        ]
 
     def next(self) -> Write:
         """The next write; the model is updated as if it had been applied."""
-        kind = self._kind_names[bisect.bisect_left(self._kind_cum, self.rng.random() * self._kind_cum[-1])]
+        kind = self._kind_names[
+            bisect.bisect_left(self._kind_cum, self.rng.random() * self._kind_cum[-1])
+        ]
         customer = self.customer()
         if kind == "status" and self.open.get(customer):
             return self._set_status(self.rng.choice(self.open[customer]))
@@ -179,7 +193,9 @@ class Workload:
         self._stamp(item)
         if expiring:
             midnight = datetime.datetime.combine(day, datetime.time(), tzinfo=datetime.UTC)
-            item["expiresAt"] = {"N": str(int(midnight.timestamp()) + 3600 * self.rng.randint(1, 24))}
+            item["expiresAt"] = {
+                "N": str(int(midnight.timestamp()) + 3600 * self.rng.randint(1, 24))
+            }
             self.expiring.append((pk, sk))
         self.items[(pk, sk)] = item
         self.live.setdefault(customer, []).append((pk, sk))
@@ -256,7 +272,12 @@ def dynamodb_client(endpoint: str, region: str = "us-east-1") -> Any:
         region_name=region,
         aws_access_key_id="local",
         aws_secret_access_key="local",
-        config=Config(connect_timeout=3, read_timeout=20, retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=16),
+        config=Config(
+            connect_timeout=3,
+            read_timeout=20,
+            retries={"mode": "standard", "max_attempts": 5},
+            max_pool_connections=16,
+        ),
     )
 
 
@@ -271,7 +292,12 @@ class Result:
         return self.writes / self.seconds if self.seconds > 0 else 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"writes": self.writes, "seconds": round(self.seconds, 3), "writes_per_second": round(self.rate, 1), "by_kind": self.by_kind}
+        return {
+            "writes": self.writes,
+            "seconds": round(self.seconds, 3),
+            "writes_per_second": round(self.rate, 1),
+            "by_kind": self.by_kind,
+        }
 
 
 class RecordWriter:
@@ -286,7 +312,11 @@ class RecordWriter:
     def write(self, w: Write) -> None:
         self.sequence += 1
         event_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
-        json.dump(w.stream_record(self.sequence, time.time(), self.region, event_id), self.out, separators=(",", ":"))
+        json.dump(
+            w.stream_record(self.sequence, time.time(), self.region, event_id),
+            self.out,
+            separators=(",", ":"),
+        )
         self.out.write("\n")
 
 
@@ -339,7 +369,12 @@ def generate(
         for i in itertools.count():
             now = time.monotonic()
             due = started + i / rate if rate > 0 else now
-            if (count is not None and i >= count) or max(now, due) >= deadline or stop.is_set() or failure:
+            if (
+                (count is not None and i >= count)
+                or max(now, due) >= deadline
+                or stop.is_set()
+                or failure
+            ):
                 break
             if due > now:
                 time.sleep(due - now)
@@ -365,11 +400,15 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--customers", type=int, default=500)
     p.add_argument("--skew", type=float, default=1.1, help="Zipf exponent s of customer activity")
     p.add_argument("--days", type=int, default=30, help="orders are spread over this many days")
-    p.add_argument("--rate", type=float, default=0.0, help="writes per second; 0: as fast as possible")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="writes per second; 0: as fast as possible"
+    )
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--count", type=int, help="number of writes")
     p.add_argument("--duration", type=float, help="seconds to write for")
@@ -377,8 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoint", default="http://127.0.0.1:8000")
     p.add_argument("--region", default="us-east-1")
     p.add_argument("--table", default="commerce-main")
-    p.add_argument("--records-out", metavar="FILE", help="also write the equivalent stream records (JSON lines)")
-    p.add_argument("--offline", action="store_true", help="write only --records-out, send nothing to DynamoDB")
+    p.add_argument(
+        "--records-out",
+        metavar="FILE",
+        help="also write the equivalent stream records (JSON lines)",
+    )
+    p.add_argument(
+        "--offline", action="store_true", help="write only --records-out, send nothing to DynamoDB"
+    )
     a = p.parse_args(argv)
     if a.count is None and a.duration is None:
         p.error("give --count or --duration")
@@ -386,7 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--offline needs --records-out")
     workload = Workload(customers=a.customers, skew=a.skew, seed=a.seed, days=a.days)
     factory = None if a.offline else (lambda: dynamodb_client(a.endpoint, a.region))
-    with open(a.records_out, "w", encoding="utf-8") if a.records_out else contextlib.nullcontext() as out:
+    with (
+        open(a.records_out, "w", encoding="utf-8")
+        if a.records_out
+        else contextlib.nullcontext() as out
+    ):
         result = generate(
             workload,
             count=a.count,

@@ -13,6 +13,7 @@
 
 Endpoints come from AWS_ENDPOINT_URL_DYNAMODB / AWS_ENDPOINT_URL_SQS (scripts/local-aws env).
 """
+
 import argparse
 import os
 import random
@@ -30,7 +31,11 @@ STATUSES = ["PENDING", "PAID", "SHIPPED", "CANCELLED"]
 
 
 def ddb():
-    return boto3.client("dynamodb", endpoint_url=os.environ["AWS_ENDPOINT_URL_DYNAMODB"], region_name=os.environ.get("AWS_REGION", "us-east-1"))
+    return boto3.client(
+        "dynamodb",
+        endpoint_url=os.environ["AWS_ENDPOINT_URL_DYNAMODB"],
+        region_name=os.environ.get("AWS_REGION", "us-east-1"),
+    )
 
 
 def setup():
@@ -43,8 +48,14 @@ def setup():
     c.create_table(
         TableName=TABLE,
         BillingMode="PAY_PER_REQUEST",
-        AttributeDefinitions=[{"AttributeName": "PK", "AttributeType": "S"}, {"AttributeName": "SK", "AttributeType": "S"}],
-        KeySchema=[{"AttributeName": "PK", "KeyType": "HASH"}, {"AttributeName": "SK", "KeyType": "RANGE"}],
+        AttributeDefinitions=[
+            {"AttributeName": "PK", "AttributeType": "S"},
+            {"AttributeName": "SK", "AttributeType": "S"},
+        ],
+        KeySchema=[
+            {"AttributeName": "PK", "KeyType": "HASH"},
+            {"AttributeName": "SK", "KeyType": "RANGE"},
+        ],
         StreamSpecification={"StreamEnabled": True, "StreamViewType": "NEW_AND_OLD_IMAGES"},
     )
     c.get_waiter("table_exists").wait(TableName=TABLE)
@@ -53,7 +64,11 @@ def setup():
         c.delete_table(TableName=STATE)
     except c.exceptions.ResourceNotFoundException:
         pass
-    sqs = boto3.client("sqs", endpoint_url=os.environ["AWS_ENDPOINT_URL_SQS"], region_name=os.environ.get("AWS_REGION", "us-east-1"))
+    sqs = boto3.client(
+        "sqs",
+        endpoint_url=os.environ["AWS_ENDPOINT_URL_SQS"],
+        region_name=os.environ.get("AWS_REGION", "us-east-1"),
+    )
     sqs.create_queue(QueueName=QUEUE)
     print(f"created table {TABLE} (stream NEW_AND_OLD_IMAGES) and queue {QUEUE}")
 
@@ -63,7 +78,14 @@ def write(seed):
     c = ddb()
     writes = 0
     for i in range(1, 6):
-        c.put_item(TableName=TABLE, Item={"PK": {"S": f"CUST#c{i}"}, "SK": {"S": "PROFILE"}, "name": {"S": f"Customer {i}"}})
+        c.put_item(
+            TableName=TABLE,
+            Item={
+                "PK": {"S": f"CUST#c{i}"},
+                "SK": {"S": "PROFILE"},
+                "name": {"S": f"Customer {i}"},
+            },
+        )
         writes += 1
     orders = {}
     for n in range(1, 61):
@@ -72,30 +94,67 @@ def write(seed):
         key = {"PK": {"S": f"CUST#{cust}"}, "SK": {"S": f"ORDER#{day}#o{n:03d}"}}
         total = Decimal(rng.randint(100, 20000)) / 100
         status = rng.choice(["PENDING", "PAID"])
-        c.put_item(TableName=TABLE, Item={**key, "status": {"S": status}, "total": {"N": str(total)}})
+        c.put_item(
+            TableName=TABLE, Item={**key, "status": {"S": status}, "total": {"N": str(total)}}
+        )
         orders[n] = key
         writes += 1
     for n in rng.sample(sorted(orders), 20):
-        c.update_item(TableName=TABLE, Key=orders[n], UpdateExpression="SET #s = :s", ExpressionAttributeNames={"#s": "status"}, ExpressionAttributeValues={":s": {"S": rng.choice(["SHIPPED", "CANCELLED", "PAID"])}})
+        c.update_item(
+            TableName=TABLE,
+            Key=orders[n],
+            UpdateExpression="SET #s = :s",
+            ExpressionAttributeNames={"#s": "status"},
+            ExpressionAttributeValues={":s": {"S": rng.choice(["SHIPPED", "CANCELLED", "PAID"])}},
+        )
         writes += 1
     for n in rng.sample(sorted(orders), 10):
-        c.update_item(TableName=TABLE, Key=orders[n], UpdateExpression="SET #t = :t", ExpressionAttributeNames={"#t": "total"}, ExpressionAttributeValues={":t": {"N": str(Decimal(rng.randint(100, 20000)) / 100)}})
+        c.update_item(
+            TableName=TABLE,
+            Key=orders[n],
+            UpdateExpression="SET #t = :t",
+            ExpressionAttributeNames={"#t": "total"},
+            ExpressionAttributeValues={":t": {"N": str(Decimal(rng.randint(100, 20000)) / 100)}},
+        )
         writes += 1
     for n in rng.sample(sorted(orders), 8):
         c.delete_item(TableName=TABLE, Key=orders.pop(n))
         writes += 1
-    print(f"wrote {writes} changes: 5 customers, 60 orders, 20 status changes, 10 total changes, 8 deletes")
+    print(
+        f"wrote {writes} changes: 5 customers, 60 orders, 20 status changes, 10 total changes, 8 deletes"
+    )
 
 
 def poison():
-    ddb().put_item(TableName=TABLE, Item={"PK": {"S": "CUST#c2"}, "SK": {"S": "ORDER#2026-11-30#poison"}, "status": {"S": "PAID"}, "total": {"S": "12 EUR"}})
+    ddb().put_item(
+        TableName=TABLE,
+        Item={
+            "PK": {"S": "CUST#c2"},
+            "SK": {"S": "ORDER#2026-11-30#poison"},
+            "status": {"S": "PAID"},
+            "total": {"S": "12 EUR"},
+        },
+    )
     print("wrote one poison order (total is a string)")
 
 
 def drift():
     c = ddb()
-    c.update_item(TableName=TABLE, Key={"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}}, UpdateExpression="SET orderCount = :v", ExpressionAttributeValues={":v": {"N": "999"}})
-    c.put_item(TableName=TABLE, Item={"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#late"}, "status": {"S": "PAID"}, "total": {"N": "1"}})
+    c.update_item(
+        TableName=TABLE,
+        Key={"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}},
+        UpdateExpression="SET orderCount = :v",
+        ExpressionAttributeValues={":v": {"N": "999"}},
+    )
+    c.put_item(
+        TableName=TABLE,
+        Item={
+            "PK": {"S": "CUST#c1"},
+            "SK": {"S": "ORDER#2026-11-30#late"},
+            "status": {"S": "PAID"},
+            "total": {"N": "1"},
+        },
+    )
     print("set CUST#c1 orderCount to 999 and wrote an order for c1")
 
 
@@ -116,7 +175,12 @@ def truth(items):
     for it in items:
         pk, sk = it["PK"]["S"], it["SK"]["S"]
         parts = sk.split("#")
-        if not (pk.startswith("CUST#") and len(pk.split("#")) == 2 and len(parts) == 3 and parts[0] == "ORDER"):
+        if not (
+            pk.startswith("CUST#")
+            and len(pk.split("#")) == 2
+            and len(parts) == 3
+            and parts[0] == "ORDER"
+        ):
             continue
         if "total" in it and "N" not in it["total"]:
             continue  # a poison item: both rules refuse it (it is in the dead-letter queue)
@@ -157,12 +221,16 @@ def show(check):
         mark = "" if g == w else "   <-- differs"
         print(f"{k[0] + ' / ' + k[1]:<28} {k[2]:<18} {g:>10} {w:>10}{mark}")
     ok = got == want
-    print(f"\n{len(want)} aggregate values; {'all equal the truth computed from the orders' if ok else 'DIFFERENCES FOUND'}")
+    print(
+        f"\n{len(want)} aggregate values; {'all equal the truth computed from the orders' if ok else 'DIFFERENCES FOUND'}"
+    )
     return ok
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("command", choices=["setup", "write", "poison", "drift", "show"])
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--check", action="store_true")

@@ -37,7 +37,9 @@ def handler(event: dict[str, Any], context: Context) -> None:
             },
             "ConditionExpression": "attribute_not_exists(PK)",
         }
-        items = [{"Put": guard}] + [{"Update": add_update(context.table, t, d)} for t, d in deltas.items()]
+        items = [{"Put": guard}] + [
+            {"Update": add_update(context.table, t, d)} for t, d in deltas.items()
+        ]
         try:
             context.meter.call(ddb.transact_write_items, TransactItems=items)
         except ddb.exceptions.TransactionCanceledException as e:

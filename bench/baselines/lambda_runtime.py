@@ -96,7 +96,9 @@ def add_update(table: str, target: tuple[str, str], deltas: dict[str, Decimal]) 
         "Key": {"PK": {"S": target[0]}, "SK": {"S": target[1]}},
         "UpdateExpression": "ADD " + ", ".join(f"#a{i} :v{i}" for i in range(len(names))),
         "ExpressionAttributeNames": names,
-        "ExpressionAttributeValues": {f":v{i}": {"N": str(deltas[name])} for i, name in enumerate(sorted(deltas))},
+        "ExpressionAttributeValues": {
+            f":v{i}": {"N": str(deltas[name])} for i, name in enumerate(sorted(deltas))
+        },
     }
 
 
@@ -166,7 +168,11 @@ class Poller:
     def mark_polled(self, shard_id: str) -> None:
         with self.lock:
             self.first_polls.add(shard_id)
-            if not self.stats.ready and self.initial is not None and self.initial <= self.first_polls:
+            if (
+                not self.stats.ready
+                and self.initial is not None
+                and self.initial <= self.first_polls
+            ):
                 self.stats.ready = True
                 self.save()
 
@@ -185,7 +191,9 @@ class Poller:
             try:
                 page = self.streams.get_records(ShardIterator=it, Limit=BATCH_SIZE)
             except Exception as e:  # noqa: BLE001 - expired iterator, throttling: resume from the last record
-                print(f"GetRecords on {shard_id} failed ({e}); resuming after {last}", file=sys.stderr)
+                print(
+                    f"GetRecords on {shard_id} failed ({e}); resuming after {last}", file=sys.stderr
+                )
                 self.stop.wait(1.0)
                 it = self.iterator(shard_id, last)
                 continue
@@ -216,7 +224,10 @@ class Poller:
                 self.handler(event, self.context)
                 break
             except Exception as e:  # noqa: BLE001 - Lambda retries the whole batch
-                print(f"handler failed ({type(e).__name__}: {e}); retrying the batch of {len(records)}", file=sys.stderr)
+                print(
+                    f"handler failed ({type(e).__name__}: {e}); retrying the batch of {len(records)}",
+                    file=sys.stderr,
+                )
                 with self.lock:
                     self.stats.batch_retries += 1
                     self.save()
@@ -233,13 +244,24 @@ class Poller:
 
 
 def main(system: str, handler: Handler, doc: str | None) -> int:
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default="http://127.0.0.1:8000", help="DynamoDB (and Streams) endpoint")
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--endpoint", default="http://127.0.0.1:8000", help="DynamoDB (and Streams) endpoint"
+    )
     p.add_argument("--table", required=True, help="source table (its stream is read)")
     p.add_argument("--aggregates-table", required=True)
-    p.add_argument("--stats", required=True, metavar="FILE", help="JSON counters, rewritten after every batch")
+    p.add_argument(
+        "--stats", required=True, metavar="FILE", help="JSON counters, rewritten after every batch"
+    )
     p.add_argument("--max-records", type=int, help="stop after handling this many records")
-    p.add_argument("--max-seconds", type=float, default=900.0, help="stop after this long at most (a bound if nobody stops it)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=900.0,
+        help="stop after this long at most (a bound if nobody stops it)",
+    )
     args = p.parse_args()
     poller = Poller(args, system, handler)
     for sig in (signal.SIGTERM, signal.SIGINT):

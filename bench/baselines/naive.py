@@ -19,7 +19,9 @@ from bench.baselines.lambda_runtime import Context, add_update, main
 def handler(event: dict[str, Any], context: Context) -> None:
     for record in event["Records"]:
         for target, deltas in commerce.record_deltas(record).items():
-            context.meter.call(context.dynamodb.update_item, **add_update(context.table, target, deltas))
+            context.meter.call(
+                context.dynamodb.update_item, **add_update(context.table, target, deltas)
+            )
 
 
 if __name__ == "__main__":
