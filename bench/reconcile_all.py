@@ -191,7 +191,8 @@ def main() -> int:
         r = reconcile_all(a.bin, config, env)
         r["orders"] = size
         log(
-            f"  reconcile --all: {r['items_read']} items in {r['seconds']:.1f}s ({r['items_per_s']:.0f}/s), peak RSS {r['peak_rss_mib']:.1f} MiB"
+            f"  reconcile --all: {r['items_read']} items in {r['seconds']:.1f}s "
+            f"({r['items_per_s']:.0f}/s), peak RSS {r['peak_rss_mib']:.1f} MiB"
         )
         rows.append(r)
     print()
@@ -203,7 +204,8 @@ def main() -> int:
         )
     print()
     print(
-        f"schedule: {sched['targets']:,} touched targets reconciled in {sched['seconds']:.1f}s over {sched['runs']} run(s) ({sched['targets_per_s']:.0f} targets/s)"
+        f"schedule: {sched['targets']:,} touched targets reconciled in {sched['seconds']:.1f}s "
+        f"over {sched['runs']} run(s) ({sched['targets_per_s']:.0f} targets/s)"
     )
     return 0
 

@@ -251,8 +251,10 @@ def why_missed(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> l
             emulator = sum(tail[k] for k in EMULATOR)
             total = sum(tail.values())
             where = (
-                f" Of the slowest probes' lag (each run's p99 and above, mean {total:.0f} ms; see [Lag tail by phase](#lag-tail-by-phase)), "
-                f"{emulator:.0f} ms ({emulator / total:.0%}) were DynamoDB Local's calls (GetRecords, the UpdateItems) and the harness's own "
+                f" Of the slowest probes' lag (each run's p99 and above, mean {total:.0f} ms; "
+                "see [Lag tail by phase](#lag-tail-by-phase)), "
+                f"{emulator:.0f} ms ({emulator / total:.0%}) were DynamoDB Local's calls "
+                "(GetRecords, the UpdateItems) and the harness's own "
                 f"GetItem poll, {tail['earlier_batch']:.0f} ms waiting for an earlier batch, {tail['not_readable']:.0f} ms before "
                 "the record was readable in the emulator's stream, and "
                 f"{ours:.0f} ms ({ours / total:.0%}) ours (the poll interval, evaluation, dead letters)."
@@ -430,7 +432,8 @@ def phase_section(results: dict[str, Any]) -> list[str]:
             f"{p} {v['p50_ms']:.1f} / {v['p99_ms']:.1f} ms"
             for p, v in median_run(runs)["phases"]["phases"].items()
         )
-        + f"; {median_run(runs)['phases']['batches']} batches, {median_run(runs)['phases']['records_per_batch_p50']:.0f} records each at the median."
+        + f"; {median_run(runs)['phases']['batches']} batches, "
+        f"{median_run(runs)['phases']['records_per_batch_p50']:.0f} records each at the median."
     )
     w(
         f"- The emulator alone: the probes' PutItem round trips took {probe_write_p99(runs)} at p99 "

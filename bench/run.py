@@ -441,8 +441,10 @@ class Harness:
             "batch_size": batch_size,
         }
         log(
-            f"  {system} run {run}{'' if batch_size is None else f' (batch_size {batch_size})'}: {records} records in {seconds:.2f} s = {out['records_per_second']}/s"
-            f"{'' if visible else ' (stopped at the window)'}; {after['write_requests']} writes, {after['wcu']:.0f} WCU; "
+            f"  {system} run {run}{'' if batch_size is None else f' (batch_size {batch_size})'}: "
+            f"{records} records in {seconds:.2f} s = {out['records_per_second']}/s"
+            f"{'' if visible else ' (stopped at the window)'}; "
+            f"{after['write_requests']} writes, {after['wcu']:.0f} WCU; "
             f"RSS {out['peak_rss_mib']} MiB; {diff.summary()}"
         )
         if not diff.exact:
@@ -690,7 +692,7 @@ class Harness:
 
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         r["catchup"] = runs
-        spent = {s: 0.0 for s in SYSTEMS}
+        spent = dict.fromkeys(SYSTEMS, 0.0)
         for run in range(
             1, a.catchup_runs + 1
         ):  # interleaved, so drift of the machine hits every system alike
@@ -737,7 +739,7 @@ class Harness:
 
         lag: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         r["lag"] = lag
-        spent = {s: 0.0 for s in SYSTEMS}
+        spent = dict.fromkeys(SYSTEMS, 0.0)
         for run in range(1, a.lag_runs + 1):
             for system in SYSTEMS:
                 t = time.monotonic()

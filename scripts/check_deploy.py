@@ -98,13 +98,17 @@ for (const d of JSON.parse(fs.readFileSync(file, "utf8"))) {
   const [group, version] = d.apiVersion.split("/");
   const mod = await import(pathToFileURL(`${models}/${group}/${version}/${d.kind}.js`));
   try { new mod[d.kind](d).validate(); }
-  catch (e) { bad++; console.log(`${d.kind} ${d.metadata?.name}: ${(e.errors ?? [e]).map(x => `${x.instancePath ?? ""} ${x.message}`).join("; ")}`); }
+  catch (e) {
+    bad++;
+    const errors = (e.errors ?? [e]).map(x => `${x.instancePath ?? ""} ${x.message}`);
+    console.log(`${d.kind} ${d.metadata?.name}: ${errors.join("; ")}`);
+  }
 }
 process.exit(bad ? 1 : 0);
 """
 
 
-def ts_interface(path, _cache={}):
+def ts_interface(path, _cache={}):  # noqa: B006 - the default dict is the memo, on purpose
     """(properties name -> type, imports name -> .d.ts path) of the interface a .d.ts declares,
     inherited properties included."""
     if path in _cache:
@@ -205,7 +209,7 @@ def restricted(pod):
         problems.append("seccompProfile RuntimeDefault")
     for c in pod["containers"] + pod.get("initContainers", []):
         sc = c.get("securityContext", {})
-        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
             problems.append(f"{c['name']}: runAsNonRoot")
         if sc.get("runAsUser", psc.get("runAsUser")) == 0:
             problems.append(f"{c['name']}: runAsUser 0")
@@ -600,7 +604,7 @@ def wait_until(what, fn, seconds):
         try:
             if fn():
                 return
-        except Exception:
+        except Exception:  # noqa: BLE001 - not up yet (refused, half-started): ask again
             pass
         time.sleep(0.5)
     raise SystemExit(f"check-deploy: timed out waiting for {what}")
@@ -626,12 +630,15 @@ def live(work, binary, aws_python):
         DEMO_STATE=state,
         DEMO_QUEUE=queue,
     )
-    data = lambda *a: subprocess.run(
-        [aws_python, os.path.join(ROOT, "scripts/demo_data.py"), *a],
-        env=env,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+
+    def data(*a):
+        return subprocess.run(
+            [aws_python, os.path.join(ROOT, "scripts/demo_data.py"), *a],
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
     data("setup")
     metrics_port, prom_port = free_port(), free_port()
     svc_env = dict(
@@ -790,7 +797,8 @@ def live(work, binary, aws_python):
                 fail(f"alert {rule['alert']}: its measured side returns no data: {lhs}")
             else:
                 ok(
-                    f"alert {rule['alert']}: evaluates ({len(r['data']['result'])} firing, measured side {len(r2['data']['result'])} series)"
+                    f"alert {rule['alert']}: evaluates ({len(r['data']['result'])} firing, "
+                    f"measured side {len(r2['data']['result'])} series)"
                 )
     finally:
         svc.send_signal(signal.SIGTERM)

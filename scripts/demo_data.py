@@ -18,7 +18,6 @@ import argparse
 import os
 import random
 import sys
-import time
 from collections import defaultdict
 from decimal import Decimal
 
