@@ -4,8 +4,9 @@ rules (the PrometheusRule and deploy/prometheus/rules.yaml agree), k8s (the rend
 CRDs, hardening, Pod Security "restricted", one image, the generated ConfigMap; writes the
 non-CRD documents of each overlay for kubernetes-validate), crds (the ServiceMonitor and
 PrometheusRule of each overlay against the prometheus-operator's API schema), static (ECS task definition, IAM
-policies against the CloudFormation template, Dockerfile), live (service + Prometheus on
-loopback)."""
+policies against the CloudFormation template, Dockerfile), schema (config/schema.json is what
+the binary prints, every shipped config names it and validates against it, and wrong copies
+fail, as an editor would show), live (service + Prometheus on loopback)."""
 
 import argparse
 import json
@@ -585,6 +586,65 @@ def static():
         (ok if good else fail)(f"Dockerfile: {name}")
 
 
+SHIPPED_CONFIGS = [
+    "config/commerce.yaml",
+    "config/commerce-measures.yaml",
+    "config/ledger.yaml",
+    "config/saas.yaml",
+    "bench/ddb-aggregator.yaml",
+    "k8s/base/config.yaml",
+]
+SCHEMA_LINE = re.compile(r"^# yaml-language-server: \$schema=(\S+)$", re.M)
+
+
+def wrong_copies(text):
+    """Copies of config/commerce.yaml with one mistake each, as a user might type them."""
+    yield "a wrong top-level key", text.replace("\nmetrics:", "\nmetric:", 1)
+    yield (
+        "a wrong key inside a measure",
+        text.replace(
+            "revenue: { sum: total }", "revenue: { sum: total, wher: { status: { S: [PAID] } } }", 1
+        ),
+    )
+    yield "a wrong measure kind", text.replace("orderCount: count", "orderCount: counts", 1)
+    yield "a wrong filter operator", text.replace('{ prefix: "ORDER#" }', '{ prefx: "ORDER#" }', 1)
+    yield "a duration without a unit", text.replace("lease_duration: 10s", "lease_duration: 10", 1)
+
+
+def schema(binary):
+    import jsonschema
+
+    path = os.path.join(ROOT, "config/schema.json")
+    committed = open(path).read()
+    printed = subprocess.run([binary, "schema"], capture_output=True, text=True, check=True).stdout
+    (ok if printed == committed else fail)(
+        "config/schema.json is what `ddb-aggregator schema` prints"
+        + (
+            ""
+            if printed == committed
+            else " (regenerate it: ddb-aggregator schema > config/schema.json)"
+        )
+    )
+    validator = jsonschema.Draft7Validator(json.loads(committed))
+    for name in SHIPPED_CONFIGS:
+        text = open(os.path.join(ROOT, name)).read()
+        line = SCHEMA_LINE.search(text)
+        target = line and os.path.normpath(os.path.join(os.path.dirname(name), line.group(1)))
+        (ok if target == "config/schema.json" else fail)(
+            f"{name} names config/schema.json for editors"
+        )
+        errors = [e.message for e in validator.iter_errors(yaml.safe_load(text))]
+        shown = f": {errors[:2]}" if errors else ""
+        (ok if not errors else fail)(f"{name} validates against the schema{shown}")
+    base = open(os.path.join(ROOT, "config/commerce.yaml")).read()
+    for what, text in wrong_copies(base):
+        if text == base:
+            fail(f"the wrong copy with {what} is not different: update wrong_copies()")
+            continue
+        errors = list(validator.iter_errors(yaml.safe_load(text)))
+        (ok if errors else fail)(f"a copy of config/commerce.yaml with {what} fails the schema")
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -816,7 +876,7 @@ def live(work, binary, aws_python):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("command", choices=["rules", "k8s", "crds", "static", "live"])
+    p.add_argument("command", choices=["rules", "k8s", "crds", "static", "schema", "live"])
     p.add_argument("--models")
     p.add_argument("--rendered")
     p.add_argument("--work")
@@ -828,6 +888,7 @@ def main():
         "k8s": lambda: k8s(a.rendered),
         "crds": lambda: crds(a.rendered, a.models),
         "static": static,
+        "schema": lambda: schema(a.binary),
         "live": lambda: live(a.work, a.binary, a.aws_python),
     }[a.command]()
     if FAILURES:

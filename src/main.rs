@@ -156,6 +156,11 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         records: PathBuf,
     },
+    /// Print the config file's JSON Schema (draft-07; also committed as config/schema.json).
+    /// Editors with the YAML language server flag a wrong key while you type when a config
+    /// starts with `# yaml-language-server: $schema=<path or URL of the schema>`;
+    /// `check-jsonschema --schemafile schema.json config.yaml` checks one in pre-commit.
+    Schema,
 }
 
 /// `--config`'s help, shared by every command.
@@ -325,6 +330,10 @@ fn main() -> ExitCode {
         Command::Healthcheck { url } => healthcheck(&url),
         Command::TestPattern { pattern, event, numeric_strings } => test_pattern(&pattern, &event, numeric_strings),
         Command::Simulate { config, records } => simulate(&config, &records),
+        Command::Schema => {
+            print!("{}", ddb_aggregator::config::schema::json());
+            Ok(())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,6 +6,7 @@
 mod doc;
 mod loops;
 pub mod raw;
+pub mod schema;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

@@ -2,7 +2,10 @@
 //! beyond types; `validate` turns this into a [`super::Config`] that cannot be invalid.
 
 use indexmap::IndexMap;
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer};
+
+use super::schema;
 
 /// Durations and other text settings written as a bare number (`10`) arrive as numbers;
 /// take them as text so validation can say what is missing (a unit).
@@ -41,68 +44,89 @@ fn namespace<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+/// The config file of ddb-aggregator (`ddb-aggregator validate --config FILE` checks one).
+#[schemars(rename = "Config", title = "ddb-aggregator config")]
 pub struct RawConfig {
+    /// The table whose stream is read.
     pub source: RawSource,
+    /// Where leases, checkpoints and the committed rule definitions are kept.
     pub state: RawState,
     /// Defaults to the source table.
     #[serde(default)]
     pub aggregates: Option<RawAggregates>,
+    /// The SQS queue that poison records go to, with their full payload.
     #[serde(default)]
     pub dead_letter: Option<RawDeadLetter>,
+    /// The scheduled reconcile that repairs drift, and how any reconcile decides a shard is read.
     #[serde(default)]
     pub reconcile: Option<RawReconcile>,
+    /// The Prometheus endpoint (/metrics, /healthz, /readyz).
     #[serde(default)]
     pub metrics: Option<RawMetrics>,
+    /// The AWS SDK's timeouts and retries (every client: DynamoDB, Streams, SQS).
     #[serde(default)]
     pub aws: Option<RawAws>,
+    /// What to aggregate: each rule filters records, keys them to a target item, and keeps
+    /// measures on it.
     pub rules: Vec<RawRule>,
 }
 
 /// The AWS SDK's timeouts and retries (every client: DynamoDB, Streams, SQS).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Aws")]
 pub struct RawAws {
     /// Default 3s.
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub connect_timeout: Option<String>,
     /// Default 20s: one HTTP response.
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub read_timeout: Option<String>,
     /// Default 60s: one call with its retries.
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub operation_timeout: Option<String>,
     /// Default 3 (the first attempt included).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Whole>")]
     pub max_attempts: Option<String>,
     /// `standard` (default) or `adaptive` (client-side rate limiting on throttling).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::RetryMode>")]
     pub retry_mode: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Source")]
 pub struct RawSource {
     /// Source table name; its stream ARN is resolved with DescribeTable.
     pub table: String,
     /// For shards without a checkpoint: `trim_horizon` (default) or `latest`.
     #[serde(default)]
+    #[schemars(with = "Option<schema::StartPosition>")]
     pub start_position: Option<String>,
     /// GetRecords Limit, 1..=1000 (default 1000).
     #[serde(default)]
     pub batch_size: Option<u32>,
     /// Wait up to this for more records before writing (default 0s).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub batching_window: Option<String>,
     /// Records older than this (by ApproximateCreationDateTime) are dead-lettered with reason
     /// `too_old` instead of applied, like Lambda's MaximumRecordAgeInSeconds. Default: none.
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub max_record_age: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "State")]
 pub struct RawState {
     /// Lease and checkpoint table.
     pub table: String,
@@ -111,22 +135,28 @@ pub struct RawState {
     pub create_table: Option<bool>,
     /// Default 10s.
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub lease_duration: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Aggregates")]
 pub struct RawAggregates {
+    /// The table the target items are written to (default: the source table).
     pub table: String,
     /// Names this deployment's ledger entries on target items (default: derived from the
     /// state table), so two deployments writing one item never refuse or prune each other.
     #[serde(default, deserialize_with = "namespace")]
+    #[schemars(with = "Option<String>")]
     pub ledger_namespace: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "DeadLetter")]
 pub struct RawDeadLetter {
+    /// The queue's URL (https://sqs.<region>.amazonaws.com/<account>/<name>).
     pub queue_url: String,
     /// Attempts before a poison record goes to the queue (default 5).
     #[serde(default)]
@@ -137,29 +167,36 @@ pub struct RawDeadLetter {
     pub include_images: Option<bool>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Reconcile")]
 pub struct RawReconcile {
     /// `0s` disables the schedule (default 1h).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub interval: Option<String>,
     /// What the schedule reconciles: `touched` (targets this replica wrote since its last
     /// run, default) or `all` (a full scan every interval).
     #[serde(default)]
+    #[schemars(with = "Option<schema::Scope>")]
     pub scope: Option<String>,
     /// Longest wait for a live replica that is behind (default 2m).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub wait: Option<String>,
     /// How long after the truth read the consumer's evidence must be (stream propagation and
     /// clock skew; default 2s).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub margin: Option<String>,
     /// How long after a rule change's leftovers are zeroed they are removed (default 25h: past
     /// the stream's 24 h retention, so no replay can reach them).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub remove_leftovers_after: Option<String>,
     /// A Pushgateway (http://host:port) the `reconcile` command pushes its results to.
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<String>")]
     pub pushgateway: Option<String>,
     /// When an idle open shard counts as read to its tip (default `{empty_pages: 3, over: 2s}`).
     #[serde(default)]
@@ -168,52 +205,69 @@ pub struct RawReconcile {
 
 /// The empty-page rule: this many empty GetRecords pages in a row on one iterator chain,
 /// spanning at least `over`, are taken as the shard's tip.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "TipEvidence")]
 pub struct RawTipEvidence {
     /// Default 3.
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Whole>")]
     pub empty_pages: Option<String>,
     /// From the first page's call to the last one's (default 2s).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
     pub over: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Metrics")]
 pub struct RawMetrics {
-    /// Default 0.0.0.0:9464.
+    /// The address to serve on (default 0.0.0.0:9464).
     #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<String>")]
     pub listen: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Rule")]
 pub struct RawRule {
+    /// Unique among the rules; names the rule in metrics, logs and the state table.
     pub name: String,
     /// A filter pattern or a list of them (any matches); absent: every record.
     #[serde(default)]
+    #[schemars(with = "Option<schema::Filter>")]
     pub filter: Option<serde_json::Value>,
     /// Compare N values numerically in this rule's patterns (Lambda cannot).
     #[serde(default)]
     pub numeric_strings: bool,
+    /// The source item's key attributes as templates that capture variables
+    /// (`PK: "CUST#{customer}"`), partition key first.
     pub source_key: IndexMap<String, String>,
+    /// The target item's key attributes as templates of those variables
+    /// (`PK: "SALES#{date|day}"`).
     pub target: IndexMap<String, String>,
     /// Attribute name (template) -> `count` or `{count: true | sum: ATTR | avg: ATTR, where: PATTERN}`.
+    #[schemars(with = "IndexMap<String, schema::Measure>")]
     pub measures: IndexMap<String, serde_json::Value>,
+    /// How reconcile finds this rule's source items: a query or a scan.
     #[serde(default)]
     pub reconcile: Option<RawRuleReconcile>,
     /// `count` (default: a TTL delete is a delete) or `ignore`.
     #[serde(default)]
+    #[schemars(with = "Option<schema::TtlDeletes>")]
     pub ttl_deletes: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "RuleReconcile")]
 pub struct RawRuleReconcile {
-    /// `{PK: "CUST#{customer}", SK_begins_with: "ORDER#"}`
+    /// The source items of one target, as a query: `{PK: "CUST#{customer}", SK_begins_with: "ORDER#"}`.
     #[serde(default)]
     pub query: Option<IndexMap<String, String>>,
+    /// Find them with a parallel scan instead.
     #[serde(default)]
     pub scan: Option<bool>,
 }
