@@ -621,6 +621,9 @@ fn validate(path: &Path, against_state: bool) -> anyhow::Result<()> {
     if let Some(why) = config.short_removal_window() {
         writeln!(out, "  warning: {why}")?;
     }
+    for why in &config.pattern_warnings {
+        writeln!(out, "  warning: {why}")?;
+    }
     let vars: Vec<String> = config.target_variables().into_iter().map(|v| format!("--{v}")).collect();
     if !vars.is_empty() {
         writeln!(out, "  reconcile flags: {}", vars.join(" "))?;

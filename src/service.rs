@@ -163,6 +163,9 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     if let Some(why) = config.short_removal_window() {
         warn!("{why}");
     }
+    for why in &config.pattern_warnings {
+        warn!("{why}");
+    }
     let every = (config.state.lease_duration * 3).clamp(Duration::from_secs(10), Duration::from_secs(60));
     let mut followed = false;
     loop {

@@ -301,6 +301,27 @@ fn a_rule_reconcile_cannot_recompute_is_flagged_and_refused() {
     assert!(stderr(&o).contains("which the source items do not hold"), "{}", stderr(&o));
 }
 
+/// A `numeric` operator on an N value never matches without `numeric_strings: true` (as in
+/// Lambda): `validate` says where and what to set, and still exits 0.
+#[test]
+fn validate_warns_about_a_numeric_match_on_n_values_that_can_never_match() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = "      openOrders: { count: true, where: { status: { S: [PENDING, PAID] } } }";
+    let text = std::fs::read_to_string(demo()).unwrap();
+    assert!(text.contains(open), "the example's measures changed shape");
+    let text = text.replacen(
+        open,
+        &format!("{open}\n      bigOrders: {{ count: true, where: {{ total: {{ N: [{{ numeric: [\">\", 500] }}] }} }} }}"),
+        1,
+    );
+    let config = write(dir.path(), "big.yaml", &text);
+    let o = run(&["validate", "--config", &config]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("warning: rules[0].measures.bigOrders.where.total.N[0].numeric never matches"), "{out}");
+    assert!(out.contains("set numeric_strings: true"), "{out}");
+}
+
 /// `healthcheck` for images without curl: 0 on a 2xx answer, 1 when the service answers
 /// otherwise or not at all, 2 for an address it cannot use.
 #[test]

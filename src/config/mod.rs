@@ -85,6 +85,8 @@ pub struct Config {
     pub metrics_listen: SocketAddr,
     pub aws: AwsSettings,
     pub engine: Engine,
+    /// Patterns that can never match, with their path and the fix (`validate` and `run` warn).
+    pub pattern_warnings: Vec<String>,
 }
 
 /// The empty-page rule, reconcile's evidence for an idle open shard (one that ended, or
@@ -473,6 +475,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 .unwrap_or(i)
         })
         .collect();
+    let pattern_warnings = raw.rules.iter().enumerate().flat_map(|(i, r)| numeric_on_numbers(&format!("rules[{i}]"), r)).collect();
     let engine = Engine { rules, key_names, filter_of };
     if aggregates_table == source_table {
         loops::check(&engine)?;
@@ -494,7 +497,55 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         metrics_listen,
         aws,
         engine,
+        pattern_warnings,
     })
+}
+
+/// `numeric` operators on DynamoDB numbers (an `N` or `NS` leaf) of a rule without
+/// `numeric_strings: true`: a stream record holds numbers as text, and `numeric` matches only
+/// numbers, so (as in Lambda) such a pattern never matches. One warning per operator, with its
+/// path and the fix.
+fn numeric_on_numbers(path: &str, r: &RawRule) -> Vec<String> {
+    fn walk(v: &Value, at: &str, leaf: Option<&str>, out: &mut Vec<String>) {
+        match v {
+            Value::Object(fields) => {
+                for (k, v) in fields {
+                    if k == "numeric" && matches!(leaf, Some("N" | "NS")) {
+                        out.push(at.to_string());
+                    } else {
+                        walk(v, &format!("{at}.{k}"), Some(k), out);
+                    }
+                }
+            }
+            Value::Array(items) => {
+                for (i, v) in items.iter().enumerate() {
+                    walk(v, &format!("{at}[{i}]"), leaf, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    if r.numeric_strings {
+        return Vec::new();
+    }
+    let mut found = Vec::new();
+    if let Some(f) = &r.filter {
+        walk(f, &format!("{path}.filter"), None, &mut found);
+    }
+    for (name, spec) in &r.measures {
+        if let Some(w) = spec.as_object().and_then(|o| o.get("where")) {
+            walk(w, &format!("{path}.measures.{name}.where"), None, &mut found);
+        }
+    }
+    found
+        .into_iter()
+        .map(|at| {
+            format!(
+                "{at}.numeric never matches: DynamoDB numbers are text in a stream record, so without numeric_strings: true on rule {} a numeric operator on N sees no number (as in Lambda); set numeric_strings: true",
+                r.name
+            )
+        })
+        .collect()
 }
 
 fn template(path: &str, text: &str) -> Result<Template, ConfigError> {

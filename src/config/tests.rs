@@ -435,3 +435,25 @@ fn helper_items_are_loop_checked_like_targets() {
         .replace("  - name: events\n", "  - name: events\n    filter: { dynamodb: { Keys: { SK: { S: [{ prefix: \"EVENT#\" }] } } } }\n");
     load(&filtered).unwrap_or_else(|e| panic!("a filter that helper keys fail keeps it apart: {e}"));
 }
+
+#[test]
+fn a_numeric_operator_on_n_without_numeric_strings_is_warned_with_its_path() {
+    let big = "      openOrders: { count: true, where: { status: { S: [PENDING, PAID] } } }";
+    let text =
+        demo_with(big, &format!("{big}\n      bigOrders: {{ count: true, where: {{ total: {{ N: [{{ numeric: [\">\", 500] }}] }} }} }}"));
+    let c = load(&text).unwrap();
+    assert_eq!(c.pattern_warnings.len(), 1, "{:?}", c.pattern_warnings);
+    let w = &c.pattern_warnings[0];
+    assert!(w.starts_with("rules[0].measures.bigOrders.where.total.N[0].numeric never matches"), "{w}");
+    assert!(w.contains("set numeric_strings: true"), "{w}");
+    assert!(load(DEMO).unwrap().pattern_warnings.is_empty());
+    // With numeric_strings the operator compares N values numerically: nothing to warn about.
+    let fixed = text.replacen("  - name: customer-orders\n", "  - name: customer-orders\n    numeric_strings: true\n", 1);
+    assert!(fixed.contains("numeric_strings: true"));
+    assert!(load(&fixed).unwrap().pattern_warnings.is_empty());
+    // In a filter, and on a NS leaf, likewise; on an S leaf or a plain number it is not about N.
+    let filter = demo_with("SK: { S: [{ prefix: \"ORDER#\" }] }", "SK: { S: [{ prefix: \"ORDER#\" }] }\n        NewImage: { qty: { NS: [{ numeric: [\">\", 1] }] }, n: { S: [{ numeric: [\">\", 1] }] } }");
+    let warnings = load(&filter).unwrap().pattern_warnings;
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].starts_with("rules[0].filter.dynamodb.NewImage.qty.NS[0].numeric never matches"), "{}", warnings[0]);
+}
