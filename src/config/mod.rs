@@ -66,6 +66,8 @@ pub struct Config {
     /// `aggregates.ledger_namespace` was set (in the file or the environment), not derived
     /// from the state table's name.
     pub ledger_namespace_explicit: bool,
+    /// Most target writes a shard keeps in flight (`aggregates.write_concurrency`).
+    pub write_concurrency: usize,
     pub dead_letter: Option<DeadLetterConfig>,
     /// None: no scheduled reconcile.
     pub reconcile_interval: Option<Duration>,
@@ -192,6 +194,9 @@ fn aws_settings(raw: Option<&raw::RawAws>) -> Result<AwsSettings, ConfigError> {
         adaptive_retries,
     })
 }
+
+/// `aggregates.write_concurrency` when not set.
+pub const DEFAULT_WRITE_CONCURRENCY: usize = 64;
 
 /// A configuration error: where and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -399,9 +404,14 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         create_table: raw.state.create_table.unwrap_or(false),
         lease_duration,
     };
-    let aggregates_table = match &raw.aggregates {
-        Some(a) => table_name("aggregates.table", &a.table)?,
+    let aggregates_table = match raw.aggregates.as_ref().and_then(|a| a.table.as_deref()) {
+        Some(t) => table_name("aggregates.table", t)?,
         None => source_table.clone(),
+    };
+    let write_concurrency = match raw.aggregates.as_ref().and_then(|a| a.write_concurrency) {
+        None => DEFAULT_WRITE_CONCURRENCY,
+        Some(n @ 1..=256) => n as usize,
+        Some(n) => return Err(err("aggregates.write_concurrency", format!("{n}: use 1 to 256"))),
     };
     if state.table == source_table || state.table == aggregates_table {
         return Err(err("state.table", "must be a table of its own, not the source or aggregates table"));
@@ -486,6 +496,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         aggregates_table,
         ledger_namespace,
         ledger_namespace_explicit,
+        write_concurrency,
         dead_letter,
         reconcile_interval,
         reconcile_all,

@@ -144,12 +144,19 @@ pub struct RawState {
 #[schemars(rename = "Aggregates")]
 pub struct RawAggregates {
     /// The table the target items are written to (default: the source table).
-    pub table: String,
+    #[serde(default)]
+    pub table: Option<String>,
     /// Names this deployment's ledger entries on target items (default: derived from the
     /// state table), so two deployments writing one item never refuse or prune each other.
     #[serde(default, deserialize_with = "namespace")]
     #[schemars(with = "Option<String>")]
     pub ledger_namespace: Option<String>,
+    /// Most target writes a shard keeps in flight at once, 1 to 256 (default 64). A batch
+    /// sends as many as it has targets, up to a window that starts at 16, grows while batches
+    /// need more and halves when the table throttles.
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 256))]
+    pub write_concurrency: Option<u32>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]

@@ -457,3 +457,20 @@ fn a_numeric_operator_on_n_without_numeric_strings_is_warned_with_its_path() {
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert!(warnings[0].starts_with("rules[0].filter.dynamodb.NewImage.qty.NS[0].numeric never matches"), "{}", warnings[0]);
 }
+
+#[test]
+fn write_concurrency_defaults_takes_1_to_256_and_needs_no_aggregates_table() {
+    assert_eq!(load(DEMO).unwrap().write_concurrency, DEFAULT_WRITE_CONCURRENCY);
+    let only_cap = demo_with("aggregates:\n  table: commerce-main\n", "aggregates:\n  write_concurrency: 8\n");
+    let c = load(&only_cap).unwrap();
+    assert_eq!((c.write_concurrency, c.aggregates_table.as_str()), (8, "commerce-main"), "the aggregates table defaults to the source");
+    let env = vec![("DDB_AGGREGATOR__AGGREGATES__WRITE_CONCURRENCY".to_string(), "256".to_string())];
+    assert_eq!(Config::from_yaml(DEMO, env).unwrap().write_concurrency, 256);
+    for bad in ["0", "257"] {
+        let text = demo_with(
+            "aggregates:\n  table: commerce-main\n",
+            &format!("aggregates:\n  table: commerce-main\n  write_concurrency: {bad}\n"),
+        );
+        assert_eq!(load_err(&text), format!("aggregates.write_concurrency: {bad}: use 1 to 256"));
+    }
+}

@@ -187,7 +187,8 @@ impl AggregateStore for DynamoDbAggregates {
 impl DynamoDbAggregates {
     fn error(&self, f: crate::aws::Failure) -> SinkError {
         match f.kind {
-            FailureKind::Throttled | FailureKind::Transient => SinkError::Transient(f.to_string()),
+            FailureKind::Throttled => SinkError::Throttled(f.to_string()),
+            FailureKind::Transient => SinkError::Transient(f.to_string()),
             FailureKind::Invalid => SinkError::Invalid(f.to_string()),
             _ => SinkError::Fatal(format!("{} (table {})", f, self.table)),
         }

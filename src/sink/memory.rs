@@ -256,7 +256,7 @@ impl AggregateStore for MemoryAggregates {
         s.calls += 1;
         if s.fail_next > 0 {
             s.fail_next -= 1;
-            return Err(SinkError::Transient("simulated throttling".into()));
+            return Err(SinkError::Throttled("simulated throttling".into()));
         }
         if s.fatal_next > 0 {
             s.fatal_next -= 1;
@@ -369,7 +369,7 @@ impl AggregateStore for MemoryAggregates {
         s.calls += 1;
         if s.fail_next > 0 {
             s.fail_next -= 1;
-            return Err(SinkError::Transient("simulated throttling".into()));
+            return Err(SinkError::Throttled("simulated throttling".into()));
         }
         // The range of keys [pk, prefix..], in key order as a Query reads them; First and Last
         // stop at the first live helper from their end, as the Query does.
@@ -417,7 +417,7 @@ impl AggregateStore for MemoryAggregates {
         s.calls += 1;
         if s.fail_next > 0 {
             s.fail_next -= 1;
-            return Err(SinkError::Transient("simulated throttling".into()));
+            return Err(SinkError::Throttled("simulated throttling".into()));
         }
         if let Some(bad) = w.values.iter().filter_map(|d| d.seen.as_deref()).find(|n| n.parse::<Decimal>().is_err()) {
             // As DynamoDB answers a number literal that is not one.

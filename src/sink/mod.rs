@@ -65,9 +65,12 @@ pub enum WriteOutcome {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SinkError {
-    /// Throttling, timeouts, 5xx: retry.
+    /// Timeouts, 5xx: retry.
     #[error("transient write error: {0}")]
     Transient(String),
+    /// The table's partition or capacity throttled the write: retry, and send less at once.
+    #[error("write throttled: {0}")]
+    Throttled(String),
     /// The write can never succeed as it is (a measure attribute holding a string, ...).
     #[error("write refused: {0}")]
     Invalid(String),
@@ -77,7 +80,7 @@ pub enum SinkError {
 
 impl SinkError {
     pub fn is_retriable(&self) -> bool {
-        matches!(self, SinkError::Transient(_))
+        matches!(self, SinkError::Transient(_) | SinkError::Throttled(_))
     }
 }
 
@@ -161,6 +164,8 @@ pub struct WriteStats {
     pub fenced: bool,
     /// Calls whose ledger condition failed (records already applied).
     pub stale: u64,
+    /// Calls the table throttled (retried).
+    pub throttled: u64,
 }
 
 /// The shard a batch comes from, and what the ledger may prune.
@@ -326,6 +331,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
             }
             Err(e) if e.is_retriable() && transient < MAX_TRANSIENT_RETRIES => {
                 transient += 1;
+                stats.throttled += u64::from(matches!(e, SinkError::Throttled(_)));
                 tokio::time::sleep(backoff(transient)).await;
             }
             Err(e) => return Err(e),
@@ -343,6 +349,7 @@ impl WriteStats {
         self.pruned += later.pruned;
         self.fenced |= later.fenced;
         self.stale += later.stale;
+        self.throttled += later.throttled;
         if later.seen.is_some() {
             self.seen = later.seen.clone();
         }

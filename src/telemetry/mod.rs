@@ -59,6 +59,9 @@ impl Health {
 /// A batch phase is milliseconds at the tip: finer buckets below 100 ms.
 const PHASE_BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.175, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
+/// Writes in flight: powers of two up to `aggregates.write_concurrency`'s most.
+const IN_FLIGHT_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
 /// Installs the global recorder. Histograms get buckets; gauges that stop being updated
 /// (shards this replica no longer reads) disappear after `gauge_idle`.
 pub fn install_metrics(gauge_idle: Duration) -> Result<PrometheusHandle, String> {
@@ -67,6 +70,7 @@ pub fn install_metrics(gauge_idle: Duration) -> Result<PrometheusHandle, String>
         .set_buckets_for_metric(Matcher::Full(names::BATCH_DURATION_SECONDS.into()), &buckets)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::END_TO_END_LAG_SECONDS.into()), &buckets))
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::BATCH_PHASE_SECONDS.into()), &PHASE_BUCKETS))
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::BATCH_WRITES_IN_FLIGHT.into()), &IN_FLIGHT_BUCKETS))
         .map_err(|e| e.to_string())?
         .idle_timeout(metrics_util::MetricKindMask::GAUGE, Some(gauge_idle))
         .install_recorder()

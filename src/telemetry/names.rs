@@ -33,6 +33,8 @@ pub const END_TO_END_LAG_SECONDS: &str = "ddb_aggregator_end_to_end_lag_seconds"
 /// One applied batch's time by phase (`phase`: poll_wait, get_records, evaluate, dead_letters,
 /// writes, checkpoint).
 pub const BATCH_PHASE_SECONDS: &str = "ddb_aggregator_batch_phase_seconds";
+/// Target writes a batch kept in flight at once (its write window, [`crate::worker::window`]).
+pub const BATCH_WRITES_IN_FLIGHT: &str = "ddb_aggregator_batch_writes_in_flight";
 pub const SHARDS: &str = "ddb_aggregator_shards";
 pub const LEASES_HELD: &str = "ddb_aggregator_leases_held";
 pub const GET_RECORDS: &str = "ddb_aggregator_get_records_total";
@@ -104,6 +106,10 @@ pub fn describe() {
         BATCH_PHASE_SECONDS,
         Unit::Seconds,
         "One applied batch's time by phase: poll_wait (before the GetRecords call that returned its first record), get_records, evaluate, dead_letters, writes, checkpoint."
+    );
+    describe_histogram!(
+        BATCH_WRITES_IN_FLIGHT,
+        "Target writes a batch kept in flight at once: its targets, up to a window that grows while batches need more and halves on throttling (aggregates.write_concurrency caps it)."
     );
     describe_gauge!(SHARDS, "Shards of the stream by state (reading, waiting, finished).");
     describe_gauge!(LEASES_HELD, "Shard leases this replica holds.");

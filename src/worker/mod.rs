@@ -9,6 +9,7 @@ pub mod phases;
 pub mod plan;
 pub mod shard;
 pub mod tip;
+pub mod window;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};

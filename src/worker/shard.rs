@@ -16,6 +16,7 @@ use tracing::{debug, error, info, warn};
 use super::batch::{created_ms, sequence_of, Evaluated, Letter, PendingBatch};
 use super::phases::{BatchPhases, Gathering};
 use super::tip::EmptyRun;
+use super::window::WriteWindow;
 use super::{Polling, Shared};
 use crate::rules::{TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
@@ -51,8 +52,6 @@ impl ShardLease {
     }
 }
 
-/// Most concurrent aggregate writes per batch.
-const WRITE_CONCURRENCY: usize = 16;
 /// Attempts at re-reading a refused record for its letter before the batch fails.
 const REREAD_ATTEMPTS: u32 = 5;
 
@@ -167,6 +166,8 @@ pub struct ShardReader<S, L, A> {
     /// batch (everything before it is applied). A failed batch, or a read error that drops the
     /// pending records, reads again from it: a new LATEST iterator would skip them.
     latest_from: Option<String>,
+    /// How many target writes of a batch are in flight at once ([`WriteWindow`]).
+    window: WriteWindow,
 }
 
 pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
@@ -185,6 +186,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         shared.request_reconcile_everything();
         persist_request(&shared).await;
     }
+    let window = WriteWindow::new(shared.config.write_concurrency);
     let reader = ShardReader {
         shared,
         lease,
@@ -203,6 +205,7 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         last_read_end: None,
         last_records_at: None,
         latest_from: None,
+        window,
     };
     reader.run().await
 }
@@ -522,7 +525,14 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             let seen = shared.take_seen(key);
             writes.push(async move { (key, delta, write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref()).await) });
         }
-        let results: Vec<_> = stream::iter(writes).buffer_unordered(WRITE_CONCURRENCY).collect().await;
+        let in_flight = self.window.in_flight(writes.len());
+        metrics::histogram!(names::BATCH_WRITES_IN_FLIGHT).record(in_flight as f64);
+        let results: Vec<_> = stream::iter(writes).buffer_unordered(in_flight).collect().await;
+        let throttled = results.iter().any(|(_, _, r)| match r {
+            Ok(stats) => stats.throttled > 0,
+            Err(e) => matches!(e, SinkError::Throttled(_)),
+        });
+        self.window = self.window.after(targets.len(), throttled);
         let mut first_error = None;
         let mut fenced = false;
         let mut refused = Vec::new();
@@ -575,7 +585,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         for t in &derive {
             runs.push(async move { (&t.key, crate::sink::derive::derive_target(store, key_names, ledger, t).await) });
         }
-        let results: Vec<_> = stream::iter(runs).buffer_unordered(WRITE_CONCURRENCY).collect().await;
+        let in_flight = self.window.in_flight(runs.len());
+        let results: Vec<_> = stream::iter(runs).buffer_unordered(in_flight).collect().await;
         let mut first_error = None;
         for (key, r) in results {
             match r {
