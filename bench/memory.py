@@ -1,5 +1,6 @@
-"""Peak memory of a catch-up, the binary as users run it against the same binary with mimalloc's
-own purge delay, side by side in one run.
+"""Peak memory and records/s of a catch-up, the binary as users run it against the same binary
+with one environment variable set (by default mimalloc's own purge delay), side by side in one
+run.
 
 The binary sets mimalloc's `purge_delay` to 0 itself (src/main.rs) unless MIMALLOC_PURGE_DELAY
 is set. This writes the bench's backlog once (bench/run.py's catch-up: 20,000 commerce writes
@@ -9,6 +10,10 @@ ABBA order):
 "purge_delay 1000" (MIMALLOC_PURGE_DELAY=1000, mimalloc 3's own default: the binary before it set
 the option). Each run starts with a fresh state and aggregates table and is checked against the
 truth. Prints per run records/s and peak RSS (VmHWM), then the medians and their ratio.
+
+`--against NAME=VALUE` sets another variable in the second variant, e.g.
+`--against DDB_AGGREGATOR__AGGREGATES__WRITE_CONCURRENCY=16` (the fixed write concurrency of
+earlier releases, against the default window).
 
 Run by scripts/bench-memory, which installs and starts the emulators and builds the binary.
 """
@@ -21,30 +26,38 @@ import sys
 
 from bench import run as bench
 
-VARIANTS = (("default", None), ("purge_delay 1000", "1000"))
-
 
 def main() -> int:
     p = bench.parser()
     p.add_argument("--runs", type=int, default=3, help="catch-ups per variant")
     p.add_argument("--batch-size", type=int, default=bench.SMALL_BATCH)
+    p.add_argument(
+        "--against",
+        default="MIMALLOC_PURGE_DELAY=1000",
+        help="NAME=VALUE: the variable the second variant sets (default: mimalloc's own purge delay)",
+    )
     a = p.parse_args()
+    var, sep, val = a.against.partition("=")
+    if not sep or not var:
+        p.error(f"--against {a.against!r}: give NAME=VALUE")
+    other = f"{var}={val}"
+    variants = (("default", None), (other, val))
     harness = bench.Harness(a)
     harness.write_backlog()
-    figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in VARIANTS}
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
     for run in range(1, a.runs + 1):
         # ABBA: DynamoDB Local gets faster run after run, so neither variant always goes second.
-        for name, value in VARIANTS if run % 2 else reversed(VARIANTS):
-            os.environ.pop("MIMALLOC_PURGE_DELAY", None)
+        for name, value in variants if run % 2 else reversed(variants):
+            os.environ.pop(var, None)
             if value is not None:
-                os.environ["MIMALLOC_PURGE_DELAY"] = value
+                os.environ[var] = value
             tag = 10 * run + len(figures[name]) + (0 if value is None else 5)
             out = harness.catchup_run("ddb-aggregator", tag, batch_size=a.batch_size)
             figures[name].append((out["records_per_second"], out["peak_rss_mib"]))
             bench.log(
                 f"{name} run {run}: {out['records_per_second']} records/s, peak RSS {out['peak_rss_mib']} MiB"
             )
-    os.environ.pop("MIMALLOC_PURGE_DELAY", None)
+    os.environ.pop(var, None)
     if harness.results["failures"]:
         for f in harness.results["failures"]:
             bench.log(f"FAILURE: {f}")
@@ -61,10 +74,8 @@ def main() -> int:
         print(
             f"| {name} | {medians[name][0]:,.0f} | {medians[name][1]:.1f} | {', '.join(f'{m:.1f}' for _, m in v)} |"
         )
-    (d_rate, d_rss), (p_rate, p_rss) = medians["default"], medians["purge_delay 1000"]
-    print(
-        f"\ndefault / purge_delay 1000: records/s x{d_rate / p_rate:.2f}, peak RSS x{d_rss / p_rss:.2f}"
-    )
+    (d_rate, d_rss), (p_rate, p_rss) = medians["default"], medians[other]
+    print(f"\ndefault / {other}: records/s x{d_rate / p_rate:.2f}, peak RSS x{d_rss / p_rss:.2f}")
     return 0
 
 
