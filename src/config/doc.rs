@@ -41,18 +41,19 @@ impl fmt::Display for YamlError {
     }
 }
 
-/// serde_yaml 0.9's reading of YAML (1.2 booleans only, `017` and `1_000` stay text, `<<` is a
-/// plain key, a repeated key keeps its last value, `~` as a key is the text `~`), with
-/// serde-saphyr's budgets against alias bombs and deep nesting.
+/// serde_yaml 0.9's reading of YAML as the config read it (through `serde_yaml::Value`): 1.2
+/// booleans only, `017` and `1_000` stay text, `<<` is a plain key, a repeated key is an error.
+/// Infinities and NaN, which serde_yaml read as null (`.inf`) or as text (`1e999`), are refused.
+/// serde-saphyr's budgets refuse alias bombs and nesting deeper than 64 (serde_yaml took 128;
+/// the reading recurses, and a config nests about 8 deep).
 fn options() -> serde_saphyr::Options {
     serde_saphyr::options! {
         strict_booleans: true,
         leading_zero_numbers_as_strings: true,
         underscored_numbers_as_strings: true,
-        duplicate_keys: serde_saphyr::DuplicateKeyPolicy::LastWins,
+        duplicate_keys: serde_saphyr::DuplicateKeyPolicy::Error,
         merge_keys: serde_saphyr::MergeKeyPolicy::AsOrdinary,
-        null_as_string: true,
-        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::PassThrough,
+        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::Reject,
         reject_unsupported_tags: true,
         ignore_binary_tag_for_string: true,
     }
@@ -82,11 +83,40 @@ impl Doc {
     pub fn is_null(&self) -> bool {
         matches!(self, Doc::Null)
     }
+
+    /// This value as serde names it in a type error.
+    fn unexpected(&self) -> de::Unexpected<'_> {
+        match self {
+            Doc::Null => de::Unexpected::Unit,
+            Doc::Bool(b) => de::Unexpected::Bool(*b),
+            Doc::Number(Number::U64(n)) => de::Unexpected::Unsigned(*n),
+            Doc::Number(Number::I64(n)) => de::Unexpected::Signed(*n),
+            Doc::Number(Number::F64(n)) => de::Unexpected::Float(*n),
+            Doc::Number(_) => de::Unexpected::Other("a 128-bit integer"),
+            Doc::String(s) => de::Unexpected::Str(s),
+            Doc::Seq(_) => de::Unexpected::Seq,
+            Doc::Map(_) => de::Unexpected::Map,
+        }
+    }
+
+    /// What kind of value this is, for messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            Doc::Null => "null",
+            Doc::Bool(_) => "a boolean",
+            Doc::Number(_) => "a number",
+            Doc::String(_) => "text",
+            Doc::Seq(_) => "a list",
+            Doc::Map(_) => "a mapping",
+        }
+    }
 }
 
-/// serde-saphyr's messages may span lines; a config error is one line.
+/// serde-saphyr's messages may span lines and address its caller; a config error is one line
+/// for the person who wrote the file.
 fn one_line(message: &str) -> String {
     let m = message.trim().strip_prefix("error: ").unwrap_or(message.trim());
+    let m = m.replace(", set DuplicateKeyPolicy in Options if acceptable", "");
     m.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
@@ -149,9 +179,15 @@ impl<'de> Visitor<'de> for DocVisitor {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Doc, A::Error> {
         let mut out = IndexMap::new();
-        while let Some((k, v)) = map.next_entry::<String, Doc>()? {
-            // A repeated key keeps its last value, in its first key's place (as serde_yaml).
-            out.insert(k, v);
+        while let Some(key) = map.next_key::<Doc>()? {
+            // Keys are text: `1:`, `true:` or `~:` as a key was refused before too.
+            let Doc::String(k) = key else {
+                return Err(de::Error::custom(format!("a mapping key must be text, not {}", key.kind())));
+            };
+            let v = map.next_value::<Doc>()?;
+            if out.insert(k.clone(), v).is_some() {
+                return Err(de::Error::custom(format!("duplicate mapping key: {k}")));
+            }
         }
         Ok(Doc::Map(out))
     }
@@ -182,10 +218,42 @@ impl<'de> Deserializer<'de> for Doc {
         }
     }
 
+    /// A null where a list is wanted is an empty one (as serde_yaml's Value: `rules:` with
+    /// nothing after it is "at least one rule is needed", not a type error).
+    fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match self {
+            Doc::Null => visitor.visit_seq(SeqDeserializer::new(std::iter::empty::<Doc>())),
+            Doc::Seq(items) => visitor.visit_seq(SeqDeserializer::new(items.into_iter())),
+            other => Err(de::Error::invalid_type(other.unexpected(), &visitor)),
+        }
+    }
+
+    /// A null where a mapping is wanted is an empty one (as serde_yaml's Value).
+    fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match self {
+            Doc::Null => visitor.visit_map(MapDeserializer::new(std::iter::empty::<(String, Doc)>())),
+            Doc::Map(map) => visitor.visit_map(MapDeserializer::new(map.into_iter())),
+            other => Err(de::Error::invalid_type(other.unexpected(), &visitor)),
+        }
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        self.deserialize_map(visitor)
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(self, _name: &'static str, visitor: V) -> Result<V::Value, Self::Error> {
+        visitor.visit_newtype_struct(self)
+    }
+
     serde::forward_to_deserialize_any! {
         bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
-        bytes byte_buf unit unit_struct newtype_struct seq tuple
-        tuple_struct map struct enum identifier ignored_any
+        bytes byte_buf unit unit_struct tuple
+        tuple_struct enum identifier ignored_any
     }
 }
 
@@ -217,6 +285,25 @@ mod tests {
         assert!(!e.0.contains('\n') && e.0.contains("line 3"), "{e}");
         assert_eq!(Doc::parse("").unwrap(), Doc::Null);
         assert_eq!(Doc::parse("# only a comment\n").unwrap(), Doc::Null);
+    }
+
+    #[test]
+    fn repeated_and_non_text_keys_and_wrong_shapes_are_refused_as_serde_yaml_refused_them() {
+        let e = Doc::parse("a: 1\nb: 2\na: 3\n").unwrap_err();
+        assert!(e.0.contains("duplicate mapping key: a") && !e.0.contains("Options"), "{e}");
+        assert!(Doc::parse("1: x\n").unwrap_err().0.contains("a mapping key must be text, not a number"));
+        assert!(Doc::parse("~: x\n").unwrap_err().0.contains("not null"));
+        // A list where a section (a struct) is wanted is a type error, not a tuple.
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Section {
+            table: String,
+        }
+        let e = Section::deserialize(Doc::parse("[t]").unwrap()).unwrap_err().to_string();
+        assert!(e.contains("invalid type: sequence"), "{e}");
+        // Null where a list or a mapping is wanted is an empty one.
+        assert!(Vec::<String>::deserialize(Doc::Null).unwrap().is_empty());
+        assert!(IndexMap::<String, String>::deserialize(Doc::Null).unwrap().is_empty());
     }
 
     #[test]
