@@ -221,10 +221,10 @@ fn assert_phases_account_for_batches(m: &str) {
     for p in ["get_records", "writes", "checkpoint"] {
         assert!(phase(p, "sum") > 0.0, "phase {p} took time: {m}");
     }
-    // Every batch with writes sent at least one at a time, and none more than the default cap (64).
+    // Every batch with writes sent at least one at a time, and none more than the default cap (16).
     let in_flight = metric(m, "ddb_aggregator_batch_writes_in_flight_count");
     assert!(in_flight > 0.0 && in_flight <= batches, "{in_flight} of {batches} batches: {m}");
-    assert_eq!(metric(m, "ddb_aggregator_batch_writes_in_flight_bucket{le=\"64\"}"), in_flight);
+    assert_eq!(metric(m, "ddb_aggregator_batch_writes_in_flight_bucket{le=\"16\"}"), in_flight);
     assert!(metric(m, "ddb_aggregator_batch_writes_in_flight_sum") >= in_flight);
 }
 

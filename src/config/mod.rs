@@ -196,7 +196,10 @@ fn aws_settings(raw: Option<&raw::RawAws>) -> Result<AwsSettings, ConfigError> {
 }
 
 /// `aggregates.write_concurrency` when not set.
-pub const DEFAULT_WRITE_CONCURRENCY: usize = 64;
+/// 16: on one 2-core machine with DynamoDB Local a wider window was slower (x0.88 at 64, both
+/// batch sizes, CPU-bound); against DynamoDB's network latency a wider one can pay, so it is a
+/// setting.
+pub const DEFAULT_WRITE_CONCURRENCY: usize = 16;
 
 /// A configuration error: where and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -512,25 +515,49 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     })
 }
 
-/// `numeric` operators on DynamoDB numbers (an `N` or `NS` leaf) of a rule without
-/// `numeric_strings: true`: a stream record holds numbers as text, and `numeric` matches only
-/// numbers, so (as in Lambda) such a pattern never matches. One warning per operator, with its
-/// path and the fix.
+/// Matches on DynamoDB numbers (an `N` or `NS` leaf) that never match in a rule without
+/// `numeric_strings: true`: a stream record holds numbers as text, so (as in Lambda) a
+/// `numeric` operator sees no number, and a number literal (`N: [500]`, `anything-but: [0]`)
+/// equals no value. One warning per match, with its path and the fix.
 fn numeric_on_numbers(path: &str, r: &RawRule) -> Vec<String> {
-    fn walk(v: &Value, at: &str, leaf: Option<&str>, out: &mut Vec<String>) {
+    /// The elements of an `N`/`NS` leaf's list that compare numbers, with why.
+    fn leaf(list: &Value, at: &str, out: &mut Vec<(String, &'static str)>) {
+        let Value::Array(items) = list else { return };
+        for (i, item) in items.iter().enumerate() {
+            let at = format!("{at}[{i}]");
+            match item {
+                Value::Number(_) => out.push((at, "a number never equals an N value")),
+                Value::Object(o) if o.contains_key("numeric") => out.push((format!("{at}.numeric"), "a numeric operator sees no number")),
+                Value::Object(o) => {
+                    let numbers = match o.get("anything-but") {
+                        Some(Value::Number(_)) => true,
+                        Some(Value::Array(a)) => a.iter().any(Value::is_number),
+                        _ => false,
+                    };
+                    if numbers {
+                        out.push((format!("{at}.anything-but"), "a number excludes no N value"));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    fn walk(v: &Value, at: &str, out: &mut Vec<(String, &'static str)>) {
         match v {
             Value::Object(fields) => {
                 for (k, v) in fields {
-                    if k == "numeric" && matches!(leaf, Some("N" | "NS")) {
-                        out.push(at.to_string());
+                    let here = format!("{at}.{k}");
+                    // The pattern compiler splits `a.b.N` keys on the dots: the leaf is the last.
+                    if matches!(k.rsplit('.').next(), Some("N" | "NS")) && v.is_array() {
+                        leaf(v, &here, out);
                     } else {
-                        walk(v, &format!("{at}.{k}"), Some(k), out);
+                        walk(v, &here, out);
                     }
                 }
             }
             Value::Array(items) => {
                 for (i, v) in items.iter().enumerate() {
-                    walk(v, &format!("{at}[{i}]"), leaf, out);
+                    walk(v, &format!("{at}[{i}]"), out);
                 }
             }
             _ => {}
@@ -541,18 +568,18 @@ fn numeric_on_numbers(path: &str, r: &RawRule) -> Vec<String> {
     }
     let mut found = Vec::new();
     if let Some(f) = &r.filter {
-        walk(f, &format!("{path}.filter"), None, &mut found);
+        walk(f, &format!("{path}.filter"), &mut found);
     }
     for (name, spec) in &r.measures {
         if let Some(w) = spec.as_object().and_then(|o| o.get("where")) {
-            walk(w, &format!("{path}.measures.{name}.where"), None, &mut found);
+            walk(w, &format!("{path}.measures.{name}.where"), &mut found);
         }
     }
     found
         .into_iter()
-        .map(|at| {
+        .map(|(at, why)| {
             format!(
-                "{at}.numeric never matches: DynamoDB numbers are text in a stream record, so without numeric_strings: true on rule {} a numeric operator on N sees no number (as in Lambda); set numeric_strings: true",
+                "{at} never matches: DynamoDB numbers are text in a stream record, so without numeric_strings: true on rule {} {why} (as in Lambda); set numeric_strings: true",
                 r.name
             )
         })

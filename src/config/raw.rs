@@ -110,8 +110,10 @@ pub struct RawSource {
     #[serde(default)]
     #[schemars(with = "Option<schema::StartPosition>")]
     pub start_position: Option<String>,
-    /// GetRecords Limit, 1..=1000 (default 1000).
+    /// Most records per batch, 1 to 10,000 (default 1000), as Lambda; above 1000 a batch
+    /// gathers several GetRecords pages.
     #[serde(default)]
+    #[schemars(range(min = 1, max = 10000))]
     pub batch_size: Option<u32>,
     /// Wait up to this for more records before writing (default 0s).
     #[serde(default, deserialize_with = "text")]
@@ -151,9 +153,9 @@ pub struct RawAggregates {
     #[serde(default, deserialize_with = "namespace")]
     #[schemars(with = "Option<String>")]
     pub ledger_namespace: Option<String>,
-    /// Most target writes a shard keeps in flight at once, 1 to 256 (default 64). A batch
-    /// sends as many as it has targets, up to a window that starts at 16, grows while batches
-    /// need more and halves when the table throttles.
+    /// Most target writes a shard keeps in flight at once, 1 to 256 (default 16). A batch
+    /// sends as many as it has targets, up to a window that starts at 16 (or this, if lower),
+    /// grows while batches need more and halves when the table throttles.
     #[serde(default)]
     #[schemars(range(min = 1, max = 256))]
     pub write_concurrency: Option<u32>,
@@ -167,6 +169,7 @@ pub struct RawDeadLetter {
     pub queue_url: String,
     /// Attempts before a poison record goes to the queue (default 5).
     #[serde(default)]
+    #[schemars(range(min = 1, max = 100))]
     pub max_attempts: Option<u32>,
     /// Put NewImage/OldImage in dead letters (default true); false for tables with personal
     /// data keeps only keys and metadata.

@@ -445,6 +445,7 @@ fn a_numeric_operator_on_n_without_numeric_strings_is_warned_with_its_path() {
     assert_eq!(c.pattern_warnings.len(), 1, "{:?}", c.pattern_warnings);
     let w = &c.pattern_warnings[0];
     assert!(w.starts_with("rules[0].measures.bigOrders.where.total.N[0].numeric never matches"), "{w}");
+    assert!(w.contains("a numeric operator sees no number"), "{w}");
     assert!(w.contains("set numeric_strings: true"), "{w}");
     assert!(load(DEMO).unwrap().pattern_warnings.is_empty());
     // With numeric_strings the operator compares N values numerically: nothing to warn about.
@@ -456,6 +457,23 @@ fn a_numeric_operator_on_n_without_numeric_strings_is_warned_with_its_path() {
     let warnings = load(&filter).unwrap().pattern_warnings;
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert!(warnings[0].starts_with("rules[0].filter.dynamodb.NewImage.qty.NS[0].numeric never matches"), "{}", warnings[0]);
+    // A dotted key, a number literal and anything-but numbers under N: each never matches.
+    let forms = demo_with(
+        "SK: { S: [{ prefix: \"ORDER#\" }] }",
+        "SK: { S: [{ prefix: \"ORDER#\" }] }\n        \"NewImage.total.N\": [{ numeric: [\">\", 0] }]\n        NewImage: { qty: { N: [500, \"7\", { anything-but: [0] }] } }",
+    );
+    let warnings = load(&forms).unwrap().pattern_warnings;
+    let paths: Vec<&str> = warnings.iter().map(|w| w.split(' ').next().unwrap()).collect();
+    assert_eq!(
+        paths,
+        [
+            "rules[0].filter.dynamodb.NewImage.qty.N[0]",
+            "rules[0].filter.dynamodb.NewImage.qty.N[2].anything-but",
+            "rules[0].filter.dynamodb.NewImage.total.N[0].numeric"
+        ],
+        "{warnings:?}"
+    );
+    assert!(warnings[0].contains("a number never equals an N value"), "{}", warnings[0]);
 }
 
 #[test]

@@ -278,11 +278,12 @@ pub async fn write_target_pruning<S: AggregateStore>(
                 continue;
             }
             if let Some((low, high)) = split_records(&delta.contributions, applied.as_deref()) {
-                let mut stats = Box::pin(write_target_pruning(store, key_names, key, &low, shard, None)).await?;
+                let mut split = Box::pin(write_target_pruning(store, key_names, key, &low, shard, None)).await?;
                 let rest = Box::pin(write_target_pruning(store, key_names, key, &high, shard, None)).await?;
-                stats.add(&rest);
-                stats.skipped_records = total_records.saturating_sub(stats.applied_records);
-                return Ok(stats);
+                split.add(&rest);
+                split.throttled += stats.throttled;
+                split.skipped_records = total_records.saturating_sub(split.applied_records);
+                return Ok(split);
             }
             // One record alone is too large: our own limit, a bug to surface, never a reason to
             // dead-letter records.

@@ -526,7 +526,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             writes.push(async move { (key, delta, write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref()).await) });
         }
         let in_flight = self.window.in_flight(writes.len());
-        metrics::histogram!(names::BATCH_WRITES_IN_FLIGHT).record(in_flight as f64);
+        if !writes.is_empty() {
+            metrics::histogram!(names::BATCH_WRITES_IN_FLIGHT).record(in_flight as f64);
+        }
         let results: Vec<_> = stream::iter(writes).buffer_unordered(in_flight).collect().await;
         let throttled = results.iter().any(|(_, _, r)| match r {
             Ok(stats) => stats.throttled > 0,
