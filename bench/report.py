@@ -37,6 +37,7 @@ CATCHUP_RATIO_TARGET = 5.0
 LAG_P99_TARGET = 0.5
 PIPELINE_RATIO_TARGET = 50.0
 MATCH_RATIO_TARGET = 1.2
+RAW_RATIO_TARGET = 0.4  # catch-up over a bare GetRecords loop on the same backlog
 RSS_TARGETS_MIB = {1000: 48.0, 10000: 64.0}  # peak RSS over the backlog's catch-up, by batch_size
 
 
@@ -147,6 +148,26 @@ def targets(
             verdict(
                 None if r is None else r >= CATCHUP_RATIO_TARGET,
                 "" if r is None else f"by {CATCHUP_RATIO_TARGET - r:.1f}x",
+            ),
+        )
+    )
+    raw = median_min_max(
+        [
+            r["records_per_second"]
+            for r in results.get("catchup_raw") or []
+            if r.get("records_per_second")
+        ]
+    )
+    c = ratio(agg["rate"][0] if agg["rate"] else None, raw[0] if raw else None)
+    rows.append(
+        (
+            f"catch-up >= {RAW_RATIO_TARGET}x a bare GetRecords loop (medians; examples/raw_getrecords.rs)",
+            "not run"
+            if c is None or raw is None
+            else f"{c:.2f}x ({fmt_rate(agg['rate'][0])} vs {fmt_rate(raw[0])} records/s)",
+            verdict(
+                None if c is None else c >= RAW_RATIO_TARGET,
+                "" if c is None else f"by {RAW_RATIO_TARGET - c:.2f}x",
             ),
         )
     )

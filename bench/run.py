@@ -453,6 +453,29 @@ class Harness:
             )
         return out
 
+    def raw_run(self, run: int) -> dict[str, Any]:
+        """The ceiling: a bare GetRecords loop (examples/raw_getrecords.rs) over the backlog's
+        stream from TRIM_HORIZON, counting records and nothing else."""
+        env = {
+            **os.environ,
+            "AWS_REGION": local_aws.REGION,
+            "AWS_ACCESS_KEY_ID": "local",
+            "AWS_SECRET_ACCESS_KEY": "local",
+            "AWS_ENDPOINT_URL_DYNAMODB": self.a.ddb_endpoint,
+            "AWS_ENDPOINT_URL_DYNAMODB_STREAMS": self.a.ddb_endpoint,
+        }
+        cmd = [str(self.a.raw_bin), "--table", BACKLOG_TABLE, "--expect", str(len(self.records))]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"raw_getrecords exited {done.returncode}: {done.stderr.strip()}")
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        out["run"] = run
+        log(
+            f"  raw GetRecords loop run {run}: {out['records']} records in {out['seconds']:.2f} s "
+            f"= {out['records_per_second']}/s ({out['calls']} calls, {out['shards']} shards)"
+        )
+        return out
+
     def replay(self, system: str, last: dict[str, Any]) -> dict[str, Any]:
         aggregates, k = last["aggregates_table"], last["records"]
         want = self.truth if last["complete"] else self.prefix_truth(last["last_sequence_number"])
@@ -692,6 +715,8 @@ class Harness:
 
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         r["catchup"] = runs
+        raw: list[dict[str, Any]] = []
+        r["catchup_raw"] = raw
         spent = dict.fromkeys(SYSTEMS, 0.0)
         for run in range(
             1, a.catchup_runs + 1
@@ -704,6 +729,10 @@ class Harness:
                 spent[system] += time.monotonic() - t
                 for old in runs[system][:-1]:  # keep only the last run's tables (the replay's)
                     local_aws.delete_table(self.ddb, old["aggregates_table"])
+            if a.raw_bin.exists():  # the ceiling, in the same round
+                done = self.guard(f"raw GetRecords loop run {run}", self.raw_run, run)
+                if done:
+                    raw.append(done)
         for system in SYSTEMS:
             phases[f"catchup {system}"] = spent[system]
         # ddb-aggregator's memory at the other batch size the issue names (the table's runs use the
@@ -834,6 +863,12 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--bin", required=True, help="the ddb-aggregator binary")
+    p.add_argument(
+        "--raw-bin",
+        type=Path,
+        default=ROOT / "target/release/examples/raw_getrecords",
+        help="the bare GetRecords loop (examples/raw_getrecords.rs): the catch-up's ceiling",
+    )
     p.add_argument("--config", type=Path, default=ROOT / "bench/ddb-aggregator.yaml")
     p.add_argument(
         "--ddb-endpoint",
