@@ -19,9 +19,9 @@ use ddb_aggregator::decimal::Decimal;
 
 /// Each test binary gets emulators of its own (DynamoDB Local slows down as tables and
 /// stream records pile up, and the heavy binaries would slow the timing-sensitive ones):
-/// DynamoDB Local on 8100 + k, moto on 9424 + k. scripts/test stops them all. DDB_LOCAL_PORT
+/// DynamoDB Local on 8100 + k, moto on 9424 + k (k < 8). scripts/test stops them all. DDB_LOCAL_PORT
 /// and SQS_LOCAL_PORT move the bases (two checkouts testing on one machine).
-pub const EMULATOR_SLOTS: &[&str] = &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup", "chaos"];
+pub const EMULATOR_SLOTS: &[&str] = &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup", "chaos", "rule_changes"];
 
 fn slot() -> u16 {
     let exe = std::env::current_exe().ok();
@@ -618,4 +618,22 @@ pub fn truth_without_poison(items: &[std::collections::HashMap<String, Attribute
     }
     out.retain(|_, v| !v.is_zero());
     out
+}
+
+/// A deployment of `example` (a file under config/) for a test: a source table and an
+/// aggregates table of its own (no stream, as DESIGN recommends), with the config pointing at
+/// them, leases of 2 s. (directory, source table, aggregates table, config)
+pub async fn deployment(
+    c: &aws_sdk_dynamodb::Client,
+    prefix: &str,
+    example: &str,
+) -> (tempfile::TempDir, String, String, std::path::PathBuf) {
+    let dir = test_dir();
+    let table = unique(prefix);
+    let aggregates = format!("{table}-agg");
+    create_source_table(c, &table).await;
+    create_aggregates_table(c, &aggregates).await;
+    let config = write_example_config(dir.path(), example, &table, &format!("{table}-state"), "2s");
+    use_aggregates_table(&config, &table, &aggregates);
+    (dir, table, aggregates, config)
 }
