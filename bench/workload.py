@@ -10,8 +10,9 @@ customer of rank k is picked with probability proportional to 1/k^s), and each w
   status      UpdateItem SET status: PENDING -> PAID|CANCELLED, PAID -> SHIPPED|CANCELLED
   total       UpdateItem SET total to a different amount
   delete      DeleteItem of an order
-  ttl_delete  the TTL sweeper: DeleteItem of an expiring order. DynamoDB Local does not emulate
-              TTL, so these are ordinary DeleteItem calls; in --records-out they carry the
+  ttl_delete  the TTL sweeper: DeleteItem of an expiring order, here and now (DynamoDB's own
+              sweep, which DynamoDB Local also runs, takes from seconds there to about two days
+              on AWS). These are ordinary DeleteItem calls; in --records-out they carry the
               userIdentity that real TTL deletes have (Service, dynamodb.amazonaws.com)
 
 Every write changes its item, so each one yields exactly one stream record. When an operation

@@ -228,123 +228,6 @@ fn assert_phases_account_for_batches(m: &str) {
     assert!(metric(m, "ddb_aggregator_batch_writes_in_flight_sum") >= in_flight);
 }
 
-fn stream_spec(on: bool) -> aws_sdk_dynamodb::types::StreamSpecification {
-    use aws_sdk_dynamodb::types::{StreamSpecification, StreamViewType};
-    let b = StreamSpecification::builder().stream_enabled(on);
-    (if on { b.stream_view_type(StreamViewType::NewAndOldImages) } else { b }).build().unwrap()
-}
-
-/// Scenario i of issue 11: a stream that is disabled and enabled again gets a new ARN. The
-/// service follows it, and the changes made while no stream was on (never streamed) are
-/// repaired by the reconcile of everything it requests, with the schedule off.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_disabled_and_enabled_again_is_followed_and_its_gap_reconciled() {
-    use aws_sdk_dynamodb::types::AttributeValue;
-    let _serial = SERIAL.lock().await;
-    let c = client().await;
-    let dir = test_dir();
-    let table = unique("restream");
-    create_source_table(&c, &table).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    let svc = Service::start(&config, dir.path(), "svc", &[("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s")]);
-    workload(&c, &table, 300, 20, 4, 11).await;
-    // A customer the rest of the test never touches: nothing but the repair writes its item
-    // after the switch.
-    c.put_item()
-        .table_name(&table)
-        .item("PK", AttributeValue::S("CUST#quiet".into()))
-        .item("SK", AttributeValue::S("ORDER#2026-11-02#q1".into()))
-        .item("status", AttributeValue::S("PAID".into()))
-        .item("total", AttributeValue::N("7".into()))
-        .send()
-        .await
-        .unwrap();
-    wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
-    let arn = |c: aws_sdk_dynamodb::Client, t: String| async move {
-        c.describe_table().table_name(t).send().await.unwrap().table().and_then(|t| t.latest_stream_arn().map(str::to_string))
-    };
-    let old = arn(c.clone(), table.clone()).await;
-    c.update_table().table_name(&table).stream_specification(stream_spec(false)).send().await.unwrap();
-    workload(&c, &table, 100, 20, 2, 12).await; // never streamed
-    c.update_table().table_name(&table).stream_specification(stream_spec(true)).send().await.unwrap();
-    let new = arn(c.clone(), table.clone()).await;
-    assert_ne!(old, new, "re-enabling gives a new stream ARN");
-    workload(&c, &table, 200, 20, 4, 13).await;
-    wait_exact_or(&c, &table, Duration::from_secs(150), || svc.log_tail()).await;
-    assert!(metric(&svc.metrics(), "ddb_aggregator_reconcile_runs_total") >= 1.0, "the gap was reconciled");
-    // The repair fenced every target against the old stream's shards, the quiet customer's
-    // too (it had no drift): a paused reader of the old stream that wakes now is refused.
-    let old_shards: Vec<String> = scan(&c, &format!("{table}-state"))
-        .await
-        .iter()
-        .filter(|l| l.get("stream_arn").and_then(|a| a.as_s().ok()) == old.as_ref())
-        .filter_map(|l| l.get("shard_id").and_then(|a| a.as_s().ok()).cloned())
-        .collect();
-    assert!(!old_shards.is_empty(), "the old stream's leases are in the state table");
-    let newest_old = old_shards.iter().filter_map(|id| ddb_aggregator::shard_id::created_ms(id)).max().expect("shard ids carry times");
-    for item in scan(&c, &table).await.iter().filter(|i| i.keys().any(|a| a.starts_with("_aggv"))) {
-        let floor = item.iter().find(|(a, _)| a.starts_with("_aggfloor:")).and_then(|(_, v)| v.as_s().ok());
-        assert!(
-            floor.is_some_and(|f| *f > ddb_aggregator::sink::ledger::floor_value(newest_old)),
-            "{:?} {:?}: floor {floor:?} still admits the old stream's shards (newest created {newest_old})",
-            item.get("PK"),
-            item.get("SK")
-        );
-    }
-}
-
-/// The same switch while no replica runs: the first replica to start on the new stream finds
-/// in the state table that it read another stream, so it reads the new one from TRIM_HORIZON
-/// and requests the repair of the gap itself (no watcher saw the switch).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_switched_while_the_service_was_down_is_repaired_when_it_starts() {
-    switched_while_down(false).await;
-}
-
-/// As above, with the old stream's leases gone from the state table, as they are a day after
-/// its shards left the listing (a stream disabled for longer than that): the stream read last
-/// is kept apart from the leases.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_switched_after_its_old_leases_were_deleted_is_still_repaired() {
-    switched_while_down(true).await;
-}
-
-/// Deletes every lease item (the ones with a `stream_arn`) of a state table.
-async fn delete_leases(c: &aws_sdk_dynamodb::Client, state: &str) {
-    let items = scan(c, state).await;
-    let leases: Vec<_> = items.iter().filter(|i| i.contains_key("stream_arn")).collect();
-    assert!(!leases.is_empty(), "the first run left leases");
-    for item in leases {
-        let key = item["shard_id"].clone();
-        c.delete_item().table_name(state).key("shard_id", key).send().await.unwrap();
-    }
-}
-
-async fn switched_while_down(forget_old_leases: bool) {
-    let _serial = SERIAL.lock().await;
-    let c = client().await;
-    let dir = test_dir();
-    let table = unique("downswitch");
-    create_source_table(&c, &table).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    let off = ("DDB_AGGREGATOR__RECONCILE__INTERVAL", "0s");
-    let mut svc = Service::start(&config, dir.path(), "before", &[off]);
-    workload(&c, &table, 200, 10, 4, 21).await;
-    wait_exact_or(&c, &table, Duration::from_secs(60), || svc.log_tail()).await;
-    svc.kill();
-    if forget_old_leases {
-        delete_leases(&c, &format!("{table}-state")).await;
-    }
-    c.update_table().table_name(&table).stream_specification(stream_spec(false)).send().await.unwrap();
-    workload(&c, &table, 60, 10, 2, 22).await; // never streamed
-    c.update_table().table_name(&table).stream_specification(stream_spec(true)).send().await.unwrap();
-    workload(&c, &table, 60, 10, 2, 23).await; // on the new stream before anyone reads it
-                                               // `latest` would skip what the new stream holds: a followed stream starts at its horizon.
-    let svc = Service::start(&config, dir.path(), "after", &[off, ("DDB_AGGREGATOR__SOURCE__START_POSITION", "latest")]);
-    wait_exact_or(&c, &table, Duration::from_secs(150), || svc.log_tail()).await;
-    assert!(metric(&svc.metrics(), "ddb_aggregator_reconcile_runs_total") >= 1.0, "the gap was reconciled");
-}
-
 /// One sample of a gauge's series: label text (`shard="..."`) -> value.
 fn series(text: &str, name: &str) -> std::collections::BTreeMap<String, f64> {
     text.lines()
@@ -410,7 +293,7 @@ async fn a_shard_whose_writes_all_fail_shows_a_rising_iterator_age() {
 }
 
 /// The measures of config/commerce-measures.yaml from a scan of the orders (no TTL deletes:
-/// DynamoDB Local does not emulate TTL), and the stored values of the PROFILE and PLACED items.
+/// no table here has TTL enabled), and the stored values of the PROFILE and PLACED items.
 fn measures_truth_and_stored(items: &[std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>]) -> (Values, Values) {
     let mut want: Values = Default::default();
     let mut add = |pk: &str, sk: &str, a: &str, v: ddb_aggregator::decimal::Decimal| {
@@ -515,8 +398,8 @@ async fn averages_survive_sigkills_exactly() {
 }
 
 /// `ttl_deletes` on DynamoDB Local, with the TTL service's records as AWS writes them (a proxy
-/// in front of the streams endpoint marks the deletes of orders whose key holds `#ttl`; the
-/// emulator has no TTL): each customer's largest orders expire. customer-orders counts a TTL
+/// in front of the streams endpoint marks the deletes of orders whose key holds `#ttl`, so that
+/// the test chooses when each expires; scripts/live-aws checks DynamoDB Local's own TTL): each customer's largest orders expire. customer-orders counts a TTL
 /// delete as any delete (orderCount, revenue and averages drop them, largestOrder falls back
 /// to the largest order left); orders-placed (`ttl_deletes: ignore`) still counts them, while a
 /// user's delete subtracts from both.
