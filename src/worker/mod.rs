@@ -357,6 +357,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             }
         }
         metrics::gauge!(names::LEASES_HELD).set(0.0);
+        // A reconcile request a reader could not write yet (its retry is the next round's,
+        // which never comes): written now, or it would be lost with this process.
+        self.persist_reconcile_request().await;
         let _ = self.shared.leases.drop_beat(&self.shared.owner).await;
         info!("stopped; leases released");
     }

@@ -576,8 +576,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
 
     /// Derives the attributes of every target whose helper items the batch wrote (or would
     /// have: a replay's helper writes are refused by the ledger, its derivations are not).
-    async fn derive(&self, targets: &[(TargetKey, TargetDelta)]) -> Result<(), SinkError> {
-        let shared = &self.shared;
+    async fn derive(&mut self, targets: &[(TargetKey, TargetDelta)]) -> Result<(), SinkError> {
+        let shared = self.shared.clone();
+        let shared = &shared;
         let derive = crate::sink::derive::targets_to_derive(&shared.engine, targets);
         if derive.is_empty() {
             return Ok(());
@@ -589,6 +590,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         }
         let in_flight = self.window.in_flight(runs.len());
         let results: Vec<_> = stream::iter(runs).buffer_unordered(in_flight).collect().await;
+        // A throttled derivation narrows the window as a throttled target write does.
+        let throttled = results.iter().any(|(_, r)| matches!(r, Err(SinkError::Throttled(_))));
+        self.window = self.window.after(results.len(), throttled);
         let mut first_error = None;
         for (key, r) in results {
             match r {
@@ -662,7 +666,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                         }
                         tokio::time::sleep(crate::sink::backoff(attempts)).await;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        // The batch is retried; with a narrower window if the table throttled.
+                        self.window = self.window.after(0, matches!(e, SinkError::Throttled(_)));
+                        return Err(e);
+                    }
                 }
             }
         }

@@ -998,6 +998,22 @@ async fn a_trimmed_answer_at_latest_requests_a_reconcile() {
     assert_eq!(r.shared.trimmed_events.load(Ordering::Relaxed), 0, "not counted as trimmed data");
 }
 
+/// A reconcile request still only in memory when the replica is told to stop (its write
+/// failed and the retry is the next round's, which never comes) is written by the drain, not
+/// lost with the process.
+#[tokio::test]
+async fn a_pending_reconcile_request_is_written_when_the_replica_stops() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    fakes.0.add_shard(None);
+    let r = start(&fakes, "r1");
+    settle(&fakes, &BTreeMap::new(), 0).await;
+    assert_eq!(fakes.1.reconcile_request().await.unwrap(), None, "nothing requested yet");
+    r.shared.request_reconcile_everything();
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+    assert!(fakes.1.reconcile_request().await.unwrap().is_some(), "the drain wrote the pending request");
+}
+
 /// AWS: GetRecords may answer an empty list for a stretch of the shard without records, and
 /// take more calls to reach the records after it. Such a page is not the tip: a lease never
 /// shows tip evidence while records before it wait unapplied (reconcile would compare too soon).
