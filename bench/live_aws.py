@@ -37,6 +37,7 @@ import datetime
 import json
 import math
 import os
+import re
 import secrets
 import signal
 import socket
@@ -59,6 +60,8 @@ STATE_DIR = ROOT / ".local" / "live-aws"
 DEFAULT_BIN = "target/debug/ddb-aggregator"
 TAG = "ddb-aggregator:live-test"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SUFFIX_RE = re.compile(r"[0-9a-f]{8}")
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 DUMMY_KEY = "local"
 
 # Prices of us-east-1, standard table class, as AWS lists them (2025). The plan calls the sum an
@@ -74,6 +77,7 @@ PRICE = {
 SOURCE_WCU = 50  # the source table is provisioned, so that raising its capacity splits it
 SOURCE_RCU = 50
 RESHARD_WCU = 2000  # two partitions at most 1,000 WCU each: at least one split
+RESHARD_HOURS = 2  # billed by the started hour: a run can cross an hour boundary
 RESHARD_WAIT = 20 * 60  # longest wait for the split to show in DescribeStream
 RESHARD_RATE = 2.0  # writes per second while waiting for the split
 LEASE = "3s"  # short leases: a SIGKILLed replica's shards are taken over within seconds
@@ -138,6 +142,10 @@ class Interrupted(Exception):
 
 
 def _raise_interrupted(signum: int, _frame: Any) -> None:
+    # One-shot: from here on a second SIGINT/SIGTERM only says that cleanup is running, so it
+    # cannot interrupt the cleanup the first one started.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _cleaning_up)
     raise Interrupted(signum)
 
 
@@ -200,6 +208,9 @@ class Aws:
             read_timeout=30,
             retries={"mode": "standard", "max_attempts": 8},
             max_pool_connections=16,
+            # Endpoint mode stays on loopback: botocore would send even 127.0.0.1 through an
+            # HTTP(S)_PROXY of the environment.
+            proxies={} if s.local else None,
         )
         self.session = boto3.session.Session(region_name=s.region)
         self.ddb = self.client("dynamodb")
@@ -210,14 +221,34 @@ class Aws:
         endpoint = self.s.sqs_endpoint if service == "sqs" else self.s.endpoint
         return self.session.client(service, endpoint_url=endpoint, config=self.config)
 
+    def account(self) -> str:
+        """The AWS account of the credentials ('local' in endpoint mode)."""
+        if self.s.local:
+            return "local"
+        sts = self.session.client("sts", config=self.config)
+        return str(sts.get_caller_identity()["Account"])
+
     def service_env(self) -> dict[str, str]:
         """The environment of the ddb-aggregator processes: the same credentials and region,
-        and in endpoint mode the same endpoints."""
-        env = dict(os.environ)
+        and in endpoint mode the same endpoints. No DDB_AGGREGATOR__* of the user's (they could
+        point the service at other tables or queues; the harness sets what it needs itself),
+        no AWS_IGNORE_CONFIGURED_ENDPOINT_URLS; in endpoint mode no proxy (loopback only), on
+        AWS no AWS_ENDPOINT_URL*."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("DDB_AGGREGATOR__") and k != "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"
+        }
         env["AWS_REGION"] = self.s.region
         env.setdefault("RUST_LOG", "info")
-        if self.s.local:
+        if not self.s.local:
+            for k in [k for k in env if k.startswith("AWS_ENDPOINT_URL")]:
+                del env[k]
+        else:
             assert self.s.endpoint and self.s.sqs_endpoint
+            for k in [k for k in env if k.upper() in PROXY_VARS]:
+                del env[k]
+            env["NO_PROXY"] = env["no_proxy"] = ",".join(LOOPBACK)
             env["AWS_ENDPOINT_URL_DYNAMODB"] = self.s.endpoint
             env["AWS_ENDPOINT_URL_DYNAMODB_STREAMS"] = self.s.endpoint
             env["AWS_ENDPOINT_URL_SQS"] = self.s.sqs_endpoint
@@ -343,7 +374,17 @@ class Resources:
             kwargs["BillingMode"] = "PAY_PER_REQUEST"
         if stream:
             kwargs["StreamSpecification"] = stream
-        created = self.aws.ddb.create_table(**kwargs)["TableDescription"]
+        try:
+            created = self.aws.ddb.create_table(**kwargs)["TableDescription"]
+        except Exception as e:
+            if error_code(e) == "ResourceInUseException":
+                # Not this run's table: never delete it.
+                self.tables.remove(name)
+                raise RuntimeError(
+                    f"table {name} already exists, so it is not this run's: left alone, not "
+                    "deleted; run again (a new suffix)"
+                ) from e
+            raise
         t0 = time.monotonic()
         if stream:
             # 6c: how soon DescribeStream lists the new stream's shards, from CreateTable on.
@@ -354,34 +395,121 @@ class Resources:
         return desc
 
     def check_tags(self, arn: str, name: str) -> None:
-        """The tag is set at creation; read it back. DynamoDB Local has no tagging API (it
-        accepts and drops CreateTable's tags): tolerated in endpoint mode only."""
-        try:
-            tags = self.aws.ddb.list_tags_of_resource(ResourceArn=arn).get("Tags", [])
-        except Exception as e:  # noqa: BLE001 - judged by mode below
-            if self.aws.s.local:
-                self.tagging_note = f"the emulator does not tag tables ({error_code(e) or e})"
+        """The tag is set at creation; read it back (retried for about 30 s: ListTagsOfResource
+        is eventually consistent). DynamoDB Local has no tagging API (it accepts and drops
+        CreateTable's tags): tolerated in endpoint mode only."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                tags = self.aws.ddb.list_tags_of_resource(ResourceArn=arn).get("Tags", [])
+            except Exception as e:  # noqa: BLE001 - judged by mode below
+                if self.aws.s.local:
+                    self.tagging_note = f"the emulator does not tag tables ({error_code(e) or e})"
+                    return
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+                continue
+            if {"Key": TAG, "Value": self.suffix} in tags:
                 return
-            raise
-        if {"Key": TAG, "Value": self.suffix} not in tags:
             if self.aws.s.local:
                 self.tagging_note = "the emulator dropped the tables' tags"
                 return
-            raise RuntimeError(f"table {name} lacks its tag {TAG}={self.suffix}: {tags}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"table {name} lacks its tag {TAG}={self.suffix}: {tags}")
+            time.sleep(2)
 
     def create_queue(self, name: str) -> str:
+        """CreateQueue returns the URL of an existing queue of that name too: a queue that is
+        not new (tagged for another run, or created before the call) is refused, not recorded."""
+        try:  # CreateQueue would return an existing queue's URL (and, on moto, retag it)
+            existing = self.aws.sqs.get_queue_url(QueueName=name)["QueueUrl"]
+        except Exception as e:
+            if "NonExistentQueue" not in error_code(e) and "QueueDoesNotExist" not in str(e):
+                raise
+        else:
+            raise RuntimeError(
+                f"queue {name} already exists ({existing}), so it is not this run's: left "
+                "alone, not deleted; run again (a new suffix)"
+            )
         self.queue_names[name] = ""
-        url = self.aws.sqs.create_queue(QueueName=name, tags={TAG: self.suffix})["QueueUrl"]
+        called = time.time()
+        try:
+            url = self.aws.sqs.create_queue(QueueName=name, tags={TAG: self.suffix})["QueueUrl"]
+            attrs = self.aws.sqs.get_queue_attributes(
+                QueueUrl=url, AttributeNames=["CreatedTimestamp"]
+            ).get("Attributes", {})
+            tags = self.aws.sqs.list_queue_tags(QueueUrl=url).get("Tags", {})
+        except Exception:
+            self.queue_names[name] = ""  # find it by name at cleanup (tag-checked there)
+            raise
+        created = float(attrs.get("CreatedTimestamp", called))
+        mine = tags.get(TAG)
+        if (mine is not None and mine != self.suffix) or created < called - 120:
+            del self.queue_names[name]
+            raise RuntimeError(
+                f"queue {name} already existed (created {time.ctime(created)}, tag {TAG}="
+                f"{mine}): not this run's, left alone; run again (a new suffix)"
+            )
         self.queue_names[name] = url
         return url
 
-    def delete(self, keep: set[str]) -> list[str]:
-        """Deletes every table and queue not in `keep`; returns what could not be deleted."""
+    def tagged(
+        self, kind: str, name: str, read: Callable[[], dict[str, str] | None]
+    ) -> bool | None:
+        """On AWS, before a delete of a run found by name (resume, discard): whether the
+        resource carries TAG=suffix (True), does not (False: skipped, with a message), or is
+        gone (None). Retried for about 30 s while it has no tags at all (eventual consistency
+        right after a create). Endpoint mode: True (the emulator does not keep tags)."""
+        if self.aws.s.local:
+            return True
+        deadline = time.monotonic() + 30
+        while True:
+            tags = read()
+            if tags is None:
+                return None
+            if tags.get(TAG) == self.suffix:
+                return True
+            if tags or time.monotonic() > deadline:
+                say(
+                    f"{kind} {name}: not tagged {TAG}={self.suffix} ({tags or 'no tags'}): "
+                    "not this run's, left alone"
+                )
+                return False
+            time.sleep(3)
+
+    def table_tags(self, name: str) -> dict[str, str] | None:
+        try:
+            arn = self.aws.ddb.describe_table(TableName=name)["Table"]["TableArn"]
+            tags = self.aws.ddb.list_tags_of_resource(ResourceArn=arn).get("Tags", [])
+        except Exception as e:
+            if error_code(e) == "ResourceNotFoundException":
+                return None
+            raise
+        return {t["Key"]: t["Value"] for t in tags}
+
+    def queue_tags(self, url: str) -> dict[str, str] | None:
+        try:
+            return dict(self.aws.sqs.list_queue_tags(QueueUrl=url).get("Tags", {}))
+        except Exception as e:
+            if "NonExistentQueue" in error_code(e) or "QueueDoesNotExist" in str(e):
+                return None
+            raise
+
+    def delete(self, keep: set[str], verify_tags: bool = False) -> list[str]:
+        """Deletes every table and queue not in `keep`; returns what could not be deleted. With
+        `verify_tags` (a run found by its suffix), on AWS only what is tagged TAG=suffix."""
         left: list[str] = []
         for name in self.tables:
             if name in keep:
                 continue
             try:
+                if verify_tags:
+                    ok = self.tagged("table", name, lambda name=name: self.table_tags(name))
+                    if ok is None:
+                        say(f"table {name}: already gone")
+                    if not ok:
+                        continue
                 delete_table(self.aws.ddb, name, 1800 if not self.aws.s.local else 60)
             except Exception as e:  # noqa: BLE001 - reported as a leftover
                 left.append(f"table {name} ({e})")
@@ -389,6 +517,12 @@ class Resources:
             try:
                 if not url:  # interrupted while creating it: find it by name
                     url = self.aws.sqs.get_queue_url(QueueName=name)["QueueUrl"]
+                if verify_tags:
+                    ok = self.tagged("queue", name, lambda url=url: self.queue_tags(url))
+                    if ok is None:
+                        say(f"queue {name}: already gone")
+                    if not ok:
+                        continue
                 self.aws.sqs.delete_queue(QueueUrl=url)
                 say(f"deleted queue {name}")
             except Exception as e:  # noqa: BLE001 - reported as a leftover, unless gone
@@ -400,15 +534,21 @@ class Resources:
 
 
 def wait_active(ddb: Any, name: str, timeout: float = 600) -> dict[str, Any]:
+    """DescribeTable until ACTIVE; ResourceNotFoundException right after CreateTable is "not
+    yet" (DescribeTable is eventually consistent) until the deadline."""
     deadline = time.monotonic() + timeout
     while True:
-        t = ddb.describe_table(TableName=name)["Table"]
-        if t["TableStatus"] == "ACTIVE":
+        try:
+            t = ddb.describe_table(TableName=name)["Table"]
+            status = t["TableStatus"]
+        except Exception as e:
+            if error_code(e) != "ResourceNotFoundException" or time.monotonic() > deadline:
+                raise
+            t, status = {}, "not found yet"
+        if status == "ACTIVE":
             return t
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"table {name} not ACTIVE after {timeout:.0f} s ({t['TableStatus']})"
-            )
+            raise TimeoutError(f"table {name} not ACTIVE after {timeout:.0f} s ({status})")
         time.sleep(1)
 
 
@@ -934,6 +1074,7 @@ class ShardRead:
     records: list[dict[str, Any]] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # records per GetRecords page
     closed: bool = False  # read to its end (NextShardIterator absent)
+    complete: bool = False  # read to its end, or (an open shard) to its tip
 
     @property
     def mid_empty(self) -> int:
@@ -961,10 +1102,12 @@ def read_shard(
     pause: float = 0.0,
     tip_empties: int = 20,
     max_calls: int = 2000,
+    open_shard: bool = True,
 ) -> ShardRead:
     """A bare GetRecords loop from TRIM_HORIZON, as a consumer without ddb-aggregator's logic
     would run it: until the shard's end, `tip_empties` empty pages in a row on an open shard (its
-    tip), `max_calls` calls or the deadline."""
+    tip), `max_calls` calls or the deadline. A closed shard (`open_shard=False`) is read to its
+    end whatever its empty pages (an empty run there is not a tip)."""
     out = ShardRead(shard)
     it = streams.get_shard_iterator(StreamArn=arn, ShardId=shard, ShardIteratorType="TRIM_HORIZON")[
         "ShardIterator"
@@ -984,21 +1127,36 @@ def read_shard(
         trailing = trailing + 1 if n == 0 else 0
         it = page.get("NextShardIterator")
         if it is None:
-            out.closed = True
-        elif trailing >= tip_empties:
+            out.closed = out.complete = True
+        elif open_shard and trailing >= tip_empties:
+            out.complete = True
             break
         if pause:
             time.sleep(pause)
     return out
 
 
-def read_stream(aws: Aws, arn: str, timeout: float, limit: int = 1000) -> list[ShardRead]:
-    """Every shard of a stream, read with read_shard (parents first is not needed here)."""
+def read_stream(
+    aws: Aws, arn: str, timeout: float | None = None, limit: int = 1000
+) -> list[ShardRead]:
+    """Every shard of a stream, read with read_shard (parents first is not needed here), within
+    `timeout` (default: 60 s + 10 s a shard, at most 10 min)."""
     shards, _ = list_shards(aws.streams, arn)
+    if timeout is None:
+        timeout = min(60 + 10 * len(shards), 600)
     deadline = time.monotonic() + timeout
     pause = 0.0 if aws.s.local else 0.25  # AWS allows 5 GetRecords calls a second per shard
     return [
-        read_shard(aws.streams, arn, s["ShardId"], deadline=deadline, limit=limit, pause=pause)
+        read_shard(
+            aws.streams,
+            arn,
+            s["ShardId"],
+            deadline=deadline,
+            limit=limit,
+            pause=pause,
+            max_calls=2000 if is_open(s) else 100_000,
+            open_shard=is_open(s),
+        )
         for s in shards
     ]
 
@@ -1114,13 +1272,18 @@ class Ttl:
         return STATE_DIR / f"{suffix}.json"
 
     @classmethod
-    def new(cls, aws: Aws, s: Settings, n: Names, workdir: Path) -> Ttl:
-        """The check's state, saved before anything is created (cleanup forgets it)."""
+    def new(cls, aws: Aws, s: Settings, n: Names, workdir: Path, account: str) -> Ttl:
+        """The run's state (every resource it may create, the account) with the TTL check's,
+        saved before anything is created, so that `--resume <suffix> --discard` finds them
+        even after a kill -9 during the setup. Cleanup forgets it once everything is deleted."""
         state = {
             "suffix": n.suffix,
             "mode": "endpoint" if s.local else "aws",
             "endpoint": s.endpoint,
             "region": s.region,
+            "account": account,
+            "run_tables": [n.orders, n.aggregates, n.state, n.probe, n.ttl, n.ttl_state],
+            "queue": n.queue,
             "tables": [n.ttl, n.ttl_state],
             "table": n.ttl,
             "state_table": n.ttl_state,
@@ -1201,18 +1364,25 @@ class Ttl:
 
         return value("PLACED", "ordersPlaced"), value("LIVE", "ordersLive")
 
-    def identities(self) -> dict[str, int]:
-        """REMOVE records of the TTL table's stream by userIdentity ('none' for a user's)."""
+    def identities(self) -> tuple[dict[str, int], dict[str, int], bool]:
+        """REMOVE records of the TTL table's stream by userIdentity ('none' for a user's): of
+        every key, of the expired keys only, and whether the whole stream was read (closed
+        shards to their end, open ones to their tip) within the deadline."""
         arn = self.aws.ddb.describe_table(TableName=self.state["table"])["Table"]["LatestStreamArn"]
         out: dict[str, int] = {}
-        for r in read_stream(self.aws, arn, timeout=60):
+        expired: dict[str, int] = {}
+        reads = read_stream(self.aws, arn)
+        for r in reads:
             for rec in r.records:
                 if rec.get("eventName") != "REMOVE":
                     continue
                 u = rec.get("userIdentity")
                 key = f"{u.get('Type')}/{u.get('PrincipalId')}" if u else "none"
                 out[key] = out.get(key, 0) + 1
-        return out
+                sk = rec.get("dynamodb", {}).get("Keys", {}).get("SK", {}).get("S", "")
+                if sk.startswith(f"{TTL_SK}e"):
+                    expired[key] = expired.get(key, 0) + 1
+        return out, expired, all(r.complete for r in reads)
 
     def finish(self, report: Report, wait: float, look: bool = True) -> str:
         """Checks 3 and 6e; 'done' (the tables can go) or 'pending' (keep them). Waits up to
@@ -1268,14 +1438,44 @@ class Ttl:
             self.svc.check_alive()
             time.sleep(1)
             got = self.stored()
-        ids = self.identities()
-        service = ids.get("Service/dynamodb.amazonaws.com", 0)
+        ids, expired_ids, complete = self.identities()
+        ttl_identity = "Service/dynamodb.amazonaws.com"
+        service = expired_ids.get(ttl_identity, 0)
+        others = {k: v for k, v in expired_ids.items() if k != ttl_identity}
+        found = sum(expired_ids.values())
         m = self.svc.metrics()
         trimmed = total(m, "ddb_aggregator_trimmed_data_total")
         code = self.svc.stop()
         c = Check("3", "TTL deletes with ttl_deletes: ignore", data={"identities": ids})
-        c.data.update({"placed": got[0], "live": got[1], "want": want, "exit": code})
-        if service < st["expired"] or trimmed:
+        c.data.update(
+            {
+                "expired_identities": expired_ids,
+                "stream_read_complete": complete,
+                "placed": got[0],
+                "live": got[1],
+                "want": want,
+                "exit": code,
+            }
+        )
+        if others:
+            # DynamoDB deleted them, but not as the TTL service: the rule would count them as
+            # a user's deletes.
+            c.status = "fail"
+            c.detail = (
+                f"REMOVE records of the expired items carry userIdentity "
+                f"{', '.join(f'{k} ({v})' for k, v in sorted(others.items()))}, not "
+                f"{ttl_identity}: ttl_deletes: ignore would count them as a user's deletes"
+            )
+        elif found < st["expired"] and not complete:
+            c.status = "pending"
+            c.detail = (
+                f"the stream read found {found} of {st['expired']} TTL deletes but did not reach "
+                f"every shard's end within its deadline; run scripts/live-aws --resume "
+                f"{st['suffix']} again"
+            )
+            report.add(c)
+            return "pending"
+        elif found < st["expired"] or trimmed:
             c.status = "skipped"
             c.detail = (
                 f"the stream holds {service} of {st['expired']} TTL deletes (trimmed data "
@@ -1312,8 +1512,9 @@ class Ttl:
 
 
 class Run:
-    def __init__(self, s: Settings, aws: Aws, suffix: str):
+    def __init__(self, s: Settings, aws: Aws, suffix: str, account: str):
         self.s = s
+        self.account = account
         self.aws = aws
         self.n = Names(suffix)
         self.report = Report(suffix, s)
@@ -1339,6 +1540,8 @@ class Run:
     def setup(self) -> str:
         n, aws = self.n, self.aws
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # The state file first: a kill -9 from here on leaves it for --resume --discard.
+        self.ttl = Ttl.new(aws, self.s, n, self.workdir, self.account)
         say(f"creating tables and the queue (suffix {n.suffix})")
         self.res.create_table(
             n.orders, PK_SK, stream=NEW_AND_OLD, provisioned=(SOURCE_WCU, SOURCE_RCU)
@@ -1353,7 +1556,6 @@ class Run:
             listed, shards = self.res.new_streams[table]
             self.streams_seen[label] = creation_times(shards)
             self.listing[label] = listed
-        self.ttl = Ttl.new(aws, self.s, n, self.workdir)
         self.ttl.begin(self.res)
         self.config.write_text(commerce_config(n, queue))
         return queue
@@ -1822,14 +2024,14 @@ class Run:
         keep: set[str] = set()
         if self.ttl_outcome == "pending" and not interrupted:
             keep = set(self.ttl.state["tables"]) if self.ttl else set()
-        elif self.ttl:
-            self.ttl.forget()
         if self.s.keep:
+            # The state file stays: --resume <suffix> --discard deletes them later.
             self.report.notes.append(
                 "--keep: nothing deleted: tables "
                 + ", ".join(self.res.tables)
                 + "; queue "
                 + ", ".join(self.res.queue_names)
+                + f"; delete them with {discard_command(self.s, self.n.suffix)}"
             )
             return
         left = self.res.delete(keep)
@@ -1838,15 +2040,25 @@ class Run:
                 f"kept for --resume {self.n.suffix}: {', '.join(sorted(keep))} "
                 f"(state: {Ttl.state_path(self.n.suffix).relative_to(ROOT)})"
             )
+        elif not left and self.ttl:
+            self.ttl.forget()  # everything is deleted
         if left:
-            self.report.add(
-                Check(
-                    "!!",
-                    "cleanup",
-                    "fail",
-                    f"not deleted, delete by hand (tag {TAG}={self.n.suffix}): " + "; ".join(left),
-                )
-            )
+            self.report.add(Check("!!", "cleanup", "fail", leftover_message(self.s, self.n, left)))
+
+
+def discard_command(s: Settings, suffix: str) -> str:
+    where = f" --endpoint {s.endpoint} --sqs-endpoint {s.sqs_endpoint}" if s.local else ""
+    return f"scripts/live-aws --resume {suffix} --discard{where}"
+
+
+def leftover_message(s: Settings, n: Names, left: list[str]) -> str:
+    hourly = RESHARD_WCU * PRICE["wcu_hour"] + SOURCE_RCU * PRICE["rcu_hour"]
+    return (
+        f"not deleted, still there: {'; '.join(left)}. The orders table {n.orders} may still be "
+        f"provisioned at {RESHARD_WCU:,} WCU (about ${hourly:.2f} an hour on AWS) if the reshard "
+        f"raised it. The state file stays; delete them with {discard_command(s, n.suffix)} "
+        f"(it deletes only what is tagged {TAG}={n.suffix})"
+    )
 
 
 def update_stream(ddb: Any, table: str, spec: dict[str, Any], timeout: float = 900) -> None:
@@ -1858,11 +2070,18 @@ def update_stream(ddb: Any, table: str, spec: dict[str, Any], timeout: float = 9
             return
         except Exception as e:  # noqa: BLE001 - retried or re-raised by code
             code = error_code(e)
-            if code not in (
-                "ResourceInUseException",
-                "LimitExceededException",
-                "ValidationException",
-            ):
+            if code == "ValidationException":
+                # A retry after a lost response finds the change made: done. Else a real error.
+                now = ddb.describe_table(TableName=table)["Table"].get("StreamSpecification", {})
+                if spec.get("StreamEnabled"):
+                    if now.get("StreamEnabled") and now.get("StreamViewType") == spec.get(
+                        "StreamViewType"
+                    ):
+                        return
+                elif not now.get("StreamEnabled"):
+                    return
+                raise
+            if code not in ("ResourceInUseException", "LimitExceededException"):
                 raise
             if time.monotonic() > deadline:
                 raise
@@ -1894,13 +2113,18 @@ def leftovers(aws: Aws, suffix: str) -> Resources:
 
 
 def resume(s: Settings, aws: Aws, suffix: str, report: Report, discard: bool = False) -> str:
-    """Finishes a pending TTL check: 'done' (its tables deleted) or 'pending' (kept). With
-    `discard`, deletes whatever is left of the run without checking (also after a SIGKILL)."""
-    state = load_state(suffix)
+    """Finishes a pending TTL check: 'done' (its tables deleted, and whatever else of the run is
+    left) or 'pending' (kept). With `discard`, deletes whatever is left of the run without
+    checking (also after a kill -9, and without the state file). On AWS only what is tagged
+    TAG=suffix is deleted. The state file goes once nothing is left."""
+    path = Ttl.state_path(suffix)
+    state = None if discard and not path.exists() else load_state(suffix)
     workdir = STATE_DIR / suffix
     workdir.mkdir(parents=True, exist_ok=True)
-    ttl = Ttl(aws, s, state, workdir, "ttl-resume")
-    ttl.write_config()
+    ttl = None
+    if state is not None:
+        ttl = Ttl(aws, s, state, workdir, "ttl-resume")
+        ttl.write_config()
     outcome = "pending"
     interrupted: Interrupted | None = None
     try:
@@ -1908,6 +2132,7 @@ def resume(s: Settings, aws: Aws, suffix: str, report: Report, discard: bool = F
             outcome = "done"
             report.add(Check("3", "TTL deletes with ttl_deletes: ignore", "skipped", "--discard"))
         else:
+            assert ttl is not None
             # --ttl-wait 0 means "do not wait in the run"; a resume still waits a while.
             outcome = ttl.finish(report, s.ttl_wait or (120.0 if s.local else 60.0))
     except Interrupted as e:
@@ -1918,26 +2143,19 @@ def resume(s: Settings, aws: Aws, suffix: str, report: Report, discard: bool = F
         report.add(Check("!", "resume", "fail", f"{type(e).__name__}: {e}"))
     finally:
         with signals(_cleaning_up):
-            if ttl.svc.running():
+            if ttl is not None and ttl.svc.running():
                 ttl.svc.stop(timeout=30)
             kill_children()
-            if discard and interrupted is None:
-                left = leftovers(aws, suffix).delete(set())
+            if outcome == "done" and interrupted is None:
+                # The TTL tables and whatever the main run left (deleting a missing one is fine).
+                left = leftovers(aws, suffix).delete(set(), verify_tags=True)
                 if left:
-                    report.add(Check("!!", "cleanup", "fail", "not deleted: " + "; ".join(left)))
+                    report.add(
+                        Check("!!", "cleanup", "fail", leftover_message(s, Names(suffix), left))
+                    )
                 else:
-                    ttl.forget()
-            elif outcome == "done" and interrupted is None:
-                left = []
-                for table in state["tables"]:
-                    try:
-                        delete_table(aws.ddb, table, 60 if s.local else 1800)
-                    except Exception as e:  # noqa: BLE001 - reported as a leftover
-                        left.append(f"{table} ({e})")
-                if left:
-                    report.add(Check("!!", "cleanup", "fail", "not deleted: " + "; ".join(left)))
-                else:
-                    ttl.forget()
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
     if interrupted is not None:
         raise interrupted
     return outcome
@@ -1971,9 +2189,9 @@ def estimate(s: Settings) -> tuple[list[tuple[str, str, float]], float]:
     if s.reshard:
         rows.append(
             (
-                f"reshard: {RESHARD_WCU} WCU for an hour",
-                "1 h",
-                (RESHARD_WCU - SOURCE_WCU) * PRICE["wcu_hour"],
+                f"reshard: {RESHARD_WCU} WCU, billed by the hour",
+                f"<= {RESHARD_HOURS} h",
+                (RESHARD_WCU - SOURCE_WCU) * PRICE["wcu_hour"] * RESHARD_HOURS,
             )
         )
     rows += [
@@ -2031,7 +2249,7 @@ def plan(s: Settings, n: Names, who: str) -> str:
     )
     for item, qty, usd in rows:
         lines.append(f"    {item:<52} {qty:<26} ${usd:.4f}")
-    lines.append(f"    {'total, at most about':<52} {'':<26} ${dollars:.2f}")
+    lines.append(f"    {'total: an estimate, an upper bound of about':<52} {'':<26} ${dollars:.2f}")
     return "\n".join(lines)
 
 
@@ -2099,7 +2317,7 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="""examples:
-  scripts/live-aws                                  # your AWS account (asks first; ~25 min, ~$1.40)
+  scripts/live-aws                                  # your AWS account (asks first; ~25 min, up to ~$2.60)
   scripts/live-aws --skip-reshard                   # a few minutes, a few cents
   scripts/live-aws --resume 1a2b3c4d                # finish a pending TTL check, delete its tables
   DDB_LOCAL_PORT=8111 SQS_LOCAL_PORT=9435 scripts/local-aws start
@@ -2122,7 +2340,8 @@ Docs: docs/live-aws.md.""",
     )
     p.add_argument(
         "--region",
-        help="AWS region (default $AWS_REGION, $AWS_DEFAULT_REGION, else us-east-1)",
+        help="AWS region (default $AWS_REGION, $AWS_DEFAULT_REGION, the profile's region, "
+        "else us-east-1)",
     )
     p.add_argument("--yes", action="store_true", help="run without asking for confirmation")
     p.add_argument("--report", metavar="PATH", type=Path, help="write the results as JSON here")
@@ -2142,7 +2361,8 @@ Docs: docs/live-aws.md.""",
     p.add_argument(
         "--skip-reshard",
         action="store_true",
-        help=f"skip check 2 (on AWS it raises the source to {RESHARD_WCU} WCU, about $1.30 of the cost, "
+        help=f"skip check 2 (on AWS it raises the source to {RESHARD_WCU} WCU, up to about $2.55 of "
+        "the estimate (2 hours billed), "
         f"and waits up to {RESHARD_WAIT // 60} min)",
     )
     p.add_argument(
@@ -2196,12 +2416,12 @@ def settings(a: argparse.Namespace) -> Settings:
                 "send its calls elsewhere. Unset them, or give --endpoint for the emulators"
             )
     local = endpoint is not None
-    region = (
-        a.region
-        or os.environ.get("AWS_REGION")
-        or os.environ.get("AWS_DEFAULT_REGION")
-        or "us-east-1"
-    )
+    region = a.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if not region and not local:
+        import boto3
+
+        region = boto3.session.Session().region_name  # the profile's region, as boto3 finds it
+    region = region or "us-east-1"
     duration = a.duration if a.duration is not None else (20.0 if local else 60.0)
     rate = a.rate if a.rate is not None else (20.0 if local else 10.0)
     if not 5 <= duration <= 3600:
@@ -2219,6 +2439,8 @@ def settings(a: argparse.Namespace) -> Settings:
         build = True
     if a.discard and not a.resume:
         raise Usage("--discard goes with --resume")
+    if a.resume is not None and not SUFFIX_RE.fullmatch(a.resume):
+        raise Usage(f"--resume takes a run's suffix, 8 hex digits (0-9, a-f), got {a.resume!r}")
     return Settings(
         endpoint=endpoint,
         sqs_endpoint=sqs,
@@ -2288,34 +2510,51 @@ def start(a: argparse.Namespace, s: Settings) -> int:
     aws = Aws(s)
     if s.local:
         reachable(aws)
+    account = aws.account()
     if a.resume:
-        return resume_command(a, s, aws, who)
+        return resume_command(a, s, aws, who, account)
     suffix = secrets.token_hex(4)
     print(plan(s, Names(suffix), who))
     confirm(s, "Create these resources and run?")
     build(s)
-    return Run(s, aws, suffix).main()
+    return Run(s, aws, suffix, account).main()
 
 
-def resume_command(a: argparse.Namespace, s: Settings, aws: Aws, who: str) -> int:
-    state = load_state(a.resume)
+def resume_command(a: argparse.Namespace, s: Settings, aws: Aws, who: str, account: str) -> int:
     mode = "endpoint" if s.local else "aws"
-    if state["mode"] != mode or (not s.local and state["region"] != s.region):
-        where = f" in {state['region']}" if state["mode"] == "aws" else ""
-        raise Usage(
-            f"{a.resume} ran in {state['mode']} mode{where}: resume it the same way "
-            "(--endpoint for the emulators, --region for AWS)"
-        )
+    state: dict[str, Any] | None = None
+    if Ttl.state_path(a.resume).exists() or not a.discard:
+        state = load_state(a.resume)
+    if state is not None:
+        if state["mode"] != mode or (not s.local and state["region"] != s.region):
+            where = f" in {state['region']}" if state["mode"] == "aws" else ""
+            raise Usage(
+                f"{a.resume} ran in {state['mode']} mode{where}: resume it the same way "
+                "(--endpoint for the emulators, --region for AWS)"
+            )
+        if state.get("account", account) != account:
+            raise Usage(
+                f"{a.resume} ran in AWS account {state['account']}; these credentials are of "
+                f"account {account}: resume it with that account's credentials"
+            )
     if a.discard:
         n = Names(a.resume)
         what = (
             f"delete whatever is left of run {a.resume} without checking: tables "
             f"{n.table('{orders,aggregates,state,probe,ttl,ttl-state}')}, queue {n.queue}"
+            + (
+                f" (on AWS only those tagged {TAG}={a.resume})"
+                if not s.local
+                else " (emulators: no tag check)"
+            )
+            + ("" if state is not None else "; no state file: found by the suffix")
         )
     else:
+        assert state is not None
         what = (
             f"check the TTL deletes in {state['table']} (waiting up to {s.ttl_wait:g} s for "
-            "DynamoDB), then delete its tables; if still pending, keep them"
+            "DynamoDB), then delete its tables and whatever else of the run is left; if still "
+            "pending, keep them"
         )
     print(f"live-aws: resume {a.resume} ({s.describe()}, {who}): {what}")
     confirm(s, "Proceed?")
