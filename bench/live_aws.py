@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.local_aws import KEY_SCHEMA as PK_SK
+
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ROOT / ".local" / "live-aws"
 DEFAULT_BIN = "target/debug/ddb-aggregator"
@@ -319,16 +321,6 @@ class Names:
         return self.table("dlq")
 
 
-PK_SK = {
-    "AttributeDefinitions": [
-        {"AttributeName": "PK", "AttributeType": "S"},
-        {"AttributeName": "SK", "AttributeType": "S"},
-    ],
-    "KeySchema": [
-        {"AttributeName": "PK", "KeyType": "HASH"},
-        {"AttributeName": "SK", "KeyType": "RANGE"},
-    ],
-}
 # The state table's schema, as `state.create_table: true` would create it (src/state/dynamodb.rs).
 SHARD_ID = {
     "AttributeDefinitions": [{"AttributeName": "shard_id", "AttributeType": "S"}],
