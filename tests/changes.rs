@@ -3,7 +3,7 @@
 //! busy target and a user's string, and the source's stream disabled and enabled again (with
 //! the service running, and while it is down). Every test compares the aggregate items with
 //! the truth computed from a scan of the source table, to the last digit. (Apart from
-//! tests/service.rs so that scripts/test runs the two beside each other, on emulators of
+//! tests/service.rs so that scripts/test runs them beside each other, on emulators of
 //! their own.)
 
 mod common;
