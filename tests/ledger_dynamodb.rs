@@ -11,7 +11,8 @@ use ddb_aggregator::sink::dynamodb::DynamoDbAggregates;
 use std::sync::Arc;
 
 use ddb_aggregator::sink::ledger::{decode_sequence, floor_value, open_value, pad_sequence, FloorPlan, Ledger};
-use ddb_aggregator::sink::{write_target, write_target_pruning, ShardContext, SinkError};
+use ddb_aggregator::sink::{hold, write_target, write_target_pruning, ShardContext, SinkError};
+use ddb_aggregator::state::now_ms;
 
 fn delta(seqs: &[u64], amount: &str) -> TargetDelta {
     TargetDelta {
@@ -22,6 +23,7 @@ fn delta(seqs: &[u64], amount: &str) -> TargetDelta {
                 rule: None,
                 created: Some(Decimal::from_i64(1_764_460_800)),
                 values: vec![("revenue".into(), Decimal::parse(amount).unwrap())],
+                ..Default::default()
             })
             .collect(),
         ..Default::default()
@@ -137,4 +139,61 @@ async fn an_entry_of_the_previous_format_still_refuses_replays_on_dynamodb_local
     let again = write_target(&store, &names, &key, &delta(&[1, 2, 3, 4, 5, 6], "2.5"), &ctx).await.unwrap();
     assert_eq!(again.applied_records, 0, "{again:?}");
     assert_eq!(get(&c, &table, "CUST#c1", "PROFILE").await["revenue"].as_n().unwrap(), "15");
+}
+
+/// A reconcile hold on DynamoDB Local itself: a write refused by a live hold is redone under
+/// it, logging each source item's contribution after the write; a write over an expired hold
+/// removes hold and log in the same UpdateItem.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_log_under_a_live_hold_and_end_an_expired_one_on_dynamodb_local() {
+    let c = client().await;
+    let table = unique("ledger-hold");
+    create_source_table(&c, &table).await;
+    let store = DynamoDbAggregates::new(c.clone(), table.clone());
+    let names = vec!["PK".to_string(), "SK".to_string()];
+    let key = TargetKey(vec![Box::from("SALES#2026-12-04"), Box::from("TOTAL")].into_boxed_slice());
+    let ledger = Ledger::new("dep1");
+    let ctx = ShardContext::new(&ledger, "shardId-00000001700000000001-aaaaaaaa");
+    let set_hold = |value: String| {
+        c.update_item()
+            .table_name(&table)
+            .key("PK", AttributeValue::S("SALES#2026-12-04".into()))
+            .key("SK", AttributeValue::S("TOTAL".into()))
+            .update_expression("SET #h = :h")
+            .expression_attribute_names("#h", ledger.hold_attribute())
+            .expression_attribute_values(":h", AttributeValue::S(value))
+            .send()
+    };
+    let order = |seq: u64, item: &str, amount: i64, after: Option<i64>| Contribution {
+        sequence: Some(format!("{seq:021}")),
+        values: vec![("revenue".into(), Decimal::from_i64(amount))],
+        item: Some(Arc::from(item)),
+        after: after.map(|a| vec![("revenue".to_string(), Decimal::from_i64(a))]).unwrap_or_default(),
+        ..Default::default()
+    };
+    let batch = |cs: Vec<Contribution>| TargetDelta { contributions: cs, ..Default::default() };
+    set_hold(hold::hold_value("h1", now_ms() + 600_000)).await.unwrap();
+    // o1 placed at 30 then cancelled, o2 placed at 20.
+    let s = write_target(
+        &store,
+        &names,
+        &key,
+        &batch(vec![order(1, "o1", 30, Some(30)), order(2, "o2", 20, Some(20)), order(3, "o1", -30, None)]),
+        &ctx,
+    )
+    .await
+    .unwrap();
+    assert_eq!((s.applied_records, s.held), (3, 1), "{s:?}");
+    let item = get(&c, &table, "SALES#2026-12-04", "TOTAL").await;
+    assert_eq!(item["revenue"].as_n().unwrap(), "20");
+    assert_eq!(item[&hold::log_name(&ledger, "h1", "o1")].as_s().unwrap(), "[]");
+    assert_eq!(item[&hold::log_name(&ledger, "h1", "o2")].as_s().unwrap(), r#"[["revenue","20"]]"#);
+    assert!(item.contains_key(&ledger.hold_attribute()), "the hold stays for its owner");
+    // The hold expires: the next write ends it, logs and all.
+    set_hold(hold::hold_value("h1", 1)).await.unwrap();
+    let s = write_target(&store, &names, &key, &batch(vec![order(4, "o3", 5, Some(5))]), &ctx).await.unwrap();
+    assert_eq!((s.applied_records, s.holds_ended), (1, 1), "{s:?}");
+    let item = get(&c, &table, "SALES#2026-12-04", "TOTAL").await;
+    assert_eq!(item["revenue"].as_n().unwrap(), "25");
+    assert!(item.keys().all(|k| !k.starts_with("_agghold") && !k.starts_with("_agglog")), "{:?}", item.keys().collect::<Vec<_>>());
 }

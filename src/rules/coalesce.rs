@@ -9,7 +9,7 @@ use crate::decimal::{Decimal, DecimalError};
 
 /// One record's deltas on one target, kept so a write can be redone without the records at
 /// or below a sequence number the target's ledger has already applied.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Contribution {
     pub sequence: Option<String>,
     /// The rule that produced it.
@@ -17,6 +17,19 @@ pub struct Contribution {
     /// ApproximateCreationDateTime, epoch seconds.
     pub created: Option<Decimal>,
     pub values: Vec<(String, Decimal)>,
+    /// The source item's id for this rule ([`super::item::item_id`]); None where records
+    /// come without one (unit tests).
+    pub item: Option<Arc<str>>,
+    /// What the item contributes to the target after this record (its new image's values on
+    /// this target; empty when it no longer contributes): logged under a reconcile hold.
+    pub after: Vec<(String, Decimal)>,
+}
+
+/// The source item a record is of, and its contributions after the record, per target.
+#[derive(Debug, Clone, Copy)]
+pub struct Source<'a> {
+    pub item: &'a Arc<str>,
+    pub after: &'a [(TargetKey, Vec<(String, Decimal)>)],
 }
 
 /// The summed deltas of one target item, with the span of sequence numbers that fed it.
@@ -58,6 +71,19 @@ impl Coalescer {
         created: Option<Decimal>,
         rule: Option<&Arc<str>>,
         deltas: Vec<(TargetKey, Vec<(String, Decimal)>)>,
+    ) -> Result<(), DecimalError> {
+        self.add_from(sequence, created, rule, deltas, None)
+    }
+
+    /// [`Coalescer::add`], keeping which source item each contribution is of and what the
+    /// item contributes after the record.
+    pub fn add_from(
+        &mut self,
+        sequence: Option<&str>,
+        created: Option<Decimal>,
+        rule: Option<&Arc<str>>,
+        deltas: Vec<(TargetKey, Vec<(String, Decimal)>)>,
+        source: Option<Source<'_>>,
     ) -> Result<(), DecimalError> {
         let mut applied: Vec<(&TargetKey, &str, Decimal)> = Vec::new();
         let mut failure = None;
@@ -105,7 +131,15 @@ impl Coalescer {
             }
             if let Some(entry) = self.targets.get_mut(&target) {
                 entry.records += 1;
-                entry.contributions.push(Contribution { sequence: sequence.map(str::to_string), rule: rule.cloned(), created, values });
+                let after = source.and_then(|s| s.after.iter().find(|(t, _)| *t == target)).map(|(_, v)| v.clone()).unwrap_or_default();
+                entry.contributions.push(Contribution {
+                    sequence: sequence.map(str::to_string),
+                    rule: rule.cloned(),
+                    created,
+                    values,
+                    item: source.map(|s| s.item.clone()),
+                    after,
+                });
                 if let Some(seq) = sequence {
                     if entry.first_sequence.as_deref().is_none_or(|f| sequence_cmp(seq, f).is_lt()) {
                         entry.first_sequence = Some(seq.to_string());

@@ -8,6 +8,7 @@
 pub mod coalesce;
 pub mod fingerprint;
 pub mod helper;
+pub mod item;
 pub mod record;
 pub mod template;
 
@@ -205,6 +206,24 @@ impl Rule {
             self.contribute(new, record, true, &mut out)?;
         }
         Ok(out)
+    }
+
+    /// [`Rule::deltas`], and the new image's own contributions (what the item contributes to
+    /// each target after this record; none for a delete), which a write logs while reconcile
+    /// holds a target ([`crate::sink::hold`]).
+    pub fn deltas_after(&self, record: &StreamRecord<'_>) -> Result<(TargetDeltas, TargetDeltas), Poison> {
+        let mut out: TargetDeltas = Vec::new();
+        if let Some(old) = record.old_image {
+            self.contribute(old, record, false, &mut out)?;
+        }
+        let mut after: TargetDeltas = Vec::new();
+        if let Some(new) = record.new_image {
+            self.contribute(new, record, true, &mut after)?;
+        }
+        for (target, values) in &after {
+            merge(&mut out, target.clone(), values.clone(), self, &[])?;
+        }
+        Ok((out, after))
     }
 
     fn poison(&self, code: PoisonCode, message: String, captures: &[(&str, &str)]) -> Poison {
@@ -534,12 +553,16 @@ impl Engine {
                 continue;
             }
             report.matched.push(i);
-            let result = rule.deltas(&decoded).and_then(|deltas| {
-                batch.add(decoded.sequence_number, decoded.approximate_creation, Some(&rule.name), deltas).map_err(|e| Poison {
-                    code: PoisonCode::OutOfRange,
-                    rule: Some(rule.name.clone()),
-                    message: format!("the batch's running sum would leave DynamoDB's number range: {e}"),
-                    variables: BTreeMap::new(),
+            let result = rule.deltas_after(&decoded).and_then(|(deltas, after)| {
+                let item = item::item_id(&rule.name, decoded.keys);
+                let source = coalesce::Source { item: &item, after: &after };
+                batch.add_from(decoded.sequence_number, decoded.approximate_creation, Some(&rule.name), deltas, Some(source)).map_err(|e| {
+                    Poison {
+                        code: PoisonCode::OutOfRange,
+                        rule: Some(rule.name.clone()),
+                        message: format!("the batch's running sum would leave DynamoDB's number range: {e}"),
+                        variables: BTreeMap::new(),
+                    }
                 })
             });
             if let Err(p) = result {

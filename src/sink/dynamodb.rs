@@ -8,6 +8,7 @@ use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, Li
 use crate::aws::{classify, FailureKind};
 use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::derive::derived_expressions;
+use crate::sink::hold::HoldSeen;
 use crate::sink::ledger::{applied_of, expressions, ExprValue, Seen};
 
 pub struct DynamoDbAggregates {
@@ -74,7 +75,12 @@ impl AggregateStore for DynamoDbAggregates {
                         compact,
                         [get(&w.named_entry), get(&w.legacy_entry)].map(|v| v.and_then(|v| v.as_s().ok()).map(String::as_str)),
                     );
-                    return Ok(WriteOutcome::Stale { entry, floor: text(floor_attr), open: text(open_attr) });
+                    let log_prefix = w.ledger.log_prefix();
+                    let hold = text(&w.ledger.hold_attribute()).map(|value| HoldSeen {
+                        value,
+                        logs: c.item().map(|i| i.keys().filter(|k| k.starts_with(&log_prefix)).cloned().collect()).unwrap_or_default(),
+                    });
+                    return Ok(WriteOutcome::Stale { entry, floor: text(floor_attr), open: text(open_attr), hold });
                 }
                 Err(self.error(classify(&e)))
             }

@@ -31,6 +31,7 @@
 use crate::decimal::{Decimal, DecimalError};
 use crate::rules::Contribution;
 use crate::shard_id::suffix_created_ms;
+use crate::sink::hold::HoldWrite;
 
 /// Prefix of the entries earlier versions wrote, of every namespace (`_agg:<namespace>:<shard>`
 /// and `_agg:<shard>`), inside the reserved `_agg` space.
@@ -131,12 +132,29 @@ impl Ledger {
         format!("_aggm:{}", self.namespace)
     }
 
+    /// `_agghold:<namespace>`: a reconcile's hold on the item, `<hold id>:<expiry, epoch ms>`
+    /// ([`super::hold`]).
+    pub fn hold_attribute(&self) -> String {
+        format!("_agghold:{}", self.namespace)
+    }
+
+    /// `_agglog:<namespace>:`: the prefix of the log writers keep while a hold stands, one
+    /// attribute per source item, `_agglog:<namespace>:<hold id>:<item id>`.
+    pub fn log_prefix(&self) -> String {
+        format!("_agglog:{}:", self.namespace)
+    }
+
     /// Whether a reserved attribute (`_agg...`) is this namespace's: an entry, the counter,
-    /// the floor, the straggler set, a derivation counter or the written-measures set. An
-    /// item holding a reserved attribute that is not is written by another deployment too.
+    /// the floor, the straggler set, a derivation counter, the written-measures set, a hold or
+    /// a hold's log. An item holding a reserved attribute that is not is written by another
+    /// deployment too.
     pub fn is_own(&self, attribute: &str) -> bool {
-        let exact = [self.version_attribute(), self.floor_attribute(), self.open_attribute(), self.measures_attribute()];
-        self.is_entry(attribute) || attribute.starts_with(&self.derived_prefix()) || exact.iter().any(|a| a == attribute)
+        let exact =
+            [self.version_attribute(), self.floor_attribute(), self.open_attribute(), self.measures_attribute(), self.hold_attribute()];
+        self.is_entry(attribute)
+            || attribute.starts_with(&self.derived_prefix())
+            || attribute.starts_with(&self.log_prefix())
+            || exact.iter().any(|a| a == attribute)
     }
 
     /// Whether an attribute is one of this namespace's entries, compact or older.
@@ -475,6 +493,11 @@ pub struct WritePlan {
     pub first: String,
     pub last: String,
     pub records: usize,
+    /// Per source item among the planned records, what it contributes after its last one:
+    /// the log a write keeps under a reconcile hold ([`super::hold`]).
+    pub logs: Vec<crate::sink::hold::Logged>,
+    /// A planned record has no source item id, so it cannot be logged.
+    pub unidentified: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -485,6 +508,9 @@ pub enum PlanError {
     Number(#[from] DecimalError),
 }
 
+/// An item's latest planned record: (item, its sequence number, its contribution after it).
+type Latest<'a> = (&'a std::sync::Arc<str>, String, &'a Vec<(String, Decimal)>);
+
 /// Sums the contributions after `applied` (a padded sequence number, or None for all).
 /// None when every contribution is applied already. Records that cancel out still give a
 /// plan (with no adds): its write advances the ledger, so a replica that applied only some
@@ -493,12 +519,23 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
     let mut adds: Vec<(String, Decimal)> = Vec::new();
     let (mut first, mut last): (Option<String>, Option<String>) = (None, None);
     let mut records = 0;
+    // (item, sequence of its latest planned record, its contribution after it)
+    let mut logs: Vec<Latest<'_>> = Vec::new();
+    let mut unidentified = false;
     for c in contributions {
         let seq = c.sequence.as_deref().and_then(pad_sequence).ok_or(PlanError::NoSequence)?;
         if applied.is_some_and(|a| seq.as_str() <= a) {
             continue;
         }
         records += 1;
+        unidentified |= c.item.is_none();
+        if let Some(item) = &c.item {
+            match logs.iter_mut().find(|(i, _, _)| *i == item) {
+                Some(log) if log.1 <= seq => *log = (item, seq.clone(), &c.after),
+                Some(_) => {}
+                None => logs.push((item, seq.clone(), &c.after)),
+            }
+        }
         for (name, v) in &c.values {
             match adds.iter_mut().find(|(n, _)| n == name) {
                 Some((_, sum)) => *sum = sum.checked_add(*v)?,
@@ -515,7 +552,10 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
     adds.retain(|(_, v)| !v.is_zero());
     adds.sort_by(|a, b| a.0.cmp(&b.0));
     match (first, last) {
-        (Some(first), Some(last)) => Ok(Some(WritePlan { adds, first, last, records })),
+        (Some(first), Some(last)) => {
+            let logs = logs.into_iter().map(|(item, _, after)| (item.clone(), after.clone())).collect();
+            Ok(Some(WritePlan { adds, first, last, records, logs, unidentified }))
+        }
         _ => Ok(None),
     }
 }
@@ -548,8 +588,9 @@ impl Expressions {
 
 /// Builds the conditional UpdateItem of a write. The condition: this shard's entries (compact,
 /// and the two older forms) are absent or below the write's first record; the item admits this
-/// shard (floor or straggler set); and, for a pruning write, the floor and straggler set are
-/// still what was seen.
+/// shard (floor or straggler set); for a pruning write, the floor and straggler set are still
+/// what was seen; and the item holds no reconcile hold, or the very one the write logs under
+/// or ends ([`super::hold`]).
 pub fn expressions(w: &super::LedgerWrite) -> Expressions {
     let mut names = vec![
         ("#l".to_string(), w.entry_name.clone()),
@@ -609,14 +650,39 @@ pub fn expressions(w: &super::LedgerWrite) -> Expressions {
             values.push((":no".into(), ExprValue::S(p.open.clone())));
         }
     }
+    let mut removes: Vec<String> = Vec::new();
+    if let Some(p) = w.prune.as_ref().filter(|p| w.fence.is_some() && !p.entries.is_empty()) {
+        for (i, e) in p.entries.iter().enumerate() {
+            names.push((format!("#p{i}"), e.clone()));
+            removes.push(format!("#p{i}"));
+        }
+    }
+    names.push(("#h".into(), w.ledger.hold_attribute()));
+    match &w.hold {
+        HoldWrite::Absent => condition.push_str(" AND attribute_not_exists(#h)"),
+        HoldWrite::Log { seen, logs } => {
+            condition.push_str(" AND #h = :h");
+            values.push((":h".into(), ExprValue::S(seen.clone())));
+            for (i, (name, value)) in logs.iter().enumerate() {
+                sets.push(format!("#y{i} = :y{i}"));
+                names.push((format!("#y{i}"), name.clone()));
+                values.push((format!(":y{i}"), ExprValue::S(value.clone())));
+            }
+        }
+        HoldWrite::Clear { seen, remove } => {
+            condition.push_str(" AND #h = :h");
+            values.push((":h".into(), ExprValue::S(seen.clone())));
+            removes.push("#h".into());
+            for (i, name) in remove.iter().enumerate() {
+                names.push((format!("#z{i}"), name.clone()));
+                removes.push(format!("#z{i}"));
+            }
+        }
+    }
     let mut update = format!("ADD {} ", adds.join(", "));
     update.push_str("SET ");
     update.push_str(&sets.join(", "));
-    if let Some(p) = w.prune.as_ref().filter(|p| w.fence.is_some() && !p.entries.is_empty()) {
-        let removes: Vec<String> = (0..p.entries.len()).map(|i| format!("#p{i}")).collect();
-        for (n, e) in removes.iter().zip(&p.entries) {
-            names.push((n.clone(), e.clone()));
-        }
+    if !removes.is_empty() {
         update.push_str(" REMOVE ");
         update.push_str(&removes.join(", "));
     }
@@ -633,6 +699,7 @@ mod tests {
             rule: None,
             created: Some(Decimal::from_i64(1_764_460_800)),
             values: values.iter().map(|(n, v)| (n.to_string(), Decimal::parse(v).unwrap())).collect(),
+            ..Default::default()
         }
     }
 
@@ -909,6 +976,7 @@ mod tests {
                 tokens: open_tokens(&id(5000, 1)),
             }),
             prune: Some(p),
+            hold: HoldWrite::Absent,
         };
         let e = expressions(&w);
         assert!(e.longest() <= MAX_EXPRESSION_BYTES, "{} bytes", e.longest());

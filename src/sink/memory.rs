@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
+use super::hold::{HoldSeen, HoldWrite};
 use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar, REFS};
@@ -290,8 +291,13 @@ impl AggregateStore for MemoryAggregates {
         let entry_ok = entry.as_ref().is_none_or(|e| *e < w.first);
         let fence_ok = w.fence.as_ref().is_none_or(|f| admits(floor.as_deref(), open.as_deref(), &f.mine, &f.tokens));
         let cas_ok = w.prune.as_ref().is_none_or(|p| p.seen_floor == floor && p.seen_open == open);
-        if !(entry_ok && fence_ok && cas_ok) {
-            return Ok(WriteOutcome::Stale { entry, floor, open });
+        let hold_attr = w.ledger.hold_attribute();
+        let hold = text(item.get(&hold_attr));
+        let hold_ok = hold.as_deref() == w.hold.seen();
+        if !(entry_ok && fence_ok && cas_ok && hold_ok) {
+            let log_prefix = w.ledger.log_prefix();
+            let hold = hold.map(|value| HoldSeen { value, logs: item.keys().filter(|k| k.starts_with(&log_prefix)).cloned().collect() });
+            return Ok(WriteOutcome::Stale { entry, floor, open, hold });
         }
         // The changed attributes first (None: removed), so a refused write leaves the item as
         // it was and the item is not copied (hot items hold hundreds of entries).
@@ -327,6 +333,19 @@ impl AggregateStore for MemoryAggregates {
             }
             changes.insert(floor_attr.to_string(), Some(MemValue::Str(p.floor.clone())));
             changes.insert(open_attr.to_string(), Some(MemValue::Str(p.open.clone())));
+        }
+        match &w.hold {
+            HoldWrite::Absent => {}
+            HoldWrite::Log { logs, .. } => {
+                for (name, value) in logs {
+                    changes.insert(name.clone(), Some(MemValue::Str(value.clone())));
+                }
+            }
+            HoldWrite::Clear { remove, .. } => {
+                for name in remove.iter().chain([&hold_attr]) {
+                    changes.entry(name.clone()).or_insert(None);
+                }
+            }
         }
         let before = item_size(&w.key, item);
         let removed: usize = changes.keys().filter_map(|n| item.get_key_value(n)).map(|(n, v)| attribute_size(n, v)).sum();

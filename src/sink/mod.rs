@@ -4,6 +4,7 @@
 pub mod dead_letter;
 pub mod derive;
 pub mod dynamodb;
+pub mod hold;
 pub mod ledger;
 pub mod memory;
 
@@ -14,6 +15,7 @@ use std::time::Duration;
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar};
 use crate::rules::{TargetDelta, TargetKey};
+use hold::{HoldSeen, HoldWrite};
 use ledger::{admits, plan, FloorPlan, Ledger, Prune, Seen, WritePlan};
 
 /// How a write proves the item still admits its shard (see [`ledger`]).
@@ -53,14 +55,16 @@ pub struct LedgerWrite {
     pub fence: Option<Fence>,
     /// Entries of finished shards to remove, with the floor and straggler set to set.
     pub prune: Option<Prune>,
+    /// No hold, or the reconcile hold the write logs under or ends ([`hold`]).
+    pub hold: HoldWrite,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum WriteOutcome {
     /// `seen`: the item's ledger after the write.
     Applied { capacity: f64, seen: Seen },
-    /// The condition failed: the item's current entry, floor and straggler set.
-    Stale { entry: Option<String>, floor: Option<String>, open: Option<String> },
+    /// The condition failed: the item's current entry, floor, straggler set and hold.
+    Stale { entry: Option<String>, floor: Option<String>, open: Option<String>, hold: Option<HoldSeen> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -166,6 +170,10 @@ pub struct WriteStats {
     pub stale: u64,
     /// Calls the table throttled (retried).
     pub throttled: u64,
+    /// Calls refused because a reconcile hold was placed, moved or removed (redone for it).
+    pub held: u64,
+    /// Writes that ended an expired or full hold.
+    pub holds_ended: u64,
 }
 
 /// The shard a batch comes from, and what the ledger may prune.
@@ -244,6 +252,8 @@ pub async fn write_target_pruning<S: AggregateStore>(
     // Rounds in which another write moved the floor first (a hot item written from every shard).
     let mut raced = 0;
     let mut applied: Option<String> = None;
+    // The reconcile hold the item was last seen holding ([`hold`]).
+    let mut held: Option<HoldSeen> = None;
     let mut transient = 0;
     let total_records = delta.contributions.len() as u64;
     // Each stale round raises `applied` strictly or drops the pruning, so this ends; the
@@ -253,6 +263,10 @@ pub async fn write_target_pruning<S: AggregateStore>(
         else {
             stats.skipped_records = total_records - stats.applied_records;
             return Ok(stats);
+        };
+        let hold = match &held {
+            None => HoldWrite::Absent,
+            Some(h) => hold::decide(h, crate::state::now_ms(), &shard.ledger, &p.logs, p.unidentified),
         };
         let write = LedgerWrite {
             key: key_names.iter().cloned().zip(key.0.iter().map(|v| v.to_string())).collect(),
@@ -268,6 +282,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
             first: p.first.clone(),
             fence: shard.fence.clone(),
             prune: prune.clone(),
+            hold,
         };
         let longest = ledger::expressions(&write).longest();
         if longest > ledger::MAX_EXPRESSION_BYTES {
@@ -282,6 +297,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
                 let rest = Box::pin(write_target_pruning(store, key_names, key, &high, shard, None)).await?;
                 split.add(&rest);
                 split.throttled += stats.throttled;
+                split.held += stats.held;
                 split.skipped_records = total_records.saturating_sub(split.applied_records);
                 return Ok(split);
             }
@@ -296,10 +312,11 @@ pub async fn write_target_pruning<S: AggregateStore>(
                 stats.applied_records = p.records as u64;
                 stats.skipped_records = total_records - stats.applied_records;
                 stats.pruned = write.prune.as_ref().map_or(0, |p| p.entries.len());
+                stats.holds_ended += u64::from(matches!(write.hold, HoldWrite::Clear { .. }));
                 stats.seen = Some(seen);
                 return Ok(stats);
             }
-            Ok(WriteOutcome::Stale { entry, floor, open }) => {
+            Ok(WriteOutcome::Stale { entry, floor, open, hold }) => {
                 stats.stale += 1;
                 if !shard.admitted(floor.as_deref(), open.as_deref()) {
                     // The item's floor passed this shard: someone saw it finished (every
@@ -308,6 +325,17 @@ pub async fn write_target_pruning<S: AggregateStore>(
                     stats.fenced = true;
                     stats.skipped_records = total_records - stats.applied_records;
                     return Ok(stats);
+                }
+                if hold.as_ref().map(|h| h.value.as_str()) != write.hold.seen() {
+                    // A reconcile hold was placed, replaced or removed since the item was last
+                    // seen: redo the write for the hold it holds now (logging under it, or
+                    // ending it). A held item is not pruned: its writes stay small.
+                    stats.held += 1;
+                    if hold.is_some() {
+                        prune = None;
+                    }
+                    held = hold;
+                    continue;
                 }
                 if prune.as_ref().is_some_and(|p| p.seen_floor != floor || p.seen_open != open) {
                     // Another write moved the floor since we saw the item: prune again from
@@ -351,6 +379,8 @@ impl WriteStats {
         self.fenced |= later.fenced;
         self.stale += later.stale;
         self.throttled += later.throttled;
+        self.held += later.held;
+        self.holds_ended += later.holds_ended;
         if later.seen.is_some() {
             self.seen = later.seen.clone();
         }
@@ -392,6 +422,7 @@ mod tests {
             rule: None,
             created: None,
             values: vec![(attr.to_string(), Decimal::from_i64(1))],
+            ..Default::default()
         }
     }
 
@@ -417,6 +448,96 @@ mod tests {
         let again = write_target(&store, &names, &key(), &delta, &ctx).await.unwrap();
         assert_eq!(again.applied_records, 0);
         assert_eq!(store.numbers().values().map(|v| v.to_string()).collect::<std::collections::BTreeSet<_>>(), ["1".to_string()].into());
+    }
+
+    /// Record `seq` of source item `item`, changing `n` by `delta`; the item contributes
+    /// `after` to `n` after it (None: nothing, it was deleted).
+    fn of_item(seq: u64, item: &str, delta: i64, after: Option<i64>) -> Contribution {
+        Contribution {
+            item: Some(std::sync::Arc::from(item)),
+            after: after.map(|a| vec![("n".to_string(), Decimal::from_i64(a))]).unwrap_or_default(),
+            values: vec![("n".to_string(), Decimal::from_i64(delta))],
+            ..contribution(seq, "n")
+        }
+    }
+
+    fn text(store: &MemoryAggregates, attr: &str) -> Option<String> {
+        match store.item(&["CUST#c1", "PROFILE"])?.get(attr)? {
+            MemValue::Str(s) => Some(s.clone()),
+            other => panic!("{attr}: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn under_a_live_hold_a_write_logs_each_items_contribution_after_its_last_record() {
+        let store = MemoryAggregates::new();
+        let ledger = Ledger::new("t");
+        let ctx = ShardContext::new(&ledger, "shardId-00000001700000000001-aaaaaaaa");
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let hold = hold::hold_value("h1", crate::state::now_ms() + 600_000);
+        store.put(&["CUST#c1", "PROFILE"], &ledger.hold_attribute(), MemValue::Str(hold.clone()));
+        // a is inserted (1), b inserted (1), a deleted (0); then a replay and a later record of b.
+        let batch = TargetDelta {
+            contributions: vec![of_item(1, "a", 1, Some(1)), of_item(2, "b", 1, Some(1)), of_item(3, "a", -1, None)],
+            ..Default::default()
+        };
+        let s = write_target(&store, &names, &key(), &batch, &ctx).await.unwrap();
+        assert_eq!((s.applied_records, s.held, s.holds_ended), (3, 1, 0), "{s:?}");
+        assert_eq!(store.item(&["CUST#c1", "PROFILE"]).unwrap()["n"], MemValue::Num(Decimal::from_i64(1)));
+        assert_eq!(text(&store, &ledger.hold_attribute()), Some(hold.clone()), "the hold stays for its owner");
+        assert_eq!(text(&store, &hold::log_name(&ledger, "h1", "a")).as_deref(), Some("[]"), "a's last record deleted it");
+        assert_eq!(text(&store, &hold::log_name(&ledger, "h1", "b")).as_deref(), Some(r#"[["n","1"]]"#));
+        // Records 2..4: 2 and 3 are applied already, so only 4 (b's update to 5) is logged.
+        let more = TargetDelta {
+            contributions: vec![of_item(2, "b", 1, Some(1)), of_item(3, "a", -1, None), of_item(4, "b", 4, Some(5))],
+            ..Default::default()
+        };
+        let s = write_target(&store, &names, &key(), &more, &ctx).await.unwrap();
+        assert_eq!((s.applied_records, s.skipped_records), (1, 2), "{s:?}");
+        assert_eq!(text(&store, &hold::log_name(&ledger, "h1", "b")).as_deref(), Some(r#"[["n","5"]]"#));
+        assert_eq!(store.item(&["CUST#c1", "PROFILE"]).unwrap()["n"], MemValue::Num(Decimal::from_i64(5)));
+        // A record without an item id cannot be logged: the write ends the hold instead.
+        let unknown = TargetDelta { contributions: vec![contribution(5, "n")], ..Default::default() };
+        let s = write_target(&store, &names, &key(), &unknown, &ctx).await.unwrap();
+        assert_eq!((s.applied_records, s.holds_ended), (1, 1), "{s:?}");
+        let item = store.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert!(item.keys().all(|k| !k.starts_with("_agghold") && !k.starts_with("_agglog")), "{item:?}");
+        assert_eq!(item["n"], MemValue::Num(Decimal::from_i64(6)));
+    }
+
+    #[tokio::test]
+    async fn a_write_over_an_expired_hold_removes_it_and_its_log() {
+        let store = MemoryAggregates::new();
+        let ledger = Ledger::new("t");
+        let ctx = ShardContext::new(&ledger, "shardId-00000001700000000001-aaaaaaaa");
+        store.put(&["CUST#c1", "PROFILE"], &ledger.hold_attribute(), MemValue::Str(hold::hold_value("h1", 1)));
+        store.put(&["CUST#c1", "PROFILE"], &hold::log_name(&ledger, "h1", "z"), MemValue::Str("[]".into()));
+        let batch = TargetDelta { contributions: vec![of_item(1, "a", 1, Some(1))], ..Default::default() };
+        let s = write_target(&store, &["PK".to_string(), "SK".to_string()], &key(), &batch, &ctx).await.unwrap();
+        assert_eq!((s.applied_records, s.held, s.holds_ended), (1, 1, 1), "{s:?}");
+        let item = store.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert!(item.keys().all(|k| !k.starts_with("_agghold") && !k.starts_with("_agglog")), "{item:?}");
+        // The largest logging write fits one expression.
+        let seen = hold::HoldSeen { value: hold::hold_value("h1", u64::MAX), logs: vec![] };
+        let logs: Vec<_> =
+            (0..hold::MAX_LOGS).map(|i| (std::sync::Arc::from(format!("{i:032x}")), vec![("n".to_string(), Decimal::ONE)])).collect();
+        let w = LedgerWrite {
+            key: vec![("PK".into(), "CUST#c1".into()), ("SK".into(), "PROFILE".into())],
+            adds: (0..20).map(|i| (format!("m{i}"), Decimal::ONE)).collect(),
+            ledger: ledger.clone(),
+            entry_name: ctx.entry_name.clone(),
+            named_entry: ctx.named_entry.clone(),
+            legacy_entry: ctx.legacy_entry.clone(),
+            version_attribute: ctx.version_attribute.clone(),
+            measures_attribute: ctx.measures_attribute.clone(),
+            entry_value: ledger::encode_sequence("1").unwrap(),
+            first: ledger::pad_sequence("1").unwrap(),
+            fence: ctx.fence.clone(),
+            prune: None,
+            hold: hold::decide(&seen, 0, &ledger, &logs, false),
+        };
+        assert!(matches!(w.hold, HoldWrite::Log { .. }));
+        assert!(ledger::expressions(&w).longest() <= ledger::MAX_EXPRESSION_BYTES, "{}", ledger::expressions(&w).longest());
     }
 
     #[tokio::test]

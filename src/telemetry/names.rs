@@ -229,6 +229,9 @@ label_values! {
         Stale => "stale",
         /// Refused by the floor: the shard's entries may be pruned.
         Fenced => "fenced",
+        /// Refused because reconcile placed, replaced or removed a hold on the target: redone
+        /// for the hold (logging under it, or ending an expired one).
+        Held => "held",
         /// Refused for good (a ValidationException): the records are dead-lettered.
         Rejected => "rejected",
         /// Failed and retried.
@@ -293,7 +296,7 @@ mod label_tests {
             .chain(Phase::ALL.iter().map(|v| v.as_str()))
             .collect();
         assert!(all.iter().all(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')), "{all:?}");
-        assert_eq!(WriteOutcome::ALL.len(), 5);
+        assert_eq!(WriteOutcome::ALL.len(), 6);
         assert_eq!(ReadOutcome::ALL.len(), 6);
     }
 }

@@ -889,9 +889,10 @@ pub fn by_record(delta: &TargetDelta) -> Vec<TargetDelta> {
 }
 
 fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {
-    // A fenced write is also a failed condition: count it once, as fenced.
-    let stale = stats.stale.saturating_sub(u64::from(stats.fenced));
+    // Fenced and held writes are also failed conditions: count each once, as what it was.
+    let stale = stats.stale.saturating_sub(u64::from(stats.fenced)).saturating_sub(stats.held);
     metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Fenced.as_str()).increment(u64::from(stats.fenced));
+    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Held.as_str()).increment(stats.held);
     metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Stale.as_str()).increment(stale);
     metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Applied.as_str())
         .increment(stats.calls.saturating_sub(stats.stale));
