@@ -396,6 +396,9 @@ fn reconcile(path: &Path, cli: ReconcileCli) -> anyhow::Result<()> {
         // Drifted targets are fenced by their correction; the service's requested repair
         // fences the rest (a nightly --all CronJob would rewrite every quiet item).
         fence_all: false,
+        // A hand-run reconcile does not read which storage protocol is committed, so it never
+        // holds a target (an older replica would not honour the hold).
+        holds: false,
     };
     // Bad input is refused before any request.
     ddb_aggregator::reconcile::check(&config, &opts).map_err(|e| bad(e.to_string()))?;

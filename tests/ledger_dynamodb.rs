@@ -197,3 +197,65 @@ async fn writes_log_under_a_live_hold_and_end_an_expired_one_on_dynamodb_local()
     assert_eq!(item["revenue"].as_n().unwrap(), "25");
     assert!(item.keys().all(|k| !k.starts_with("_agghold") && !k.starts_with("_agglog")), "{:?}", item.keys().collect::<Vec<_>>());
 }
+
+/// Reconcile's side of a hold on DynamoDB Local: placed once (a second placement is refused
+/// while it stands), read back with what a write logged under it, and ended by the correction
+/// conditioned on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_places_reads_and_ends_a_hold_on_dynamodb_local() {
+    use ddb_aggregator::reconcile::protocol::{Correction, Placement, Release, TargetStore};
+    let c = client().await;
+    let (source, aggregates) = (unique("hold-src"), unique("hold-aggs"));
+    create_source_table(&c, &source).await;
+    create_source_table(&c, &aggregates).await;
+    let yaml = format!(
+        "source: {{ table: {source} }}\nstate: {{ table: unused-state }}\naggregates: {{ table: {aggregates}, ledger_namespace: dep1 }}\nrules:\n  - name: daily\n    source_key: {{ PK: \"CUST#{{customer}}\", SK: \"ORDER#{{date}}#{{order}}\" }}\n    target: {{ PK: \"SALES#{{date}}\", SK: TOTAL }}\n    measures:\n      revenue: {{ sum: total }}\n"
+    );
+    let config = ddb_aggregator::config::Config::from_yaml(&yaml, Vec::<(String, String)>::new()).unwrap();
+    let creds = aws_sdk_dynamodb::config::Credentials::new("local", "local", None, None, "tests");
+    let sdk = aws_config::SdkConfig::builder()
+        .behavior_version(aws_config::BehaviorVersion::latest())
+        .region(aws_config::Region::new("us-east-1"))
+        .endpoint_url(endpoint())
+        .credentials_provider(aws_sdk_dynamodb::config::SharedCredentialsProvider::new(creds))
+        .build();
+    let reconciler = ddb_aggregator::reconcile::Reconciler::new(&sdk, config).await.unwrap();
+    let store = DynamoDbAggregates::new(c.clone(), aggregates.clone());
+    let names = vec!["PK".to_string(), "SK".to_string()];
+    let key = TargetKey(vec![Box::from("SALES#2026-12-04"), Box::from("TOTAL")].into_boxed_slice());
+    let ctx = ShardContext::new(&Ledger::new("dep1"), "shardId-00000001700000000001-aaaaaaaa");
+    let order = |seq: u64, item: &str, amount: i64| Contribution {
+        sequence: Some(format!("{seq:021}")),
+        values: vec![("revenue".into(), Decimal::from_i64(amount))],
+        item: Some(Arc::from(item)),
+        after: vec![("revenue".to_string(), Decimal::from_i64(amount))],
+        ..Default::default()
+    };
+    let write = |cs: Vec<Contribution>| TargetDelta { contributions: cs, ..Default::default() };
+    write_target(&store, &names, &key, &write(vec![order(1, "o1", 10)]), &ctx).await.unwrap();
+    let value = hold::hold_value("r1", now_ms() + 600_000);
+    let place = |seen: Option<String>| Placement { value: value.clone(), seen, stale: vec![] };
+    assert!(reconciler.hold(&key, &place(None)).await.unwrap());
+    assert!(!reconciler.hold(&key, &place(None)).await.unwrap(), "a standing hold is not replaced");
+    let absent = TargetKey(vec![Box::from("SALES#1999-01-01"), Box::from("TOTAL")].into_boxed_slice());
+    assert!(!reconciler.hold(&absent, &place(None)).await.unwrap(), "no hold on an item this deployment never wrote");
+    write_target(&store, &names, &key, &write(vec![order(2, "o2", 7)]), &ctx).await.unwrap();
+    let item = reconciler.read(&key).await.unwrap();
+    assert_eq!(item.hold.as_deref(), Some(value.as_str()));
+    let logs: Vec<(&String, &String)> = item.logs.iter().collect();
+    assert_eq!(logs, [(&"_agglog:dep1:r1:o2".to_string(), &r#"[["revenue","7"]]"#.to_string())]);
+    // The correction ends the hold with its logs; conditioned on it, a second one is refused.
+    let release = Release { hold: value.clone(), logs: item.logs.keys().cloned().collect() };
+    let fix = Correction {
+        seen_version: item.version.clone(),
+        set: vec![("revenue".into(), Decimal::from_i64(17))],
+        fence: None,
+        expect: vec![],
+        release: Some(release),
+    };
+    assert!(reconciler.correct(&key, &fix).await.unwrap());
+    let after = reconciler.read(&key).await.unwrap();
+    assert!(after.hold.is_none() && after.logs.is_empty(), "{after:?}");
+    let again = Correction { seen_version: after.version.clone(), ..fix };
+    assert!(!reconciler.correct(&key, &again).await.unwrap(), "the hold is gone");
+}

@@ -14,7 +14,7 @@ use std::time::Duration;
 use ddb_aggregator::config::Config;
 use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::reconcile::memory::{MemorySources, MemoryTargets};
-use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, Removal, SourceItems, TargetItem, TargetStore};
+use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, Placement, Removal, SourceItems, TargetItem, TargetStore};
 use ddb_aggregator::reconcile::truth::Truth;
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Coalescer, Engine, Rule, TargetKey};
@@ -81,6 +81,8 @@ struct World {
     kill_next: bool,
     violations: Vec<String>,
     corrections: u64,
+    /// Corrections that set values under a hold.
+    held_corrections: u64,
 }
 
 struct Harness {
@@ -115,6 +117,7 @@ impl Harness {
                 kill_next: false,
                 violations: Vec::new(),
                 corrections: 0,
+                held_corrections: 0,
             }),
         };
         // A user's attributes next to the counters, with names `orders_{status}` could form.
@@ -302,6 +305,7 @@ impl TargetStore for Harness {
         let twin = self.twin.item(&parts).unwrap_or_default();
         let mut w = self.world();
         w.corrections += 1;
+        w.held_corrections += u64::from(c.release.is_some() && !c.set.is_empty());
         for (attr, v) in &c.set {
             let right = match twin.get(attr) {
                 Some(MemValue::Num(n)) => *n,
@@ -328,6 +332,11 @@ impl TargetStore for Harness {
         self.step().await?;
         self.targets().remove(key, r).await
     }
+
+    async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
+        self.step().await?;
+        self.targets().hold(key, p).await
+    }
 }
 
 impl SourceItems for Harness {
@@ -352,9 +361,10 @@ impl Consumer for Harness {
     }
 }
 
-/// Runs reconcile rounds (`--customer cN` or `--all`, in turn) until the script is played.
-async fn play(h: &Harness, picks: &[u8]) -> Report {
-    let opts = Options { attempts: 2, ..Options::default() };
+/// Runs reconcile rounds (`--customer cN` or `--all`, in turn) until the script is played;
+/// `holds`: targets still changing after the rounds are corrected under a hold.
+async fn play(h: &Harness, picks: &[u8], holds: bool) -> Report {
+    let opts = Options { attempts: 2, holds, ..Options::default() };
     let mut report = Report::default();
     for round in 0..200 {
         if h.world().script.is_empty() {
@@ -377,15 +387,16 @@ async fn play(h: &Harness, picks: &[u8]) -> Report {
     report
 }
 
-fn run_case(script: Vec<Action>, picks: Vec<u8>) -> Result<(u64, usize), TestCaseError> {
+/// (corrections, corrections under a hold, drifts of the final reconcile)
+fn run_case(script: Vec<Action>, picks: Vec<u8>, holds: bool) -> Result<(u64, u64, usize), TestCaseError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
     rt.block_on(async {
         ddb_aggregator::state::simulate_clock(Some(EPOCH_MS));
         let h = Harness::new(script);
-        play(&h, &picks).await;
-        let (violations, corrections) = {
+        play(&h, &picks, holds).await;
+        let (violations, corrections, held) = {
             let w = h.world();
-            (w.violations.clone(), w.corrections)
+            (w.violations.clone(), w.corrections, w.held_corrections)
         };
         prop_assert!(violations.is_empty(), "reconcile changed right values: {:?}", violations);
         // Quiet: every record applied; one more reconcile of everything fixes what is left.
@@ -405,7 +416,7 @@ fn run_case(script: Vec<Action>, picks: Vec<u8>) -> Result<(u64, usize), TestCas
         let note = h.main.item(&["CUST#c0", "PROFILE"]).and_then(|i| i.get("orders_note").cloned());
         prop_assert_eq!(note, Some(MemValue::Str("vip".into())));
         ddb_aggregator::state::simulate_clock(None);
-        Ok((corrections, report.drifts.len()))
+        Ok((corrections, held, report.drifts.len()))
     })
 }
 
@@ -417,7 +428,15 @@ proptest! {
         script in prop::collection::vec(action(), 1..80),
         picks in prop::collection::vec(any::<u8>(), 0..40),
     ) {
-        run_case(script, picks)?;
+        run_case(script, picks, false)?;
+    }
+
+    #[test]
+    fn under_holds_reconcile_never_corrects_a_right_value_and_fixes_every_wrong_one_once_quiet(
+        script in prop::collection::vec(action(), 1..80),
+        picks in prop::collection::vec(any::<u8>(), 0..40),
+    ) {
+        run_case(script, picks, true)?;
     }
 }
 
@@ -429,9 +448,13 @@ fn interleaved_runs_do_correct_drift() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = (prop::collection::vec(action(), 40..80), prop::collection::vec(any::<u8>(), 10..40));
     let mut corrections = 0;
-    for _ in 0..50 {
+    let mut held = 0;
+    for i in 0..100 {
         let (script, picks) = strategy.new_tree(&mut runner).unwrap().current();
-        corrections += run_case(script, picks).unwrap().0;
+        let (c, h, _) = run_case(script, picks, i % 2 == 1).unwrap();
+        corrections += c;
+        held += h;
     }
-    assert!(corrections >= 10, "only {corrections} corrections in 50 runs");
+    assert!(corrections >= 20, "only {corrections} corrections in 100 runs");
+    assert!(held >= 5, "only {held} corrections under a hold in 50 runs with holds");
 }

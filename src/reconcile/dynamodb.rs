@@ -16,7 +16,7 @@ use tracing::info;
 
 use super::budget::{self, ReadBudget};
 use super::caught_up;
-use super::protocol::{self, Applied, Consumer, Correction, Removal, SourceItems, TargetItem, TargetStore};
+use super::protocol::{self, Applied, Consumer, Correction, Placement, Removal, SourceItems, TargetItem, TargetStore};
 use super::report::{Report, Stored};
 use super::truth::{is_target, target_for, Truth};
 use super::{check, refusal, Options, ReconcileError};
@@ -197,6 +197,13 @@ impl Reconciler {
         }
         t.floor = item.get(&self.ledger.floor_attribute()).and_then(|v| v.as_s().ok()).cloned();
         t.shared = item.keys().any(|k| k.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) && !self.ledger.is_own(k));
+        t.hold = item.get(&self.ledger.hold_attribute()).and_then(|v| v.as_s().ok()).cloned();
+        let log_prefix = self.ledger.log_prefix();
+        t.logs = item
+            .iter()
+            .filter(|(k, _)| k.starts_with(&log_prefix))
+            .filter_map(|(k, v)| Some((k.clone(), v.as_s().ok()?.clone())))
+            .collect();
         let keys = &self.config.engine.key_names;
         for (k, v) in item.iter().filter(|(k, _)| !k.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) && !keys.contains(k)) {
             let stored = match v {
@@ -540,8 +547,23 @@ impl TargetStore for Reconciler {
                 None => req.condition_expression("attribute_not_exists(#v)"),
             }
         };
+        let mut removes = Vec::new();
+        if let Some(r) = &c.release {
+            // A held target's correction: only while its hold stands, which it ends.
+            removes.push("#h".to_string());
+            req = req
+                .expression_attribute_names("#h", self.ledger.hold_attribute())
+                .expression_attribute_values(":h", AttributeValue::S(r.hold.clone()));
+            for (i, name) in r.logs.iter().enumerate() {
+                removes.push(format!("#z{i}"));
+                req = req.expression_attribute_names(format!("#z{i}"), name);
+            }
+            let condition = req.get_condition_expression().clone().unwrap_or_default();
+            req = req.condition_expression(format!("({condition}) AND #h = :h"));
+        }
         let set = if sets.is_empty() { String::new() } else { format!("SET {} ", sets.join(", ")) };
-        match req.update_expression(format!("{set}ADD {}", adds.join(", "))).send().await {
+        let remove = if removes.is_empty() { String::new() } else { format!(" REMOVE {}", removes.join(", ")) };
+        match req.update_expression(format!("{set}ADD {}{remove}", adds.join(", "))).send().await {
             Ok(_) => Ok(true),
             Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
             Err(e) => Err(ReconcileError::Aws(format!("correcting {:?}: {}", key.0, classify(&e)))),
@@ -647,6 +669,36 @@ impl TargetStore for Reconciler {
             Ok(()) => Ok(true),
             Err((true, _)) => Ok(false),
             Err((false, e)) => Err(ReconcileError::Aws(format!("removing leftovers of {:?}: {e}", key.0))),
+        }
+    }
+
+    async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
+        let mut req = self
+            .ddb
+            .update_item()
+            .table_name(&self.config.aggregates_table)
+            .expression_attribute_names("#v", self.ledger.version_attribute())
+            .expression_attribute_names("#h", self.ledger.hold_attribute())
+            .expression_attribute_values(":h", AttributeValue::S(p.value.clone()));
+        for (k, v) in self.key_of(key) {
+            req = req.key(k, v);
+        }
+        req = match &p.seen {
+            Some(seen) => req
+                .condition_expression("attribute_exists(#v) AND #h = :seen")
+                .expression_attribute_values(":seen", AttributeValue::S(seen.clone())),
+            None => req.condition_expression("attribute_exists(#v) AND attribute_not_exists(#h)"),
+        };
+        let mut removes = Vec::new();
+        for (i, name) in p.stale.iter().enumerate() {
+            removes.push(format!("#z{i}"));
+            req = req.expression_attribute_names(format!("#z{i}"), name);
+        }
+        let remove = if removes.is_empty() { String::new() } else { format!(" REMOVE {}", removes.join(", ")) };
+        match req.update_expression(format!("SET #h = :h{remove}")).send().await {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
+            Err(e) => Err(ReconcileError::Aws(format!("placing a hold on {:?}: {}", key.0, classify(&e)))),
         }
     }
 }

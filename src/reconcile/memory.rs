@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use serde_json::{Map, Value};
 
-use super::protocol::{Correction, Removal, SourceItems, TargetItem, TargetStore};
+use super::protocol::{Correction, Placement, Removal, SourceItems, TargetItem, TargetStore};
 use super::report::Stored;
 use super::truth::{is_target, Truth};
 use super::{Options, ReconcileError};
@@ -42,6 +42,14 @@ impl MemoryTargets<'_> {
                 if let MemValue::Str(f) = v {
                     t.floor = Some(f);
                 }
+            } else if name == self.ledger.hold_attribute() {
+                if let MemValue::Str(h) = v {
+                    t.hold = Some(h);
+                }
+            } else if name.starts_with(&self.ledger.log_prefix()) {
+                if let MemValue::Str(l) = v {
+                    t.logs.insert(name, l);
+                }
             } else if name.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) {
                 t.shared |= !self.ledger.is_own(&name);
             } else {
@@ -75,15 +83,25 @@ impl TargetStore for MemoryTargets<'_> {
     }
 
     async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
-        let (version, measures) = (self.ledger.version_attribute(), self.ledger.measures_attribute());
+        let (version, measures, hold) = (self.ledger.version_attribute(), self.ledger.measures_attribute(), self.ledger.hold_attribute());
         let fence = c.fence.as_ref().map(|f| [(self.ledger.floor_attribute(), f.clone()), (self.ledger.open_attribute(), ",".to_string())]);
         Ok(self.store.correct_if(
             &key_of(key),
             (&version, &measures),
-            crate::sink::memory::Guard { seen: c.seen_version.as_deref(), expect: &c.expect },
+            crate::sink::memory::Guard {
+                seen: c.seen_version.as_deref(),
+                expect: &c.expect,
+                hold: c.release.as_ref().map(|r| (hold.as_str(), r.hold.as_str())),
+            },
             &c.set,
             fence.as_ref().map_or(&[][..], |f| &f[..]),
+            c.release.as_ref().map_or(&[][..], |r| &r.logs[..]),
         ))
+    }
+
+    async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
+        let attributes = (self.ledger.version_attribute(), self.ledger.hold_attribute());
+        Ok(self.store.hold_if(&key_of(key), (&attributes.0, &attributes.1), p.seen.as_deref(), &p.value, &p.stale))
     }
 
     async fn helpers(&self, rule: &Rule, owner: &TargetKey) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {

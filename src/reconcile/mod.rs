@@ -10,6 +10,7 @@
 pub mod budget;
 pub mod caught_up;
 pub mod dynamodb;
+pub mod hold;
 pub mod memory;
 pub mod protocol;
 pub mod rebuild;
@@ -90,6 +91,9 @@ pub struct Options {
     /// changed, and a reader of the old one may still write). Drifted targets are fenced by
     /// their correction either way.
     pub fence_all: bool,
+    /// Correct targets still changing after `attempts` rounds under a hold
+    /// ([`hold`]); only where every writer honours holds (storage protocol 3 committed).
+    pub holds: bool,
 }
 
 impl Default for Options {
@@ -106,6 +110,7 @@ impl Default for Options {
             attempts: 3,
             progress: false,
             fence_all: false,
+            holds: false,
         }
     }
 }

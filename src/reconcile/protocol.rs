@@ -45,6 +45,10 @@ pub struct TargetItem {
     /// The item holds reserved attributes of another deployment (another ledger namespace):
     /// it is never deleted ([`removal`]).
     pub shared: bool,
+    /// This deployment's reconcile hold on the item (`_agghold:<namespace>`), as stored.
+    pub hold: Option<String>,
+    /// This deployment's hold log attributes (`_agglog:<namespace>:...`): name -> value.
+    pub logs: BTreeMap<String, String>,
 }
 
 /// A conditional write that sets attributes to the truth.
@@ -61,6 +65,26 @@ pub struct Correction {
     /// as read: zeroing what an old definition wrote on an item the current rules keep
     /// writing, whose counter moves all the time while those attributes do not ([`retire_rule`]).
     pub expect: Vec<(String, Decimal)>,
+    /// A held target's correction ([`super::hold`]): also conditioned on this hold, and
+    /// removing it and these log attributes.
+    pub release: Option<Release>,
+}
+
+/// The hold a correction is conditioned on and removes, with its log attributes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Release {
+    pub hold: String,
+    pub logs: Vec<String>,
+}
+
+/// Placing a hold ([`super::hold`]): set to `value` if the item carries this deployment's
+/// counter and holds no hold, or still `seen` (an expired one); `stale` log attributes (of
+/// holds that ended without their owner's correction) are removed in the same write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub value: String,
+    pub seen: Option<String>,
+    pub stale: Vec<String>,
 }
 
 /// The aggregates table.
@@ -85,6 +109,9 @@ pub trait TargetStore: Sync {
     /// Removes what [`removal`] says, if its condition still holds; false when the item
     /// changed. No default: a wrapper that forgot it would remove nothing, for ever.
     fn remove(&self, key: &TargetKey, r: &Removal) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
+    /// Places a hold as `p` says; false when the item has no counter of this deployment or
+    /// holds another hold. No default: a wrapper that forgot it would never hold a target.
+    fn hold(&self, key: &TargetKey, p: &Placement) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
 }
 
 /// Removing what an old definition left, once zeroed and past the replay window.
@@ -221,7 +248,7 @@ pub fn corrections(drifts: &[Drift], item: &TargetItem, fence: Option<&str>) -> 
     let mut out = Vec::new();
     for (i, chunk) in set.chunks(MAX_SET_PER_CORRECTION).enumerate() {
         let fence = fence.filter(|_| i == 0).map(str::to_string);
-        out.push(Correction { seen_version: seen.clone(), set: chunk.to_vec(), fence, expect: Vec::new() });
+        out.push(Correction { seen_version: seen.clone(), set: chunk.to_vec(), fence, expect: Vec::new(), release: None });
         let before = seen.as_deref().and_then(|v| Decimal::parse(v).ok()).unwrap_or(Decimal::ZERO);
         seen = before.checked_add(Decimal::from_i64(1)).ok().map(|v| v.to_string());
     }
@@ -261,7 +288,7 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
     let mut pending = requested.map(|keys| keys.iter().map(truth::owner_of).collect::<BTreeSet<_>>());
     for round in 0..opts.attempts.max(1) {
         let before = snapshot(targets, rule, pending.as_ref()).await?;
-        let truth = read_truth(sources, rule, pending.as_ref(), opts).await?;
+        let truth = read_truth(sources, rule, pending.as_ref(), &BTreeSet::new(), opts).await?;
         let truth_done_at = now_ms();
         report.poisons += truth.poisons.len() as u64;
         let applied =
@@ -314,7 +341,13 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
         tracing::info!(rule = %rule.name, targets = changed.len(), round, "targets changed while reconciling; trying them again");
         pending = Some(changed);
     }
-    for key in pending.into_iter().flatten() {
+    let mut left = pending.unwrap_or_default();
+    let with_helpers = rule.measures.iter().any(|m| matches!(m.kind, MeasureKind::Helper(_)));
+    if opts.holds && !opts.dry_run && !with_helpers && !left.is_empty() {
+        // Targets written all the time: correct them under a hold.
+        left = super::hold::hold_round(targets, sources, consumer, rule, left, opts, report).await?;
+    }
+    for key in left {
         report.not_quiet.push((rule.name.to_string(), key));
     }
     Ok(())
@@ -355,7 +388,7 @@ pub async fn retire_rule<T: TargetStore>(targets: &T, old: &Rule, current: &[Rul
         }
         let expect: Vec<(String, Decimal)> = zero.iter().map(|(a, v)| (a.clone(), *v)).collect();
         let set: Vec<(String, Decimal)> = zero.into_iter().map(|(a, _)| (a, Decimal::ZERO)).collect();
-        let c = Correction { seen_version: None, set, fence: None, expect };
+        let c = Correction { seen_version: None, set, fence: None, expect, release: None };
         if targets.correct(key, &c).await? {
             out.zeroed += c.set.len() as u64;
             owners.insert(truth::owner_of(key));
@@ -558,16 +591,18 @@ async fn derive_all<T: TargetStore>(
 }
 
 /// (2) The truth: one query per target for query rules, else one scan.
-async fn read_truth<S: SourceItems>(
+/// `held`: targets whose per-item contributions to keep ([`Truth::by_item`]).
+pub(super) async fn read_truth<S: SourceItems>(
     sources: &S,
     rule: &Rule,
     pending: Option<&BTreeSet<TargetKey>>,
+    held: &BTreeSet<TargetKey>,
     opts: &Options,
 ) -> Result<Truth, ReconcileError> {
     let queries: Option<Vec<(TargetKey, Query)>> =
         pending.and_then(|keys| keys.iter().map(|k| query_for(rule, k).map(|q| (k.clone(), q))).collect());
     let Some(queries) = queries else {
-        let mut truth = Truth::default();
+        let mut truth = Truth { held: held.clone(), ..Truth::default() };
         sources.scan(rule, opts, &mut truth).await?;
         if let Some(keys) = pending {
             truth.values.retain(|k, _| keys.contains(&truth::owner_of(k)));
@@ -576,7 +611,7 @@ async fn read_truth<S: SourceItems>(
     };
     let parts: Vec<Result<(TargetKey, Truth), ReconcileError>> = futures::stream::iter(queries)
         .map(|(key, (pk, sk))| async move {
-            let mut t = Truth::default();
+            let mut t = Truth { held: held.clone(), ..Truth::default() };
             sources.query(rule, &pk, sk.as_deref(), &mut t).await?;
             Ok((key, t))
         })
@@ -591,6 +626,8 @@ async fn read_truth<S: SourceItems>(
         // The target's own values and its helper items'.
         t.values.retain(|k, _| truth::owner_of(k) == key);
         truth.values.append(&mut t.values);
+        t.by_item.retain(|k, _| *k == key);
+        truth.by_item.append(&mut t.by_item);
     }
     Ok(truth)
 }
@@ -622,7 +659,8 @@ async fn compare_and_correct<T: TargetStore>(
         // the write from recreating an item deleted meanwhile.
         let fence_only = fence.filter(|_| opts.fence_all && now.version.is_some() && !opts.dry_run);
         if let Some(fence) = fence_only {
-            let c = Correction { seen_version: now.version.clone(), set: Vec::new(), fence: Some(fence), expect: Vec::new() };
+            let c =
+                Correction { seen_version: now.version.clone(), set: Vec::new(), fence: Some(fence), expect: Vec::new(), release: None };
             if !targets.correct(key, &c).await? {
                 return Ok(Outcome::Changed);
             }
@@ -696,6 +734,7 @@ mod tests {
             written: ["orders".to_string(), "revenue".to_string()].into(),
             floor: None,
             shared: false,
+            ..Default::default()
         };
         assert_eq!(removal(daily, &new, &k, &zeroed), Some(Removal::Item { seen_version: "17".into() }));
         let mut noted = zeroed.clone();
@@ -723,6 +762,7 @@ mod tests {
             written: ["orderCount", "revenue", "spend", "orders_PAID"].iter().map(|s| s.to_string()).collect(),
             floor: None,
             shared: false,
+            ..Default::default()
         };
         assert_eq!(
             removal(customers, &new, &k, &item),
@@ -750,6 +790,7 @@ mod tests {
             written: ["orders_PAID".to_string()].into(),
             floor: None,
             shared: false,
+            ..Default::default()
         };
         let want: BTreeMap<String, Decimal> =
             [("orderCount", "3"), ("revenue", "12.5"), ("orders_SHIPPED", "1")].iter().map(|(a, v)| (a.to_string(), d(v))).collect();
@@ -892,6 +933,9 @@ mod tests {
         }
         async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
             self.inner.remove(key, r).await
+        }
+        async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
+            self.inner.hold(key, p).await
         }
     }
 

@@ -249,8 +249,10 @@ async fn rebuild_one<P: Passes>(
     skipped: &mut Vec<(String, TargetKey)>,
 ) -> bool {
     let name = rule.name.to_string();
-    // One round per pass: a target that changed is retried by the next pass, alone.
-    let opts = Options { wait, attempts: 1, ..Options::default() };
+    // One round per pass: a target that changed is corrected under a hold, or retried by the
+    // next pass, alone. Holds are safe here: rebuilds run only on a replica of the committed
+    // definitions and protocol, which every writing replica then runs too.
+    let opts = Options { wait, attempts: 1, holds: true, ..Options::default() };
     let (run, tries, since) = match progress.left.get(&name) {
         Some((targets, tries, since)) => (reconciler.pass(rule, Some(targets.clone()), &opts).await, *tries, Some(*since)),
         None => {

@@ -67,7 +67,10 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         let touched = std::mem::take(&mut *shared.touched.lock().unwrap_or_else(|e| e.into_inner()));
         // A requested repair also fences the targets it finds right: the request may come
         // from a stream change, with a reader of the old stream still writing.
-        let opts = Options { wait: shared.config.reconcile_wait, fence_all: requested.is_some(), ..Options::default() };
+        // Holds only while this replica runs the committed definitions and protocol (3 or
+        // later): then every replica that writes honours them.
+        let holds = shared.definitions_current.load(std::sync::atomic::Ordering::Acquire);
+        let opts = Options { wait: shared.config.reconcile_wait, fence_all: requested.is_some(), holds, ..Options::default() };
         let mut retry: Vec<(String, crate::rules::TargetKey)> = Vec::new();
         let (mut drifts, mut corrected, mut checked) = (0, 0, 0);
         let mut by_empty_pages = std::collections::BTreeSet::new();

@@ -1,12 +1,13 @@
 //! The truth, computed from the source items themselves (pure): what every target's measure
 //! attributes should hold given the items as they are now.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{json, Map, Value};
 
 use crate::decimal::Decimal;
 use crate::rules::helper::{self, Derive};
+use crate::rules::item::item_id;
 use crate::rules::record::StreamRecord;
 use crate::rules::template::VarValue;
 use crate::rules::{MeasureKind, Poison, Rule, TargetKey};
@@ -21,6 +22,11 @@ pub struct Truth {
     pub items: u64,
     /// Items the rule cannot evaluate (they are in the dead-letter queue or will be).
     pub poisons: Vec<Poison>,
+    /// Held targets ([`super::hold`]): each source item's contribution to them is kept in
+    /// [`Truth::by_item`].
+    pub held: BTreeSet<TargetKey>,
+    /// Per held target, each source item's contribution, by its id ([`item_id`]).
+    pub by_item: BTreeMap<TargetKey, super::hold::ByItem>,
 }
 
 impl Truth {
@@ -41,6 +47,11 @@ impl Truth {
         let Ok(decoded) = StreamRecord::decode(&record) else { return };
         match rule.deltas(&decoded) {
             Ok(deltas) => {
+                let held = deltas.iter().filter(|(t, _)| self.held.contains(t));
+                for (target, values) in held {
+                    let id = item_id(&rule.name, decoded.keys);
+                    self.by_item.entry(target.clone()).or_default().insert(id, values.clone());
+                }
                 for (target, values) in deltas {
                     let entry = self.values.entry(target).or_default();
                     for (name, v) in values {

@@ -75,8 +75,14 @@ impl AggregateStore for DynamoDbAggregates {
                         compact,
                         [get(&w.named_entry), get(&w.legacy_entry)].map(|v| v.and_then(|v| v.as_s().ok()).map(String::as_str)),
                     );
+                    let hold_attribute = w.ledger.hold_attribute();
+                    if get(&hold_attribute).is_some_and(|v| v.as_s().is_err()) {
+                        return Err(SinkError::Fatal(format!(
+                            "{hold_attribute} on this item is not a string: only ddb-aggregator may write it; remove it"
+                        )));
+                    }
                     let log_prefix = w.ledger.log_prefix();
-                    let hold = text(&w.ledger.hold_attribute()).map(|value| HoldSeen {
+                    let hold = text(&hold_attribute).map(|value| HoldSeen {
                         value,
                         logs: c.item().map(|i| i.keys().filter(|k| k.starts_with(&log_prefix)).cloned().collect()).unwrap_or_default(),
                     });

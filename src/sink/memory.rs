@@ -126,9 +126,16 @@ impl MemoryAggregates {
         guard: Guard<'_>,
         set: &[(String, Decimal)],
         texts: &[(String, String)],
+        remove: &[String],
     ) -> bool {
-        let Guard { seen, expect } = guard;
+        let Guard { seen, expect, hold } = guard;
         let mut s = self.lock();
+        if let Some((attribute, value)) = hold {
+            let held = matches!(s.items.get(key).and_then(|i| i.get(attribute)), Some(MemValue::Str(h)) if h == value);
+            if !held {
+                return false;
+            }
+        }
         let version = match s.items.get(key).and_then(|i| i.get(version_attribute)) {
             Some(MemValue::Num(n)) => Some(*n),
             _ => None,
@@ -148,6 +155,12 @@ impl MemoryAggregates {
         for (name, v) in set {
             item.insert(name.clone(), MemValue::Num(*v));
         }
+        if let Some((attribute, _)) = hold {
+            item.remove(attribute);
+        }
+        for name in remove {
+            item.remove(name);
+        }
         for (name, v) in texts {
             item.insert(name.clone(), MemValue::Str(v.clone()));
         }
@@ -159,6 +172,33 @@ impl MemoryAggregates {
         };
         written.extend(set.iter().map(|(n, _)| n.clone()));
         item.insert(measures_attribute.to_string(), MemValue::Set(written));
+        true
+    }
+
+    /// Places a reconcile hold: sets `hold_attribute` to `value` and removes `stale`, if the
+    /// item carries the counter `version_attribute` and holds no hold or still `seen`.
+    pub fn hold_if(
+        &self,
+        key: &[String],
+        (version_attribute, hold_attribute): (&str, &str),
+        seen: Option<&str>,
+        value: &str,
+        stale: &[String],
+    ) -> bool {
+        let mut s = self.lock();
+        let Some(item) = s.items.get_mut(key) else { return false };
+        let current = match item.get(hold_attribute) {
+            Some(MemValue::Str(h)) => Some(h.as_str()),
+            Some(_) => return false,
+            None => None,
+        };
+        if !item.contains_key(version_attribute) || current != seen {
+            return false;
+        }
+        item.insert(hold_attribute.to_string(), MemValue::Str(value.to_string()));
+        for name in stale {
+            item.remove(name);
+        }
         true
     }
 
@@ -292,6 +332,9 @@ impl AggregateStore for MemoryAggregates {
         let fence_ok = w.fence.as_ref().is_none_or(|f| admits(floor.as_deref(), open.as_deref(), &f.mine, &f.tokens));
         let cas_ok = w.prune.as_ref().is_none_or(|p| p.seen_floor == floor && p.seen_open == open);
         let hold_attr = w.ledger.hold_attribute();
+        if item.get(&hold_attr).is_some_and(|v| !matches!(v, MemValue::Str(_))) {
+            return Err(SinkError::Fatal(format!("{hold_attr} on this item is not a string: only ddb-aggregator may write it; remove it")));
+        }
         let hold = text(item.get(&hold_attr));
         let hold_ok = hold.as_deref() == w.hold.seen();
         if !(entry_ok && fence_ok && cas_ok && hold_ok) {
@@ -478,4 +521,6 @@ fn successor(prefix: &str) -> Option<String> {
 pub struct Guard<'a> {
     pub seen: Option<&'a str>,
     pub expect: &'a [(String, Decimal)],
+    /// (hold attribute, value): the item must still hold this hold, which the write removes.
+    pub hold: Option<(&'a str, &'a str)>,
 }

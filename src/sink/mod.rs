@@ -254,6 +254,8 @@ pub async fn write_target_pruning<S: AggregateStore>(
     let mut applied: Option<String> = None;
     // The reconcile hold the item was last seen holding ([`hold`]).
     let mut held: Option<HoldSeen> = None;
+    // A logging write was refused as invalid: the next one ends the hold.
+    let mut end_hold = false;
     let mut transient = 0;
     let total_records = delta.contributions.len() as u64;
     // Each stale round raises `applied` strictly or drops the pruning, so this ends; the
@@ -266,6 +268,9 @@ pub async fn write_target_pruning<S: AggregateStore>(
         };
         let hold = match &held {
             None => HoldWrite::Absent,
+            Some(h) if end_hold => {
+                HoldWrite::Clear { seen: h.value.clone(), remove: h.logs.iter().take(hold::MAX_LOGS).cloned().collect() }
+            }
             Some(h) => hold::decide(h, crate::state::now_ms(), &shard.ledger, &p.logs, p.unidentified),
         };
         let write = LedgerWrite {
@@ -298,6 +303,8 @@ pub async fn write_target_pruning<S: AggregateStore>(
                 split.add(&rest);
                 split.throttled += stats.throttled;
                 split.held += stats.held;
+                split.stale += stats.stale;
+                split.calls += stats.calls;
                 split.skipped_records = total_records.saturating_sub(split.applied_records);
                 return Ok(split);
             }
@@ -362,6 +369,11 @@ pub async fn write_target_pruning<S: AggregateStore>(
                 transient += 1;
                 stats.throttled += u64::from(matches!(e, SinkError::Throttled(_)));
                 tokio::time::sleep(backoff(transient)).await;
+            }
+            Err(SinkError::Invalid(_)) if matches!(write.hold, HoldWrite::Log { .. }) => {
+                // The logs made the write invalid (the item would pass 400 KB): end the hold
+                // instead of refusing the records.
+                end_hold = true;
             }
             Err(e) => return Err(e),
         }

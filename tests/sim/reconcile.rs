@@ -8,7 +8,7 @@ use std::time::Duration;
 use ddb_aggregator::config::Config;
 use ddb_aggregator::reconcile::caught_up;
 use ddb_aggregator::reconcile::memory::{MemorySources, MemoryTargets};
-use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, Removal, TargetItem, TargetStore};
+use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, Placement, Removal, TargetItem, TargetStore};
 use ddb_aggregator::reconcile::{Options, ReconcileError, Report};
 use ddb_aggregator::rules::{Rule, TargetKey};
 use ddb_aggregator::sink::derive::DeriveTarget;
@@ -53,6 +53,10 @@ impl TargetStore for SimTargets {
 
     async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
         self.view().remove(key, r).await
+    }
+
+    async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
+        self.view().hold(key, p).await
     }
 }
 
