@@ -258,4 +258,35 @@ async fn reconcile_places_reads_and_ends_a_hold_on_dynamodb_local() {
     assert!(after.hold.is_none() && after.logs.is_empty(), "{after:?}");
     let again = Correction { seen_version: after.version.clone(), ..fix };
     assert!(!reconciler.correct(&key, &again).await.unwrap(), "the hold is gone");
+    // An expired hold and a stale log of it: replaced, the log removed in the same write.
+    let (old, stale) = (hold::hold_value("r0", 1), "_agglog:dep1:r0:x".to_string());
+    c.update_item()
+        .table_name(&aggregates)
+        .key("PK", AttributeValue::S("SALES#2026-12-04".into()))
+        .key("SK", AttributeValue::S("TOTAL".into()))
+        .update_expression("SET #h = :h, #l = :l")
+        .expression_attribute_names("#h", "_agghold:dep1")
+        .expression_attribute_names("#l", &stale)
+        .expression_attribute_values(":h", AttributeValue::S(old.clone()))
+        .expression_attribute_values(":l", AttributeValue::S("[]".into()))
+        .send()
+        .await
+        .unwrap();
+    let newer = hold::hold_value("r2", now_ms() + 600_000);
+    let replace = Placement { value: newer.clone(), seen: Some(old), stale: vec![stale] };
+    assert!(reconciler.hold(&key, &replace).await.unwrap());
+    let item = reconciler.read(&key).await.unwrap();
+    assert!(item.hold.as_deref() == Some(newer.as_str()) && item.logs.is_empty(), "{item:?}");
+    // Nothing drifted: the write that ends the hold raises the floor too.
+    let end = Correction {
+        seen_version: item.version.clone(),
+        set: vec![],
+        fence: Some(floor_value(1_700_000_000_000)),
+        expect: vec![],
+        release: Some(Release { hold: newer, logs: vec![] }),
+    };
+    assert!(reconciler.correct(&key, &end).await.unwrap());
+    let item = get(&c, &aggregates, "SALES#2026-12-04", "TOTAL").await;
+    assert!(!item.contains_key("_agghold:dep1"));
+    assert_eq!(item["_aggfloor:dep1"].as_s().unwrap(), &floor_value(1_700_000_000_000));
 }

@@ -59,6 +59,8 @@ enum Action {
     /// The next call of the running reconcile fails (the process is killed).
     KillReconcile,
     Tick,
+    /// A long pause (a slow reconcile): a hold of the round may expire meanwhile.
+    Pause,
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -69,6 +71,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (0..6u8, 0..4u8, -50..50i16).prop_map(|(target, attribute, value)| Action::Drift { target, attribute, value }),
         1 => Just(Action::KillReconcile),
         2 => Just(Action::Tick),
+        1 => Just(Action::Pause),
     ]
 }
 
@@ -200,6 +203,7 @@ impl Harness {
             }
             Action::KillReconcile => self.world().kill_next = true,
             Action::Tick => tokio::time::advance(Duration::from_millis(700)).await,
+            Action::Pause => tokio::time::advance(Duration::from_secs(50)).await,
         }
     }
 
@@ -364,7 +368,8 @@ impl Consumer for Harness {
 /// Runs reconcile rounds (`--customer cN` or `--all`, in turn) until the script is played;
 /// `holds`: targets still changing after the rounds are corrected under a hold.
 async fn play(h: &Harness, picks: &[u8], holds: bool) -> Report {
-    let opts = Options { attempts: 2, holds, ..Options::default() };
+    // A short wait: holds live 61 s, so the script's pauses let some expire mid-round.
+    let opts = Options { attempts: 2, holds, wait: Duration::from_secs(1), ..Options::default() };
     let mut report = Report::default();
     for round in 0..200 {
         if h.world().script.is_empty() {

@@ -33,10 +33,13 @@ use crate::telemetry::names;
 /// Reads and corrections of one held target before it is given up (each a few milliseconds
 /// apart, against writes a second or more apart).
 pub const ATTEMPTS: usize = 10;
-/// How long a hold outlives the wait for the readers: the truth read (a scan of the source
-/// table when the rule has no query per target), the reads and corrections after it. A hold
-/// that expires first is ended by the next write, and its target is reported as not quiet.
-pub const SLACK_MS: u64 = 300_000;
+/// How long a hold outlives the wait for the readers: the truth read, the reads and
+/// corrections after it. A hold that expires first is ended by the next write, and its target
+/// is reported as not quiet. A round that gives up marks its holds expired at once.
+pub const SLACK_MS: u64 = 60_000;
+/// Log attributes a correction removes at most (writers keep an item at [`writers::MAX_LOGS`],
+/// concurrent ones may pass it a little): with more, the target is given up.
+pub const MAX_RELEASED_LOGS: usize = 2 * writers::MAX_LOGS;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HoldError {
@@ -94,10 +97,12 @@ pub fn held_corrections(
     let release = Release { hold: hold.to_string(), logs: item.logs.keys().cloned().collect() };
     match writes.last_mut() {
         Some(last) => last.release = Some(release),
+        // Nothing drifted: the write that ends the hold also fences (a requested repair fences
+        // every target it compares, and this one costs no extra write).
         None => writes.push(Correction {
             seen_version: item.version.clone(),
             set: Vec::new(),
-            fence: None,
+            fence: fence.map(str::to_string),
             expect: Vec::new(),
             release: Some(release),
         }),
@@ -107,7 +112,8 @@ pub fn held_corrections(
     (found, writes)
 }
 
-/// One hold round over `keys` of `rule`: the targets it could not correct.
+/// One hold round over `keys` of `rule`: the targets it could not correct. A target that
+/// cannot be read or written is reported in `report.failed`; the others go on.
 pub async fn hold_round<T: TargetStore, S: SourceItems, C: Consumer>(
     targets: &T,
     sources: &S,
@@ -134,18 +140,29 @@ pub async fn hold_round<T: TargetStore, S: SourceItems, C: Consumer>(
     let mut left = BTreeSet::new();
     let mut held = BTreeSet::new();
     for (key, placed) in placed {
-        if placed? {
-            held.insert(key);
-        } else {
-            left.insert(key);
+        match placed {
+            Ok(true) => {
+                held.insert(key);
+            }
+            Ok(false) => {
+                left.insert(key);
+            }
+            Err(e) => failed(rule, key, &e, report),
         }
     }
     if held.is_empty() {
         return Ok(left);
     }
     tracing::info!(rule = %rule.name, targets = held.len(), "correcting targets that keep changing under a hold");
-    let truth = super::protocol::read_truth(sources, rule, Some(&held), &held, opts).await?;
-    let applied = if opts.no_wait { Default::default() } else { consumer.applied_before(now_ms(), opts.wait).await? };
+    let (truth, applied) = match read_and_wait(sources, consumer, rule, &held, opts).await {
+        Ok(read) => read,
+        Err(e) => {
+            for key in &held {
+                release(targets, key, &id, &hold).await;
+            }
+            return Err(e);
+        }
+    };
     report.judged_by_empty_pages(&applied.by_empty_pages);
     let empty = ByItem::new();
     for key in held {
@@ -153,16 +170,46 @@ pub async fn hold_round<T: TargetStore, S: SourceItems, C: Consumer>(
         match correct_held(targets, rule, &key, &id, &hold, by_item, applied.fence_ms).await {
             Ok(Some(found)) => report.drifts.extend(found),
             Ok(None) => {
+                release(targets, &key, &id, &hold).await;
                 left.insert(key);
             }
             Err(e) => {
-                tracing::warn!(rule = %rule.name, target = ?key.0, error = %e, "cannot correct this held target; the others go on");
-                metrics::counter!(names::RECONCILE_FAILED_TARGETS, "rule" => rule.name.to_string()).increment(1);
-                report.failed.push((rule.name.to_string(), key, e.to_string()));
+                release(targets, &key, &id, &hold).await;
+                failed(rule, key, &e, report);
             }
         }
     }
     Ok(left)
+}
+
+/// Steps 2 and 3: the truth of the held targets, by item, once the readers applied everything
+/// created before it was read.
+async fn read_and_wait<S: SourceItems, C: Consumer>(
+    sources: &S,
+    consumer: &C,
+    rule: &Rule,
+    held: &BTreeSet<TargetKey>,
+    opts: &Options,
+) -> Result<(super::truth::Truth, super::protocol::Applied), ReconcileError> {
+    let truth = super::protocol::read_truth(sources, rule, Some(held), held, opts).await?;
+    let applied = if opts.no_wait { Default::default() } else { consumer.applied_before(now_ms(), opts.wait).await? };
+    Ok((truth, applied))
+}
+
+fn failed(rule: &Rule, key: TargetKey, e: &ReconcileError, report: &mut Report) {
+    tracing::warn!(rule = %rule.name, target = ?key.0, error = %e, "cannot correct this target under a hold; the others go on");
+    metrics::counter!(names::RECONCILE_FAILED_TARGETS, "rule" => rule.name.to_string()).increment(1);
+    report.failed.push((rule.name.to_string(), key, e.to_string()));
+}
+
+/// A round that gives a target up marks its hold expired (when it still stands), so writers
+/// stop logging and the next round may hold the target again. Best effort: a hold left
+/// standing expires by itself.
+async fn release<T: TargetStore>(targets: &T, key: &TargetKey, id: &str, hold: &str) {
+    let expired = Placement { value: hold_value(id, 0), seen: Some(hold.to_string()), stale: Vec::new() };
+    if let Err(e) = targets.hold(key, &expired).await {
+        tracing::debug!(target = ?key.0, error = %e, "could not mark a hold expired; it expires by itself");
+    }
 }
 
 /// Places `hold` on `key`, replacing an expired (or unreadable) hold, never a live one.
@@ -189,7 +236,7 @@ async fn correct_held<T: TargetStore>(
 ) -> Result<Option<Vec<super::report::Drift>>, ReconcileError> {
     'attempt: for _ in 0..ATTEMPTS {
         let item = targets.read(key).await?;
-        if item.hold.as_deref() != Some(hold) {
+        if item.hold.as_deref() != Some(hold) || item.logs.len() > MAX_RELEASED_LOGS {
             return Ok(None);
         }
         let logged = own_logs(id, &item.logs).map_err(|e| ReconcileError::Data(format!("held target {:?}: {e}", key.0)))?;

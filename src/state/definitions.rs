@@ -280,22 +280,16 @@ pub fn decide(me: &str, mine: &Running, seen: Seen<'_>) -> Gate {
 }
 
 /// Nothing committed yet: a deployment's first start (nothing to rebuild), or the first start
-/// of this release over fingerprints an older release recorded. Same fingerprints: a plain
-/// upgrade, committed at once. Different ones: the older replicas still apply what they run, so
-/// wait as for any change, and rebuild what differs (their definitions are unknown, so nothing
-/// can be retired).
+/// of this release over fingerprints an older release recorded. The older replicas ignore
+/// reconcile holds (protocol 3), so even with the same fingerprints this waits until they hold
+/// no lease; different fingerprints: their definitions are unknown, so nothing can be
+/// retired, and what differs is rebuilt.
 fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
     let rules = mine.rules.iter().map(|(n, d)| (n.clone(), RuleDef { definition: d.clone(), since: 1 })).collect();
     let mut first = Committed { generation: 1, protocol: mine.protocol, rules, ..Committed::default() };
     let Some(legacy) = seen.legacy else { return Gate::Commit(first) };
     let changed: BTreeSet<String> =
         mine.rules.iter().filter(|(n, d)| legacy.get(*n) != Some(&fingerprint::of_definition(d))).map(|(n, _)| n.clone()).collect();
-    // A rule the older release ran and this one does not is a change too (nothing to rebuild,
-    // but its replicas must stop first).
-    let removed = legacy.keys().any(|n| !mine.rules.contains_key(n));
-    if changed.is_empty() && !removed {
-        return Gate::Commit(first);
-    }
     if seen.live_leases > 0 {
         return Gate::Wait(WaitReason::LeasesHeld);
     }
@@ -506,8 +500,9 @@ mod tests {
         let same: BTreeMap<String, String> = [("orders".to_string(), fingerprint::of_definition("{A}"))].into();
         let other: BTreeMap<String, String> = [("orders".to_string(), fingerprint::of_definition("{Z}"))].into();
         let with = |legacy, leases| Seen { committed: None, legacy: Some(legacy), beats: &[], live_leases: leases, now_ms: 0 };
-        let Gate::Commit(c) = decide("x", &a, with(&same, 3)) else { panic!() };
-        assert!(c.settled(), "a plain upgrade rebuilds nothing and does not wait");
+        assert_eq!(decide("x", &a, with(&same, 3)), Gate::Wait(WaitReason::LeasesHeld), "the older replicas ignore holds: they stop first");
+        let Gate::Commit(c) = decide("x", &a, with(&same, 0)) else { panic!() };
+        assert!(c.settled(), "a plain upgrade rebuilds nothing");
         assert_eq!(decide("x", &a, with(&other, 3)), Gate::Wait(WaitReason::LeasesHeld));
         let Gate::Commit(c) = decide("x", &a, with(&other, 0)) else { panic!() };
         assert_eq!(c.rebuild, BTreeSet::from(["orders".to_string()]));

@@ -728,8 +728,11 @@ async fn batches_gather_pages_up_to_batch_size() {
         settle(&fakes, &expected(&records), 0).await;
         r.cancel.cancel();
         r.handle.await.unwrap().unwrap();
-        // Pages of 1,000, 1,000 and 500: one batch of 2,500, or three of up to 1,000.
-        assert_eq!(fakes.2.calls(), writes, "batch_size {size}, window {window}");
+        // Pages of 1,000, 1,000 and 500: one batch of 2,500, or three of up to 1,000. Applied
+        // writes, not calls: on a loaded machine the 600 ms lease can lapse, and the batch read
+        // again is refused by the ledger (stale calls, nothing applied).
+        let applied = fakes.2.hottest().map(|(_, n, _)| 2 * n);
+        assert_eq!(applied, Some(writes), "batch_size {size}, window {window}: {} calls", fakes.2.calls());
         assert_eq!(
             fakes.2.numbers().get(&(vec!["CUST#c1".to_string(), "PROFILE".to_string()], "revenue".to_string())),
             Some(&Decimal::parse("3125").unwrap())
