@@ -380,6 +380,8 @@ async fn measures_under_sigkills(prefix: &str, writes: usize, customers: usize, 
 async fn averages_survive_sigkills_exactly() {
     let _serial = SERIAL.lock().await;
     let MeasuresRun { c, dir: _dir, table, aggregates, config: _, svc } = measures_under_sigkills("avg", 2500, 30, 11, 3).await;
+    // Up to 4 minutes to catch up after the SIGKILLs: a loaded 2-core machine has needed more
+    // than 90 s. Exactness is what is asserted, not speed.
     let started = Instant::now();
     loop {
         let items = [scan(&c, &table).await, scan(&c, &aggregates).await].concat();
@@ -388,7 +390,7 @@ async fn averages_survive_sigkills_exactly() {
         if want == got {
             break;
         }
-        if started.elapsed() > Duration::from_secs(90) {
+        if started.elapsed() > Duration::from_secs(240) {
             let diff: Vec<_> = want.iter().filter(|(k, v)| got.get(*k) != Some(v)).take(5).collect();
             panic!("measures differ from the truth: {diff:?}\n{}", svc.log_tail());
         }
@@ -582,7 +584,7 @@ async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
         if want == got && avg_want == avg_got {
             break;
         }
-        if started.elapsed() > Duration::from_secs(90) {
+        if started.elapsed() > Duration::from_secs(240) {
             let diff: Vec<_> = want.iter().filter(|(k, v)| got.get(*k) != Some(v)).take(5).collect();
             let extra: Vec<_> = got.iter().filter(|(k, _)| !want.contains_key(*k)).take(5).collect();
             panic!("helper measures differ from the truth: {diff:?} (stored, no truth: {extra:?})\n{}", svc.log_tail());
