@@ -488,6 +488,14 @@ class Resources:
                 return None
             raise
 
+    def owned(self, kind: str, name: str, tags: Callable[[], dict[str, str] | None]) -> bool:
+        """Whether a resource found by a run's suffix carries its tag (`tagged`); says so when it
+        is already gone."""
+        ok = self.tagged(kind, name, tags)
+        if ok is None:
+            say(f"{kind} {name}: already gone")
+        return bool(ok)
+
     def delete(self, keep: set[str], verify_tags: bool = False) -> list[str]:
         """Deletes every table and queue not in `keep`; returns what could not be deleted. With
         `verify_tags` (a run found by its suffix), on AWS only what is tagged TAG=suffix."""
@@ -496,12 +504,10 @@ class Resources:
             if name in keep:
                 continue
             try:
-                if verify_tags:
-                    ok = self.tagged("table", name, lambda name=name: self.table_tags(name))
-                    if ok is None:
-                        say(f"table {name}: already gone")
-                    if not ok:
-                        continue
+                if verify_tags and not self.owned(
+                    "table", name, lambda name=name: self.table_tags(name)
+                ):
+                    continue
                 delete_table(self.aws.ddb, name, 1800 if not self.aws.s.local else 60)
             except Exception as e:  # noqa: BLE001 - reported as a leftover
                 left.append(f"table {name} ({e})")
@@ -509,12 +515,10 @@ class Resources:
             try:
                 if not url:  # interrupted while creating it: find it by name
                     url = self.aws.sqs.get_queue_url(QueueName=name)["QueueUrl"]
-                if verify_tags:
-                    ok = self.tagged("queue", name, lambda url=url: self.queue_tags(url))
-                    if ok is None:
-                        say(f"queue {name}: already gone")
-                    if not ok:
-                        continue
+                if verify_tags and not self.owned(
+                    "queue", name, lambda url=url: self.queue_tags(url)
+                ):
+                    continue
                 self.aws.sqs.delete_queue(QueueUrl=url)
                 say(f"deleted queue {name}")
             except Exception as e:  # noqa: BLE001 - reported as a leftover, unless gone
