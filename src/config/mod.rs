@@ -39,6 +39,8 @@ pub struct SourceConfig {
     pub batch_size: u32,
     pub batching_window: Duration,
     pub max_record_age: Option<Duration>,
+    /// Read and evaluate the next batch of a shard while one writes ([`crate::worker::shard`]).
+    pub read_ahead: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -494,7 +496,14 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         loops::check(&engine)?;
     }
     Ok(Config {
-        source: SourceConfig { table: source_table, start_position, batch_size, batching_window, max_record_age },
+        source: SourceConfig {
+            table: source_table,
+            start_position,
+            batch_size,
+            batching_window,
+            max_record_age,
+            read_ahead: raw.source.read_ahead.unwrap_or(true),
+        },
         state,
         aggregates_table,
         ledger_namespace,

@@ -41,6 +41,46 @@ struct State {
 #[derive(Debug, Default)]
 pub struct MemoryAggregates {
     state: Mutex<State>,
+    gate: WriteGate,
+}
+
+/// Holds ledger writes back, for tests of what happens while a batch is writing.
+#[derive(Debug, Default)]
+struct WriteGate {
+    /// None: open; Some(n): n more writes pass, then writes wait.
+    closing: Mutex<Option<u64>>,
+    opened: tokio::sync::Notify,
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl WriteGate {
+    /// Whether this write passes now (and counts it against the writes still let through).
+    fn pass(&self) -> bool {
+        let mut closing = self.closing.lock().unwrap_or_else(|e| e.into_inner());
+        match closing.as_mut() {
+            None => true,
+            Some(0) => false,
+            Some(n) => {
+                *n -= 1;
+                true
+            }
+        }
+    }
+
+    async fn wait(&self) {
+        use std::sync::atomic::Ordering;
+        loop {
+            let opened = self.opened.notified();
+            tokio::pin!(opened);
+            opened.as_mut().enable();
+            if self.pass() {
+                return;
+            }
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            opened.await;
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 impl MemoryAggregates {
@@ -89,6 +129,21 @@ impl MemoryAggregates {
 
     pub fn calls(&self) -> u64 {
         self.lock().calls
+    }
+
+    /// Ledger writes wait after `n` more have passed, until [`MemoryAggregates::open_writes`].
+    pub fn close_writes_after(&self, n: u64) {
+        *self.gate.closing.lock().unwrap_or_else(|e| e.into_inner()) = Some(n);
+    }
+
+    pub fn open_writes(&self) {
+        *self.gate.closing.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.gate.opened.notify_waiters();
+    }
+
+    /// Ledger writes waiting at the closed gate.
+    pub fn writes_waiting(&self) -> usize {
+        self.gate.waiting.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The most written item: its key, writes and mean WCU per write.
@@ -293,6 +348,7 @@ pub const MAX_ITEM_BYTES: usize = 400 * 1024;
 
 impl AggregateStore for MemoryAggregates {
     async fn apply(&self, w: &LedgerWrite) -> Result<WriteOutcome, SinkError> {
+        self.gate.wait().await;
         let mut s = self.lock();
         s.calls += 1;
         if s.fail_next > 0 {

@@ -3,6 +3,7 @@
 //! task under the replica's cancellation token.
 
 pub mod age;
+pub mod apply;
 pub mod batch;
 pub mod gate;
 pub mod phases;

@@ -1,42 +1,48 @@
 //! Reading one leased shard: poll, evaluate, write, checkpoint, until the shard ends, the
 //! lease is lost, or the replica stops.
+//!
+//! Batches are pipelined: while one batch writes ([`super::apply`]), the next is read and
+//! evaluated. At most one batch is in flight, and the next one's writes start only after the
+//! one in flight has written and checkpointed, so a target's writes from one shard land in
+//! sequence order and the checkpoint (with what reconcile reads as applied: `last_record_ms`,
+//! `at_tip_ms`) only ever covers batches whose writes are done. What was read ahead is only in
+//! memory: a batch in flight that fails drops it, and reading restarts at the checkpoint.
 
-use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use futures::stream::{self, StreamExt};
-use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use super::batch::{created_ms, sequence_of, Evaluated, Letter, PendingBatch};
-use super::phases::{BatchPhases, Gathering};
+use super::apply::Applier;
+use super::batch::{created_ms, PendingBatch};
+use super::phases::Gathering;
 use super::tip::EmptyRun;
-use super::window::WriteWindow;
 use super::{Polling, Shared};
-use crate::rules::{TargetDelta, TargetKey};
-use crate::sink::dead_letter::{DeadLetter, Reason};
-use crate::sink::{write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
+use crate::sink::{AggregateStore, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
-use crate::stream::{Position, StreamError, StreamSource};
-use crate::telemetry::names::{self, ReadOutcome, WriteOutcome};
+use crate::stream::{Page, Position, StreamError, StreamSource};
+use crate::telemetry::names::{self, ReadOutcome};
 
 /// Why a shard reader returned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ShardExit {
     /// Read to its end and checkpointed at SHARD_END.
     Finished,
-    /// The replica is stopping; everything read was written and checkpointed.
+    /// The replica is stopping; the batch in flight was written and checkpointed, what was
+    /// read after it is read again by the next owner.
     Stopped,
     /// Another replica owns the lease, or it could not be renewed in time.
     LeaseLost,
 }
 
 /// A running reader's handle on its lease.
+#[derive(Debug, Clone)]
 pub struct ShardLease {
     pub shard_id: String,
     pub counter: u64,
@@ -47,31 +53,11 @@ pub struct ShardLease {
 }
 
 impl ShardLease {
-    fn valid(&self) -> bool {
+    pub(super) fn valid(&self) -> bool {
         now_ms() < self.valid_until_ms.load(Ordering::Relaxed)
     }
 }
 
-/// Attempts at re-reading a refused record for its letter before the batch fails.
-const REREAD_ATTEMPTS: u32 = 5;
-
-/// What reading a refused record again found.
-enum Reread {
-    Found(Value),
-    Missing(Missing),
-}
-
-/// Why a re-read did not find the record.
-enum Missing {
-    /// The stream answered another record first (trimmed meanwhile).
-    Elsewhere,
-    /// The shard ended before it.
-    Ended,
-    /// Only empty pages: retried, then treated as gone.
-    Empty,
-    /// Throttling or a 5xx: retried, then the batch fails.
-    Transient,
-}
 /// GetRecords returns at most 1,000 records; larger batches gather several pages.
 const GET_RECORDS_MAX: u32 = 1000;
 pub const IDLE_MIN: Duration = Duration::from_millis(100);
@@ -80,7 +66,7 @@ pub const IDLE_MIN: Duration = Duration::from_millis(100);
 pub const IDLE_MAX: Duration = Duration::from_millis(250);
 
 /// The time since `mark`, which moves to now.
-fn lap(mark: &mut Instant) -> Duration {
+pub(super) fn lap(mark: &mut Instant) -> Duration {
     let now = Instant::now();
     let d = now.saturating_duration_since(*mark);
     *mark = now;
@@ -118,6 +104,12 @@ pub fn batch_due(pending: usize, batch_size: usize, shard_end: bool, at_tip: boo
     pending > 0 && (shard_end || pending >= batch_size || (at_tip && window_passed))
 }
 
+/// Whether the next batch is read while this one writes: not before a first checkpoint at
+/// LATEST, where the only record of where reading started is the pending batch's first page.
+pub fn read_ahead(position: &Position) -> bool {
+    *position != Position::Latest
+}
+
 /// How one batch ended.
 #[derive(Debug)]
 pub enum BatchOutcome {
@@ -128,6 +120,12 @@ pub enum BatchOutcome {
     /// Not applied; the batch is read again from the checkpoint after a backoff.
     Failed(SinkError),
 }
+
+/// A batch applied: the applier back, and how the batch ended.
+type Landed<S, L, A> = (Box<Applier<S, L, A>>, BatchOutcome);
+
+/// The batch being applied.
+type InFlight<S, L, A> = Pin<Box<dyn Future<Output = Landed<S, L, A>> + Send>>;
 
 /// Whether the reader goes on after handling an event.
 enum Flow {
@@ -140,7 +138,7 @@ pub struct ShardReader<S, L, A> {
     shared: Arc<Shared<S, L, A>>,
     lease: ShardLease,
     stop: CancellationToken,
-    ctx: ShardContext,
+    /// The checkpoint of the last batch applied (or where reading started).
     position: Position,
     iterator: Option<String>,
     idle: Duration,
@@ -149,8 +147,6 @@ pub struct ShardReader<S, L, A> {
     /// The empty pages in a row on this iterator chain: reconcile's evidence for an idle
     /// shard ([`super::tip::EmptyRun`]).
     empty_run: EmptyRun,
-    /// Sequence numbers this reader already queued, so a retried batch does not queue twice.
-    dead_lettered: HashSet<String>,
     /// Records read but not yet applied: a batch gathers pages until it holds `batch_size`
     /// records or the tip is reached, and at the tip waits up to `batching_window` (from its
     /// oldest record) for more, as Lambda's batching window. Emptied whenever reading
@@ -166,8 +162,12 @@ pub struct ShardReader<S, L, A> {
     /// batch (everything before it is applied). A failed batch, or a read error that drops the
     /// pending records, reads again from it: a new LATEST iterator would skip them.
     latest_from: Option<String>,
-    /// How many target writes of a batch are in flight at once ([`WriteWindow`]).
-    window: WriteWindow,
+    /// The write side, while no batch is in flight.
+    applier: Option<Box<Applier<S, L, A>>>,
+    /// The batch being written while the next one is read.
+    in_flight: Option<InFlight<S, L, A>>,
+    /// The batch in flight, finished during a read and not yet taken in.
+    landed: Option<Landed<S, L, A>>,
 }
 
 pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
@@ -176,7 +176,6 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
     stop: CancellationToken,
 ) -> ShardExit {
     let Some(position) = lease.start.clone() else { return ShardExit::Finished };
-    let ctx = ShardContext::new(&shared.ledger, &lease.shard_id);
     let idle_min = shared.polling.idle_min;
     info!(shard = %lease.shard_id, position = ?position, "reading shard");
     if crate::worker::plan::latest_taken_again(&position, lease.counter) {
@@ -186,26 +185,26 @@ pub async fn read_shard<S: StreamSource, L: LeaseStore, A: AggregateStore>(
         shared.request_reconcile_everything();
         persist_request(&shared).await;
     }
-    let window = WriteWindow::new(shared.config.write_concurrency);
+    let applier = Box::new(Applier::new(shared.clone(), lease.clone()));
     let reader = ShardReader {
         shared,
         lease,
         stop,
-        ctx,
         position,
         iterator: None,
         idle: idle_min,
         failures: 0,
         last_tip_report: 0,
         empty_run: EmptyRun::default(),
-        dead_lettered: HashSet::new(),
         pending: PendingBatch::default(),
         pending_since: None,
         gathering: Gathering::default(),
         last_read_end: None,
         last_records_at: None,
         latest_from: None,
-        window,
+        applier: Some(applier),
+        in_flight: None,
+        landed: None,
     };
     reader.run().await
 }
@@ -214,7 +213,13 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     async fn run(mut self) -> ShardExit {
         loop {
             if let Flow::Exit(e) = self.step().await {
-                return e;
+                // A batch still in flight finishes (writes and checkpoint) before the reader
+                // returns, as a batch applied inline did; what was read ahead is read again
+                // by the next owner.
+                return match self.land().await {
+                    Some(BatchOutcome::LeaseLost) => ShardExit::LeaseLost,
+                    _ => e,
+                };
             }
         }
     }
@@ -239,7 +244,12 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
                     self.empty_run.reset();
                     it
                 }
-                Err(e) => return self.on_iterator_error(e).await,
+                Err(e) => {
+                    if let Err(flow) = self.settle().await {
+                        return flow;
+                    }
+                    return self.on_iterator_error(e).await;
+                }
             },
         };
         if self.position == Position::Latest && self.pending.records == 0 {
@@ -249,16 +259,24 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let batch_size = self.shared.config.source.batch_size as usize;
         let limit = u32::try_from(batch_size.saturating_sub(self.pending.records)).unwrap_or(GET_RECORDS_MAX).clamp(1, GET_RECORDS_MAX);
         let call_start = Instant::now();
-        let page = tokio::select! {
-            biased;
-            _ = self.stop.cancelled() => return Flow::Exit(ShardExit::Stopped),
-            p = self.shared.source.records(&it, limit) => p,
-        };
+        let Some(page) = self.read_page(&it, limit).await else { return Flow::Exit(ShardExit::Stopped) };
         let gap = self.last_read_end.map_or(Duration::ZERO, |end| call_start.saturating_duration_since(end));
         self.last_read_end = Some(Instant::now());
+        // The batch in flight may have finished during the call; if it failed, this page is
+        // dropped with everything else read after its checkpoint.
+        if self.landed.is_some() {
+            if let Err(flow) = self.settle().await {
+                return flow;
+            }
+        }
         let page = match page {
             Ok(p) => p,
-            Err(e) => return self.on_read_error(e, it).await,
+            Err(e) => {
+                if let Err(flow) = self.settle().await {
+                    return flow;
+                }
+                return self.on_read_error(e, it).await;
+            }
         };
         metrics::counter!(names::GET_RECORDS, "outcome" => if page.records.is_empty() { ReadOutcome::Empty } else { ReadOutcome::Ok }.as_str())
             .increment(1);
@@ -278,49 +296,136 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let window = self.shared.config.source.batching_window;
         let window_passed = self.pending_since.is_some_and(|s| s.elapsed() >= window);
         if batch_due(self.pending.records, batch_size, page.next_iterator.is_none(), short, window_passed) {
-            let batch = std::mem::take(&mut self.pending).finish();
-            self.pending_since = None;
-            let gathered = std::mem::take(&mut self.gathering);
-            let outcome = self.apply(batch, evidence, gathered).await;
-            // The next batch's poll wait starts now, not at this page (applying is not waiting).
-            self.last_read_end = Some(Instant::now());
-            match outcome {
-                BatchOutcome::Applied(cp) => {
-                    if let Some(Checkpoint::Sequence(seq)) = cp {
-                        self.position = Position::After(seq);
-                    }
-                    self.failures = 0;
-                    self.idle = self.shared.polling.idle_min;
-                }
-                BatchOutcome::LeaseLost => return Flow::Exit(ShardExit::LeaseLost),
-                BatchOutcome::Failed(e) => {
-                    self.failures += 1;
-                    warn!(shard = %self.shard(), error = %e, attempt = self.failures, "batch not applied; re-reading it from the checkpoint");
-                    // Reading restarts from `position`, or, before a first checkpoint at
-                    // LATEST, from the batch's first page.
-                    self.iterator = self.restart_at_latest();
-                    return self.pause_or_stop(crate::sink::backoff(self.failures)).await;
-                }
+            if let Err(flow) = self.launch_due(evidence).await {
+                return flow;
             }
         }
         match page.next_iterator {
-            None => return Flow::Exit(finish(&self.shared, &self.lease, &self.lease.shard_id).await),
+            None => {
+                if let Err(flow) = self.settle().await {
+                    return flow;
+                }
+                return Flow::Exit(finish(&self.shared, &self.lease, &self.lease.shard_id).await);
+            }
             Some(next) => self.iterator = Some(next),
         }
         if let Some(since) = self.pending_since {
             // Gathering: poll again soon, but not past the window.
             if short {
+                if let Err(flow) = self.settle().await {
+                    return flow;
+                }
                 return self.pause_or_stop(window.saturating_sub(since.elapsed()).min(self.shared.polling.idle_min)).await;
             }
             return Flow::Continue;
         }
         if got == 0 {
+            if let Err(flow) = self.settle().await {
+                return flow;
+            }
             return self.at_tip(evidence).await;
         }
         Flow::Continue
     }
 
-    async fn pause_or_stop(&self, d: Duration) -> Flow {
+    /// The pending batch is due: the batch in flight lands first (batches write one after the
+    /// other), then this one starts writing while reading goes on. Before a first checkpoint
+    /// at LATEST nothing is read ahead: a failed batch is read again from its first page's
+    /// iterator ([`Self::restart_at_latest`]), which must be this batch's.
+    async fn launch_due(&mut self, evidence: Option<u64>) -> Result<(), Flow> {
+        self.settle().await?;
+        if self.stop.is_cancelled() {
+            // Stopping: this batch is read again by the next owner.
+            return Err(Flow::Exit(ShardExit::Stopped));
+        }
+        let batch = std::mem::take(&mut self.pending).finish();
+        self.pending_since = None;
+        let gathered = std::mem::take(&mut self.gathering);
+        // Nothing is in flight now. The applier is back whenever nothing is; a fresh one (a new
+        // write window, no memory of letters sent) would be as correct.
+        let applier = self.applier.take().unwrap_or_else(|| Box::new(Applier::new(self.shared.clone(), self.lease.clone())));
+        self.in_flight = Some(Box::pin(applier.run(batch, evidence, gathered)));
+        if !(self.shared.config.source.read_ahead && read_ahead(&self.position)) {
+            self.settle().await?;
+        }
+        // The next batch's poll wait starts now, not at this page.
+        self.last_read_end = Some(Instant::now());
+        Ok(())
+    }
+
+    /// One GetRecords call. The batch in flight goes on meanwhile; if it finishes first, it
+    /// waits in `landed`. None: the replica is stopping.
+    async fn read_page(&mut self, it: &str, limit: u32) -> Option<Result<Page, StreamError>> {
+        let shared = self.shared.clone();
+        let read = shared.source.records(it, limit);
+        tokio::pin!(read);
+        let stop = &self.stop;
+        let in_flight = &mut self.in_flight;
+        loop {
+            let busy = in_flight.is_some();
+            tokio::select! {
+                biased; // the stop first, and the same choice on every run (a simulation replays)
+                _ = stop.cancelled() => return None,
+                done = async {
+                    match in_flight.as_mut() {
+                        Some(f) => f.await,
+                        None => std::future::pending().await,
+                    }
+                }, if busy => {
+                    *in_flight = None;
+                    self.landed = Some(done);
+                }
+                page = &mut read => return Some(page),
+            }
+        }
+    }
+
+    /// Waits for the batch in flight, if any, and gives its applier back to the reader.
+    async fn land(&mut self) -> Option<BatchOutcome> {
+        if let Some(batch) = self.in_flight.take() {
+            self.landed = Some(batch.await);
+        }
+        let (applier, outcome) = self.landed.take()?;
+        self.applier = Some(applier);
+        Some(outcome)
+    }
+
+    /// Waits for the batch in flight, if any, and takes in its outcome. Err: the flow after a
+    /// batch that was not applied.
+    async fn settle(&mut self) -> Result<(), Flow> {
+        match self.land().await {
+            None => Ok(()),
+            Some(outcome) => self.take_in(outcome).await,
+        }
+    }
+
+    async fn take_in(&mut self, outcome: BatchOutcome) -> Result<(), Flow> {
+        match outcome {
+            BatchOutcome::Applied(cp) => {
+                if let Some(Checkpoint::Sequence(seq)) = cp {
+                    self.position = Position::After(seq);
+                }
+                self.failures = 0;
+                self.idle = self.shared.polling.idle_min;
+                Ok(())
+            }
+            BatchOutcome::LeaseLost => Err(Flow::Exit(ShardExit::LeaseLost)),
+            BatchOutcome::Failed(e) => {
+                self.failures += 1;
+                warn!(shard = %self.shard(), error = %e, attempt = self.failures, "batch not applied; re-reading it from the checkpoint");
+                // Whatever was read after it goes too. Reading restarts from `position`, or,
+                // before a first checkpoint at LATEST, from the batch's first page.
+                self.pending = PendingBatch::default();
+                self.pending_since = None;
+                self.gathering = Gathering::default();
+                self.iterator = self.restart_at_latest();
+                Err(self.pause_or_stop(crate::sink::backoff(self.failures)).await)
+            }
+        }
+    }
+
+    // `&mut self`: a reader with a batch in flight is Send but not Sync.
+    async fn pause_or_stop(&mut self, d: Duration) -> Flow {
         if pause(d, &self.stop).await {
             Flow::Continue
         } else {
@@ -442,362 +547,6 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         self.idle = (self.idle * 2).min(self.shared.polling.idle_max);
         flow
     }
-
-    /// Evaluates, dead-letters, writes and checkpoints one batch. Letters go out before the
-    /// writes: a replica that dies in between leaves a record skipped by the ledger only
-    /// after its letter is queued (a duplicate letter is fine, a missing one is not).
-    async fn apply(&mut self, evaluated: Evaluated, at_tip: Option<u64>, gathered: Gathering) -> BatchOutcome {
-        let started = Instant::now();
-        let mut phases = BatchPhases {
-            poll_wait: gathered.poll_wait,
-            get_records: gathered.get_records,
-            evaluate: evaluated.facts.evaluate,
-            ..BatchPhases::default()
-        };
-        let mut mark = Instant::now();
-        if let Err(e) = self.send_letters(&evaluated.facts.letters).await {
-            return BatchOutcome::Failed(e);
-        }
-        phases.dead_letters = lap(&mut mark);
-        if !self.lease.valid() {
-            return BatchOutcome::LeaseLost;
-        }
-        if let Err(outcome) = self.write(&evaluated.targets).await {
-            return outcome;
-        }
-        // Derived attributes (max, min, latest, distinct) follow their helpers before the
-        // checkpoint moves: a crash in between replays the batch, which derives again.
-        if let Err(e) = self.derive(&evaluated.targets).await {
-            return BatchOutcome::Failed(e);
-        }
-        phases.writes = lap(&mut mark);
-        // The checkpoint moves only after every target write of the batch succeeded (or its
-        // record was dead-lettered).
-        let checkpoint = evaluated.facts.last_seq.map(Checkpoint::Sequence);
-        let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: evaluated.facts.newest_ms, at_tip_ms: at_tip };
-        match self.checkpoint(&progress).await {
-            Ok(true) => {}
-            Ok(false) => return BatchOutcome::LeaseLost,
-            Err(e) => return BatchOutcome::Failed(e),
-        }
-        phases.checkpoint = lap(&mut mark);
-        phases.record(self.shard(), evaluated.facts.records, evaluated.targets.len());
-        self.dead_lettered.clear();
-        let now = now_ms();
-        for ms in &evaluated.facts.created {
-            metrics::histogram!(names::END_TO_END_LAG_SECONDS).record(now.saturating_sub(*ms) as f64 / 1000.0);
-        }
-        self.shared.note_age(&self.lease.shard_id, |a| a.applied(evaluated.facts.newest_ms));
-        metrics::histogram!(names::BATCH_DURATION_SECONDS).record((started.elapsed() + evaluated.facts.evaluate).as_secs_f64());
-        BatchOutcome::Applied(checkpoint)
-    }
-
-    async fn checkpoint(&self, progress: &Progress) -> Result<bool, SinkError> {
-        if !self.lease.valid() {
-            return Ok(false);
-        }
-        let mut attempt = 0;
-        loop {
-            match self.shared.leases.checkpoint(&self.lease.shard_id, &self.shared.owner, self.lease.counter, progress).await {
-                Ok(ok) => return Ok(ok),
-                Err(e) if e.is_retriable() && attempt < 5 => {
-                    attempt += 1;
-                    tokio::time::sleep(crate::sink::backoff(attempt)).await;
-                }
-                // The writes are in (and idempotent): a failed checkpoint only means a replay.
-                Err(e) => return Err(SinkError::Transient(format!("checkpoint: {e}"))),
-            }
-        }
-    }
-
-    /// Writes every target of the batch. A target the table refuses is written again record
-    /// by record, and the letter of a record it still refuses is sent before any later record
-    /// of that target is written (a later record advances the ledger past it, so a replay
-    /// after a crash would never retry it).
-    async fn write(&mut self, targets: &[(TargetKey, TargetDelta)]) -> Result<(), BatchOutcome> {
-        let shared = self.shared.clone();
-        let key_names = &shared.engine.key_names;
-        let store = shared.sink.as_ref();
-        let ctx = ShardContext { plan: shared.floor_plan(), ..self.ctx.clone() };
-        let ctx = &ctx;
-        let mut writes = Vec::with_capacity(targets.len());
-        for (key, delta) in targets {
-            let seen = shared.take_seen(key);
-            writes.push(async move { (key, delta, write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref()).await) });
-        }
-        let in_flight = self.window.in_flight(writes.len());
-        if !writes.is_empty() {
-            metrics::histogram!(names::BATCH_WRITES_IN_FLIGHT).record(in_flight as f64);
-        }
-        let results: Vec<_> = stream::iter(writes).buffer_unordered(in_flight).collect().await;
-        let throttled = results.iter().any(|(_, _, r)| match r {
-            Ok(stats) => stats.throttled > 0,
-            Err(e) => matches!(e, SinkError::Throttled(_)),
-        });
-        self.window = self.window.after(targets.len(), throttled);
-        let mut first_error = None;
-        let mut fenced = false;
-        let mut refused = Vec::new();
-        for (key, delta, r) in results {
-            match r {
-                Ok(stats) => {
-                    fenced |= stats.fenced;
-                    self.written(key, delta, stats);
-                }
-                Err(SinkError::Invalid(why)) => {
-                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Rejected.as_str()).increment(1);
-                    warn!(shard = %self.shard(), error = %why, "aggregate write refused; retrying record by record");
-                    refused.push((key, delta));
-                }
-                Err(e) => {
-                    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Error.as_str()).increment(1);
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        for (key, delta) in refused {
-            match self.isolate(key, delta, ctx).await {
-                Ok(f) => fenced |= f,
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        if fenced {
-            if let Some(outcome) = self.fenced().await {
-                return Err(outcome);
-            }
-        }
-        match first_error {
-            Some(e) => Err(BatchOutcome::Failed(e)),
-            None => Ok(()),
-        }
-    }
-
-    /// Derives the attributes of every target whose helper items the batch wrote (or would
-    /// have: a replay's helper writes are refused by the ledger, its derivations are not).
-    async fn derive(&mut self, targets: &[(TargetKey, TargetDelta)]) -> Result<(), SinkError> {
-        let shared = self.shared.clone();
-        let shared = &shared;
-        let derive = crate::sink::derive::targets_to_derive(&shared.engine, targets);
-        if derive.is_empty() {
-            return Ok(());
-        }
-        let (store, key_names, ledger) = (shared.sink.as_ref(), &shared.engine.key_names, &shared.ledger);
-        let mut runs = Vec::with_capacity(derive.len());
-        for t in &derive {
-            runs.push(async move { (&t.key, crate::sink::derive::derive_target(store, key_names, ledger, t).await) });
-        }
-        let in_flight = self.window.in_flight(runs.len());
-        let results: Vec<_> = stream::iter(runs).buffer_unordered(in_flight).collect().await;
-        // A throttled derivation narrows the window as a throttled target write does.
-        let throttled = results.iter().any(|(_, r)| matches!(r, Err(SinkError::Throttled(_))));
-        self.window = self.window.after(results.len(), throttled);
-        let mut first_error = None;
-        for (key, r) in results {
-            match r {
-                Ok(stats) => {
-                    metrics::counter!(names::DERIVATIONS, "outcome" => "written").increment(stats.landed);
-                    metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.write_capacity.round() as u64);
-                    shared.capacity_milli.fetch_add((stats.write_capacity * 1000.0).round() as u64, Ordering::Relaxed);
-                    metrics::counter!(names::DERIVATIONS, "outcome" => "lost_race").increment(stats.lost);
-                    metrics::counter!(names::DERIVATIONS, "outcome" => "covered").increment(stats.covered);
-                    for (attributes, e) in &stats.refused {
-                        // Not a reason to hold the shard: the helpers are exact, and reconcile
-                        // derives again.
-                        tracing::error!(target_key = ?key.0, ?attributes, error = %e, "the table refused a derived attribute; it stays as it was");
-                        metrics::counter!(names::DERIVATIONS, "outcome" => "refused").increment(attributes.len() as u64);
-                    }
-                }
-                Err(e) => {
-                    metrics::counter!(names::DERIVATIONS, "outcome" => "error").increment(1);
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        first_error.map_or(Ok(()), Err)
-    }
-
-    /// Bookkeeping of one successful target write.
-    fn written(&self, key: &TargetKey, delta: &TargetDelta, stats: crate::sink::WriteStats) {
-        record_write(&self.shared, &stats);
-        if let Some(seen) = stats.seen {
-            self.shared.put_seen(key, seen);
-        }
-        let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
-        rules.dedup();
-        for r in rules {
-            self.shared.touch(r, key);
-        }
-    }
-
-    /// Re-writes a target record by record after a permanent write error, so one bad record
-    /// does not hold back the others; a record the table still refuses after `max_attempts`
-    /// is dead-lettered at once. Returns whether a write was fenced.
-    async fn isolate(&mut self, key: &TargetKey, delta: &TargetDelta, ctx: &ShardContext) -> Result<bool, SinkError> {
-        let shared = self.shared.clone();
-        let max_attempts = shared.config.dead_letter.as_ref().map_or(5, |d| d.max_attempts);
-        let mut fenced = false;
-        for single in by_record(delta) {
-            let mut attempts = 0;
-            loop {
-                match write_target(shared.sink.as_ref(), &shared.engine.key_names, key, &single, ctx).await {
-                    Ok(stats) => {
-                        fenced |= stats.fenced;
-                        self.written(key, &single, stats);
-                        break;
-                    }
-                    Err(SinkError::Invalid(why)) => {
-                        attempts += 1;
-                        if attempts >= max_attempts {
-                            let mut rules: Vec<String> =
-                                single.contributions.iter().filter_map(|c| c.rule.as_deref().map(str::to_string)).collect();
-                            rules.dedup();
-                            match single.contributions.first().and_then(|c| c.sequence.clone()) {
-                                Some(seq) => {
-                                    let letter = self.refused_letter(&seq, why, rules, max_attempts).await?;
-                                    self.send_letters(&[letter]).await?;
-                                }
-                                None => {
-                                    error!(shard = %self.shard(), error = %why, "a record without a sequence number was refused; it cannot be dead-lettered")
-                                }
-                            }
-                            break;
-                        }
-                        tokio::time::sleep(crate::sink::backoff(attempts)).await;
-                    }
-                    Err(e) => {
-                        // The batch is retried; with a narrower window if the table throttled.
-                        self.window = self.window.after(0, matches!(e, SinkError::Throttled(_)));
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        Ok(fenced)
-    }
-
-    /// The letter of a record whose write the table refused. A batch keeps no records once
-    /// evaluated, so the record is read again from the stream. A read that fails for a while
-    /// (throttling, 5xx) fails the batch, which is re-read later: nothing is lost. A record the
-    /// stream no longer has (trimmed, another record in its place, the shard ended before it,
-    /// or only empty pages at it, attempt after attempt) travels as its sequence number alone,
-    /// marked cut, the reason saying which: a shard must not retry one record for ever.
-    async fn refused_letter(&self, seq: &str, why: String, rules: Vec<String>, attempts: u32) -> Result<Letter, SinkError> {
-        let mut failures = 0;
-        let gone = loop {
-            let missing = match self.read_one(seq).await {
-                Ok(Reread::Found(record)) => return Ok(Letter::new(record, "write_rejected", why, rules, attempts)),
-                Ok(Reread::Missing(missing)) => missing,
-                Err(e) if e.is_retriable() && failures < REREAD_ATTEMPTS => Missing::Transient,
-                Err(e) if e.is_retriable() => return Err(SinkError::Transient(format!("re-reading refused record {seq}: {e}"))),
-                Err(e) => break e.to_string(),
-            };
-            match missing {
-                Missing::Elsewhere => break "the stream returned another record in its place".to_string(),
-                Missing::Ended => break "the shard ended before it".to_string(),
-                Missing::Empty if failures >= REREAD_ATTEMPTS => {
-                    break format!("the stream answered only empty pages at it, {} times", REREAD_ATTEMPTS + 1)
-                }
-                Missing::Empty | Missing::Transient => {
-                    failures += 1;
-                    tokio::time::sleep(crate::sink::backoff(failures)).await;
-                }
-            }
-        };
-        error!(shard = %self.shard(), sequence_number = %seq, error = %gone, "cannot read a refused record again; its letter carries only its sequence number");
-        let message =
-            format!("{why} (the record could not be read again from the stream: {gone}; this letter holds only its sequence number)");
-        let record = json!({ "dynamodb": { "SequenceNumber": seq } });
-        Ok(Letter { cut: true, ..Letter::new(record, "write_rejected", message, rules, attempts) })
-    }
-
-    /// The record `seq` of this shard, read again from an AT_SEQUENCE_NUMBER iterator.
-    async fn read_one(&self, seq: &str) -> Result<Reread, StreamError> {
-        let mut it = self.shared.source.iterator(&self.lease.shard_id, &Position::At(seq.to_string())).await?;
-        for _ in 0..3 {
-            let page = self.shared.source.records(&it, 1).await?;
-            if let Some(first) = page.records.into_iter().next() {
-                return Ok(if sequence_of(&first) == seq { Reread::Found(first) } else { Reread::Missing(Missing::Elsewhere) });
-            }
-            match page.next_iterator {
-                Some(next) => it = next,
-                None => return Ok(Reread::Missing(Missing::Ended)),
-            }
-        }
-        Ok(Reread::Missing(Missing::Empty))
-    }
-
-    /// A target item refused this shard by its floor. For a stalled former owner that is the
-    /// fence working. For a reader that holds the lease on this unfinished shard it breaks an
-    /// invariant (every shard the floor passed is finished), e.g. after the state table was
-    /// reset and the stream is replayed: the records were applied before, or else lost. It is
-    /// never silent: counted, logged, and a reconcile of everything requested (written before
-    /// the checkpoint moves; the batch is retried while it cannot be), which repairs either
-    /// case; the shard then moves on instead of stalling for good.
-    async fn fenced(&self) -> Option<BatchOutcome> {
-        if !self.lease.valid() {
-            return Some(BatchOutcome::LeaseLost);
-        }
-        metrics::counter!(names::LEDGER_FENCE_VIOLATIONS).increment(1);
-        error!(shard = %self.shard(), "a target item's ledger floor refuses this shard while its lease is held and it is unfinished; a reconcile of everything is requested");
-        self.shared.request_reconcile_everything();
-        persist_request(&self.shared).await;
-        if self.shared.reconcile_everything.load(Ordering::Relaxed) {
-            return Some(BatchOutcome::Failed(SinkError::Transient("cannot record the reconcile request".into())));
-        }
-        None
-    }
-
-    /// Sends the letters this reader has not sent yet. A letter SQS cannot take in any form
-    /// is logged with its record and counted, never a reason to stall the shard; an
-    /// unavailable queue stalls it (nothing is lost).
-    async fn send_letters(&mut self, letters: &[Letter]) -> Result<(), SinkError> {
-        let now = i64::try_from(now_ms()).unwrap_or(0);
-        let first_failed_at = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(now)
-            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
-            .unwrap_or_default();
-        for l in letters {
-            if self.dead_lettered.contains(&l.sequence) {
-                continue;
-            }
-            let rule = l.rules.first().cloned().unwrap_or_default();
-            error!(shard = %self.shard(), sequence_number = %l.sequence, rule = %rule, reason = %l.code, queued = self.shared.dead_letters.enabled(), "poison record: {}", l.message);
-            let dl = DeadLetter {
-                version: 1,
-                reason: Reason { code: l.code.clone(), message: l.message.clone() },
-                rule,
-                rules: l.rules.clone(),
-                attempts: l.attempts,
-                first_failed_at: first_failed_at.clone(),
-                stream_arn: self.shared.stream_arn.clone(),
-                shard_id: self.lease.shard_id.clone(),
-                sequence_number: l.sequence.clone(),
-                variables: l.variables.clone(),
-                record: l.record.clone(),
-                images_cut: l.cut,
-            };
-            match self.shared.dead_letters.send(&dl).await {
-                Ok(delivery) => {
-                    metrics::counter!(names::DEAD_LETTER_DELIVERIES, "form" => delivery.as_str()).increment(1);
-                    if delivery == crate::sink::dead_letter::Delivery::Dropped {
-                        error!(shard = %self.shard(), sequence_number = %l.sequence, record = %l.record, "SQS refused every form of the dead letter; the record is only in this log");
-                    }
-                }
-                Err(e) => {
-                    metrics::counter!(names::DEAD_LETTER_FAILURES).increment(1);
-                    error!(shard = %self.shard(), sequence_number = %l.sequence, error = %e, "cannot send a dead letter; the shard waits and retries");
-                    return Err(SinkError::Transient(format!("dead-letter queue: {e}")));
-                }
-            }
-            self.dead_lettered.insert(l.sequence.clone());
-            if self.shared.dead_letters.enabled() {
-                metrics::counter!(names::DEAD_LETTERS, "reason" => l.code.clone()).increment(1);
-            }
-            metrics::counter!(names::RECORDS_SKIPPED, "reason" => l.code.clone()).increment(1);
-        }
-        Ok(())
-    }
 }
 
 /// A TrimmedDataAccessException. Records were lost only when reading went on from a
@@ -872,31 +621,4 @@ pub(super) async fn persist_request<S, L: LeaseStore, A>(shared: &Shared<S, L, A
         warn!(error = %e, "cannot record the reconcile request yet; retrying");
         shared.reconcile_everything.store(true, Ordering::Relaxed);
     }
-}
-
-/// The contributions of a target, record by record: every rule's contribution of one record
-/// together, since the ledger orders records, not contributions (writing one rule's part
-/// alone would advance the entry and hide the other rules' parts of the same record).
-pub fn by_record(delta: &TargetDelta) -> Vec<TargetDelta> {
-    let mut out: Vec<TargetDelta> = Vec::new();
-    for c in &delta.contributions {
-        match out.last_mut() {
-            Some(d) if d.contributions.first().is_some_and(|f| f.sequence == c.sequence) => d.contributions.push(c.clone()),
-            _ => out.push(TargetDelta { contributions: vec![c.clone()], ..Default::default() }),
-        }
-    }
-    out
-}
-
-fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteStats) {
-    // Fenced and held writes are also failed conditions: count each once, as what it was.
-    let stale = stats.stale.saturating_sub(u64::from(stats.fenced)).saturating_sub(stats.held);
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Fenced.as_str()).increment(u64::from(stats.fenced));
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Held.as_str()).increment(stats.held);
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Stale.as_str()).increment(stale);
-    metrics::counter!(names::AGGREGATE_WRITES, "outcome" => WriteOutcome::Applied.as_str())
-        .increment(stats.calls.saturating_sub(stats.stale));
-    metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
-    metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
-    shared.capacity_milli.fetch_add((stats.capacity * 1000.0).round() as u64, Ordering::Relaxed);
 }

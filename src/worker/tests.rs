@@ -1234,3 +1234,5 @@ async fn a_refused_record_the_stream_answers_only_empty_pages_for_is_lettered_cu
     assert!(letter.images_cut, "{letter:?}");
     assert!(letter.reason.message.contains("only empty pages at it, 6 times"), "{}", letter.reason.message);
 }
+
+mod pipeline;
