@@ -124,8 +124,8 @@ pub struct RawSource {
     #[serde(default, deserialize_with = "text")]
     #[schemars(with = "Option<schema::Duration>")]
     pub max_record_age: Option<String>,
-    /// Read and evaluate a shard's next batch while this one writes (default true); false:
-    /// one batch at a time, half the batch memory, lower throughput when behind.
+    /// Behind the tip, read and evaluate a shard's next batch while a full one writes (default
+    /// true); false: one batch at a time, half the batch memory, slower catch-up.
     #[serde(default)]
     pub read_ahead: Option<bool>,
 }

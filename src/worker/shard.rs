@@ -1,9 +1,9 @@
 //! Reading one leased shard: poll, evaluate, write, checkpoint, until the shard ends, the
 //! lease is lost, or the replica stops.
 //!
-//! Batches are pipelined: while one batch writes ([`super::apply`]), the next is read and
-//! evaluated. At most one batch is in flight, and the next one's writes start only after the
-//! one in flight has written and checkpointed, so a target's writes from one shard land in
+//! Batches are pipelined behind the tip: while a full batch writes ([`super::apply`]), the next
+//! is read and evaluated. At most one batch is in flight, and the next one's writes start only
+//! after the one in flight has written and checkpointed, so a target's writes from one shard land in
 //! sequence order and the checkpoint (with what reconcile reads as applied: `last_record_ms`,
 //! `at_tip_ms`) only ever covers batches whose writes are done. What was read ahead is only in
 //! memory: a batch in flight that fails drops it, and reading restarts at the checkpoint.
@@ -104,10 +104,21 @@ pub fn batch_due(pending: usize, batch_size: usize, shard_end: bool, at_tip: boo
     pending > 0 && (shard_end || pending >= batch_size || (at_tip && window_passed))
 }
 
-/// Whether the next batch is read while this one writes: not before a first checkpoint at
-/// LATEST, where the only record of where reading started is the pending batch's first page.
-pub fn read_ahead(position: &Position) -> bool {
-    *position != Position::Latest
+/// Whether a due batch starts writing now: when nothing is in flight, or when it is full or
+/// ends the shard. A batch due at the tip while another writes waits for it and gathers what
+/// one more poll brings: cut at once it would be small, and cost a round of writes and a
+/// checkpoint of its own, which at the tip adds to the lag of every record behind it.
+pub fn cut_now(full: bool, shard_end: bool, busy: bool) -> bool {
+    !busy || full || shard_end
+}
+
+/// Whether the next batch is read while this one (`full` or not) writes. Only behind the tip,
+/// where the batch is full: at the tip the next poll finds little, and polling while the batch
+/// writes costs the table about what it gains (on DynamoDB Local it raised lag p50 from 0.5 to
+/// 0.8-1.3 s). Never before a first checkpoint at LATEST, where the only record of where reading
+/// started is the pending batch's first page.
+pub fn read_ahead(position: &Position, full: bool) -> bool {
+    full && *position != Position::Latest
 }
 
 /// How one batch ended.
@@ -296,7 +307,15 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let window = self.shared.config.source.batching_window;
         let window_passed = self.pending_since.is_some_and(|s| s.elapsed() >= window);
         if batch_due(self.pending.records, batch_size, page.next_iterator.is_none(), short, window_passed) {
-            if let Err(flow) = self.launch_due(evidence).await {
+            let full = self.pending.records >= batch_size;
+            let outcome = if cut_now(full, page.next_iterator.is_none(), self.in_flight.is_some()) {
+                self.launch_due(evidence).await
+            } else {
+                // At the tip with a batch in flight: wait for it, then poll once more, so that
+                // what arrived meanwhile joins this batch.
+                self.settle().await
+            };
+            if let Err(flow) = outcome {
                 return flow;
             }
         }
@@ -329,11 +348,12 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
     }
 
     /// The pending batch is due: the batch in flight lands first (batches write one after the
-    /// other), then this one starts writing while reading goes on. Before a first checkpoint
-    /// at LATEST nothing is read ahead: a failed batch is read again from its first page's
-    /// iterator ([`Self::restart_at_latest`]), which must be this batch's.
+    /// other), then this one starts writing, and reading goes on meanwhile if [`read_ahead`]
+    /// says so (a full batch, not before a first checkpoint at LATEST: a failed batch there is
+    /// read again from its first page's iterator, [`Self::restart_at_latest`]).
     async fn launch_due(&mut self, evidence: Option<u64>) -> Result<(), Flow> {
         self.settle().await?;
+        let full = self.pending.records >= self.shared.config.source.batch_size as usize;
         if self.stop.is_cancelled() {
             // Stopping: this batch is read again by the next owner.
             return Err(Flow::Exit(ShardExit::Stopped));
@@ -345,7 +365,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         // write window, no memory of letters sent) would be as correct.
         let applier = self.applier.take().unwrap_or_else(|| Box::new(Applier::new(self.shared.clone(), self.lease.clone())));
         self.in_flight = Some(Box::pin(applier.run(batch, evidence, gathered)));
-        if !(self.shared.config.source.read_ahead && read_ahead(&self.position)) {
+        if !(self.shared.config.source.read_ahead && read_ahead(&self.position, full)) {
             self.settle().await?;
         }
         // The next batch's poll wait starts now, not at this page.

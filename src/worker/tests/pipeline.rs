@@ -244,3 +244,18 @@ async fn a_failed_batch_drops_the_batch_read_ahead_and_reads_both_again() {
     assert_eq!((times(1), times(8), times(15)), (2, 2, 1), "reads: {reads:?}");
     assert_eq!(lease_of(&fakes, &shard).checkpoint, Some(sequence(30)));
 }
+
+#[test]
+fn a_due_batch_waits_for_the_one_in_flight_only_at_the_tip() {
+    use super::super::shard::cut_now;
+    // (full, shard_end, busy) -> cut now
+    let cases = [
+        ((false, false, false), true), // nothing in flight
+        ((true, false, true), true),   // a full batch behind one in flight: read ahead as far as it goes
+        ((false, true, true), true),   // the shard's end
+        ((false, false, true), false), // the tip with a batch in flight: wait, then poll once more
+    ];
+    for ((full, end, busy), cut) in cases {
+        assert_eq!(cut_now(full, end, busy), cut, "full {full}, shard end {end}, busy {busy}");
+    }
+}
