@@ -168,7 +168,7 @@ async fn writes_log_under_a_live_hold_and_end_an_expired_one_on_dynamodb_local()
         sequence: Some(format!("{seq:021}")),
         values: vec![("revenue".into(), Decimal::from_i64(amount))],
         item: Some(Arc::from(item)),
-        after: after.map(|a| vec![("revenue".to_string(), Decimal::from_i64(a))]).unwrap_or_default(),
+        after: Some(after.map(|a| vec![("revenue".to_string(), Decimal::from_i64(a))]).unwrap_or_default()),
         ..Default::default()
     };
     let batch = |cs: Vec<Contribution>| TargetDelta { contributions: cs, ..Default::default() };
@@ -228,7 +228,7 @@ async fn reconcile_places_reads_and_ends_a_hold_on_dynamodb_local() {
         sequence: Some(format!("{seq:021}")),
         values: vec![("revenue".into(), Decimal::from_i64(amount))],
         item: Some(Arc::from(item)),
-        after: vec![("revenue".to_string(), Decimal::from_i64(amount))],
+        after: Some(vec![("revenue".to_string(), Decimal::from_i64(amount))]),
         ..Default::default()
     };
     let write = |cs: Vec<Contribution>| TargetDelta { contributions: cs, ..Default::default() };

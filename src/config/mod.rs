@@ -502,7 +502,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             batch_size,
             batching_window,
             max_record_age,
-            read_ahead: raw.source.read_ahead.unwrap_or(true),
+            read_ahead: raw.source.read_ahead.unwrap_or(false),
         },
         state,
         aggregates_table,

@@ -125,7 +125,8 @@ pub struct RawSource {
     #[schemars(with = "Option<schema::Duration>")]
     pub max_record_age: Option<String>,
     /// Behind the tip, read and evaluate a shard's next batch while a full one writes (default
-    /// true); false: one batch at a time, half the batch memory, slower catch-up.
+    /// false: one batch at a time). Faster catch-up where calls wait on the network, for the
+    /// memory of a second batch.
     #[serde(default)]
     pub read_ahead: Option<bool>,
 }

@@ -21,8 +21,16 @@ pub struct Contribution {
     /// come without one (unit tests).
     pub item: Option<Arc<str>>,
     /// What the item contributes to the target after this record (its new image's values on
-    /// this target; empty when it no longer contributes): logged under a reconcile hold.
-    pub after: Vec<(String, Decimal)>,
+    /// this target; empty when it no longer contributes): logged under a reconcile hold. None:
+    /// the same as `values` (an insert), kept once ([`Contribution::after_values`]).
+    pub after: Option<Vec<(String, Decimal)>>,
+}
+
+impl Contribution {
+    /// What the item contributes to the target after this record.
+    pub fn after_values(&self) -> &[(String, Decimal)] {
+        self.after.as_deref().unwrap_or(&self.values)
+    }
 }
 
 /// The source item a record is of, and its contributions after the record, per target.
@@ -131,7 +139,9 @@ impl Coalescer {
             }
             if let Some(entry) = self.targets.get_mut(&target) {
                 entry.records += 1;
-                let after = source.and_then(|s| s.after.iter().find(|(t, _)| *t == target)).map(|(_, v)| v.clone()).unwrap_or_default();
+                let after = source.and_then(|s| s.after.iter().find(|(t, _)| *t == target)).map(|(_, v)| v.as_slice()).unwrap_or_default();
+                // Most records are inserts, whose contribution after is their delta: kept once.
+                let after = (after != values.as_slice()).then(|| after.to_vec());
                 entry.contributions.push(Contribution {
                     sequence: sequence.map(str::to_string),
                     rule: rule.cloned(),

@@ -280,13 +280,13 @@ fn each_contribution_names_its_item_and_what_the_item_contributes_after_the_reco
     let c = &targets[0].1.contributions[0];
     let keys = json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#o1"}});
     assert_eq!(c.item, Some(item::item_id("customer-orders", keys.as_object().unwrap())));
-    let after: Vec<String> = c.after.iter().map(|(n, v)| format!("{n}={v}")).collect();
+    let after: Vec<String> = c.after_values().iter().map(|(n, v)| format!("{n}={v}")).collect();
     assert_eq!(after, ["orderCount=1", "revenue=12", "orders_PAID=1", "openRevenue=12"]);
     // A delete: the item contributes nothing after it.
     let mut batch = Coalescer::new();
     assert!(engine_apply_ok(&e, &record("REMOVE", Some(order("PAID", json!({"N": "12"}))), None), &mut batch));
     let targets = batch.into_targets();
-    assert!(targets[0].1.contributions[0].after.is_empty());
+    assert!(targets[0].1.contributions[0].after_values().is_empty());
     assert_eq!(targets[0].1.attributes["revenue"].to_string(), "-12");
 }
 

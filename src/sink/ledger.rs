@@ -509,7 +509,7 @@ pub enum PlanError {
 }
 
 /// An item's latest planned record: (item, its sequence number, its contribution after it).
-type Latest<'a> = (&'a std::sync::Arc<str>, String, &'a Vec<(String, Decimal)>);
+type Latest<'a> = (&'a std::sync::Arc<str>, String, &'a [(String, Decimal)]);
 
 /// Sums the contributions after `applied` (a padded sequence number, or None for all).
 /// None when every contribution is applied already. Records that cancel out still give a
@@ -531,9 +531,9 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
         unidentified |= c.item.is_none();
         if let Some(item) = &c.item {
             match logs.iter_mut().find(|(i, _, _)| *i == item) {
-                Some(log) if log.1 <= seq => *log = (item, seq.clone(), &c.after),
+                Some(log) if log.1 <= seq => *log = (item, seq.clone(), c.after_values()),
                 Some(_) => {}
-                None => logs.push((item, seq.clone(), &c.after)),
+                None => logs.push((item, seq.clone(), c.after_values())),
             }
         }
         for (name, v) in &c.values {
@@ -553,7 +553,7 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
     adds.sort_by(|a, b| a.0.cmp(&b.0));
     match (first, last) {
         (Some(first), Some(last)) => {
-            let logs = logs.into_iter().map(|(item, _, after)| (item.clone(), after.clone())).collect();
+            let logs = logs.into_iter().map(|(item, _, after)| (item.clone(), after.to_vec())).collect();
             Ok(Some(WritePlan { adds, first, last, records, logs, unidentified }))
         }
         _ => Ok(None),

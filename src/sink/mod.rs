@@ -467,7 +467,7 @@ mod tests {
     fn of_item(seq: u64, item: &str, delta: i64, after: Option<i64>) -> Contribution {
         Contribution {
             item: Some(std::sync::Arc::from(item)),
-            after: after.map(|a| vec![("n".to_string(), Decimal::from_i64(a))]).unwrap_or_default(),
+            after: Some(after.map(|a| vec![("n".to_string(), Decimal::from_i64(a))]).unwrap_or_default()),
             values: vec![("n".to_string(), Decimal::from_i64(delta))],
             ..contribution(seq, "n")
         }

@@ -1,8 +1,8 @@
 //! Reading one leased shard: poll, evaluate, write, checkpoint, until the shard ends, the
 //! lease is lost, or the replica stops.
 //!
-//! Batches are pipelined behind the tip: while a full batch writes ([`super::apply`]), the next
-//! is read and evaluated. At most one batch is in flight, and the next one's writes start only
+//! With `source.read_ahead`, batches are pipelined behind the tip: while a full batch writes
+//! ([`super::apply`]), the next is read and evaluated. At most one batch is in flight, and the next one's writes start only
 //! after the one in flight has written and checkpointed, so a target's writes from one shard land in
 //! sequence order and the checkpoint (with what reconcile reads as applied: `last_record_ms`,
 //! `at_tip_ms`) only ever covers batches whose writes are done. What was read ahead is only in

@@ -277,7 +277,7 @@ pub fn run(p: &Params) -> Report {
 fn config(state: &str, rules: &str) -> Config {
     let text = format!(
         r#"
-source: {{ table: sim-source, start_position: latest, batch_size: 200 }}
+source: {{ table: sim-source, start_position: latest, batch_size: 200, read_ahead: true }}
 state: {{ table: {state}, lease_duration: {LEASE} }}
 aggregates: {{ table: sim-aggregates }}
 dead_letter: {{ queue_url: "http://127.0.0.1:1/sim-dlq", max_attempts: 1 }}

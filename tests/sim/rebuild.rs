@@ -170,7 +170,7 @@ impl Passes for SimPasses {
 fn config(measures: &str) -> Config {
     let text = format!(
         r#"
-source: {{ table: sim-source, start_position: trim_horizon, batch_size: 100 }}
+source: {{ table: sim-source, start_position: trim_horizon, batch_size: 100, read_ahead: true }}
 state: {{ table: sim-rebuild-state, lease_duration: 10s }}
 aggregates: {{ table: sim-aggregates }}
 reconcile: {{ interval: 0s, wait: 2m, remove_leftovers_after: {REMOVE_AFTER_S}s }}

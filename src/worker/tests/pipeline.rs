@@ -42,6 +42,11 @@ fn thirty_orders(fakes: &Fakes) -> (String, Vec<Value>) {
     (shard, records)
 }
 
+/// A replica that reads ahead (`source.read_ahead`), batches of 7.
+fn start(fakes: &Fakes, name: &str) -> Replica {
+    start_config(fakes, name, None, config_with(&[("SOURCE__BATCH_SIZE", "7"), ("SOURCE__READ_AHEAD", "true")]))
+}
+
 fn new_fakes() -> Fakes {
     (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()))
 }
