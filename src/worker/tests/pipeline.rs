@@ -62,9 +62,14 @@ async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     panic!("timed out waiting until {what}");
 }
 
-/// Batch 1's writes wait at the gate and batch 2 has been read.
-async fn batch_two_read_ahead(fakes: &Fakes) {
-    read_ahead_of(fakes, 1).await;
+/// 30 orders, a replica reading them, batch 1's writes waiting at the gate and batch 2 read.
+async fn batch_one_writing() -> (Fakes, String, Vec<Value>, Replica) {
+    let fakes = new_fakes();
+    let (shard, records) = thirty_orders(&fakes);
+    fakes.2.close_writes_after(0);
+    let r = start(&fakes, "r1");
+    read_ahead_of(&fakes, 1).await;
+    (fakes, shard, records, r)
 }
 
 /// Batch `n`'s writes wait at the gate and batch n+1 has been read.
@@ -103,11 +108,7 @@ fn sequence(n: u64) -> Checkpoint {
 
 #[tokio::test]
 async fn the_next_batch_is_read_while_one_writes_and_nothing_of_it_is_published() {
-    let fakes = new_fakes();
-    let (shard, records) = thirty_orders(&fakes);
-    fakes.2.close_writes_after(0);
-    let r = start(&fakes, "r1");
-    batch_two_read_ahead(&fakes).await;
+    let (fakes, shard, records, r) = batch_one_writing().await;
     // One batch read ahead, not more: batch 3 waits until batch 2 writes.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(fakes.0.reads().len(), 14, "records read while batch 1 writes");
@@ -164,11 +165,7 @@ async fn a_crash_while_a_batch_is_read_ahead_replays_exactly() {
 
 #[tokio::test]
 async fn a_lease_lost_while_a_batch_writes_never_writes_the_batch_read_ahead() {
-    let fakes = new_fakes();
-    let (shard, records) = thirty_orders(&fakes);
-    fakes.2.close_writes_after(0);
-    let r = start(&fakes, "r1");
-    batch_two_read_ahead(&fakes).await;
+    let (fakes, shard, records, r) = batch_one_writing().await;
     let held = lease_of(&fakes, &shard);
     let hour = 3_600_000;
     assert!(fakes.1.take(&held, "thief", now_ms() + hour).await.unwrap().is_some());
@@ -185,11 +182,7 @@ async fn a_lease_lost_while_a_batch_writes_never_writes_the_batch_read_ahead() {
 
 #[tokio::test]
 async fn a_replica_stopping_while_a_batch_writes_finishes_that_batch_only() {
-    let fakes = new_fakes();
-    let (shard, records) = thirty_orders(&fakes);
-    fakes.2.close_writes_after(0);
-    let r = start(&fakes, "r1");
-    batch_two_read_ahead(&fakes).await;
+    let (fakes, shard, records, r) = batch_one_writing().await;
     r.cancel.cancel();
     fakes.2.open_writes();
     r.handle.await.unwrap().unwrap();
@@ -232,11 +225,7 @@ async fn the_tip_and_the_shard_end_wait_for_the_batch_in_flight() {
 
 #[tokio::test]
 async fn a_failed_batch_drops_the_batch_read_ahead_and_reads_both_again() {
-    let fakes = new_fakes();
-    let (shard, records) = thirty_orders(&fakes);
-    fakes.2.close_writes_after(0);
-    let r = start(&fakes, "r1");
-    batch_two_read_ahead(&fakes).await;
+    let (fakes, shard, records, r) = batch_one_writing().await;
     // A write that fails for good fails batch 1 (no retry within the batch).
     fakes.2.fail_next_for_good(1);
     fakes.2.open_writes();
