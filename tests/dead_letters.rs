@@ -184,7 +184,7 @@ async fn poison_records_are_queued_with_the_full_record_and_the_rest_is_exact() 
         .map(|(b, _)| b["sequence_number"].as_str().unwrap().to_string())
         .max_by(|a, b| a.len().cmp(&b.len()).then(a.cmp(b)))
         .unwrap();
-    let cps: Vec<String> = leases(&c, &format!("{table}-state")).await.into_iter().filter_map(|(_, _, cp)| cp).collect();
+    let cps = settled_checkpoints(&c, &format!("{table}-state")).await;
     assert!(
         cps.iter().any(|cp| cp.len() > newest.len() || (cp.len() == newest.len() && cp.as_str() > newest.as_str())),
         "checkpoint {cps:?} passed {newest}"
@@ -242,7 +242,7 @@ async fn sqs_down_holds_the_checkpoint_and_nothing_is_lost() {
     }
     wait_exact(&c, &table, Duration::from_secs(60)).await;
     let state = format!("{table}-state");
-    let before: Vec<String> = leases(&c, &state).await.into_iter().filter_map(|(_, _, cp)| cp).collect();
+    let before = settled_checkpoints(&c, &state).await;
     drop(moto); // SQS goes away
     for i in 0..3u32 {
         put_order(&c, &table, "c1", &format!("ORDER#2026-11-30#bad{i}"), "PAID", AttributeValue::S("x".into())).await;
@@ -274,7 +274,7 @@ async fn sqs_down_holds_the_checkpoint_and_nothing_is_lost() {
         letters.iter().map(|(b, _)| b["record"]["dynamodb"]["Keys"]["SK"]["S"].as_str().unwrap().to_string()).collect();
     ids.sort();
     assert_eq!(ids, vec!["ORDER#2026-11-30#bad0", "ORDER#2026-11-30#bad1", "ORDER#2026-11-30#bad2"], "each poison record once, none lost");
-    let after: Vec<String> = leases(&c, &state).await.into_iter().filter_map(|(_, _, cp)| cp).collect();
+    let after = settled_checkpoints(&c, &state).await;
     assert_ne!(after, before, "processing continued");
 }
 

@@ -526,6 +526,23 @@ pub async fn leases(c: &Client, state: &str) -> Vec<(String, Option<String>, Opt
         .collect()
 }
 
+/// The checkpoints of a state table once they have held still for three seconds (a batch moves
+/// its checkpoint just after its writes, so aggregates can be exact a moment before it moves).
+pub async fn settled_checkpoints(c: &Client, state: &str) -> Vec<String> {
+    let read = || async { leases(c, state).await.into_iter().filter_map(|(_, _, cp)| cp).collect::<Vec<String>>() };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = read().await;
+    loop {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let now = read().await;
+        if now == last && !now.is_empty() {
+            return now;
+        }
+        assert!(Instant::now() < deadline, "the checkpoints of {state} kept moving: {now:?}");
+        last = now;
+    }
+}
+
 pub fn sqs_client_at(endpoint: &str) -> aws_sdk_sqs::Client {
     let creds = aws_sdk_sqs::config::Credentials::new("local", "local", None, None, "tests");
     let conf = aws_sdk_sqs::Config::builder()
