@@ -29,7 +29,7 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     let namespace = [("DDB_AGGREGATOR__AGGREGATES__LEDGER_NAMESPACE", "orders")];
     let mut svc = Service::start(&config, dir.path(), "svc", &namespace);
     let started = Instant::now();
-    let writes = workload(&c, &table, 5000, 60, 8, 1).await;
+    let writes = workload(&c, &table, 2000, 60, 8, 1).await;
     let write_time = started.elapsed();
     let settle = wait_exact(&c, &table, Duration::from_secs(120)).await;
     let m = svc.metrics();
@@ -46,8 +46,8 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
         folded - calls,
         wcu / records.max(1.0)
     );
-    assert!(writes >= 5000);
-    assert!(records >= 5000.0, "every write produced a record that was read: {records}");
+    assert!(writes >= 2000);
+    assert!(records >= 2000.0, "every write produced a record that was read: {records}");
     // Lambda's account of records: every record read is an order (customer-orders matches
     // every ORDER# record) or filtered out (the aggregate items' own records, same table).
     let filtered = metric(&m, "ddb_aggregator_records_filtered_total");
@@ -107,7 +107,7 @@ async fn sigkill_at_random_moments_loses_and_doubles_nothing() {
     let writer = {
         let c = c.clone();
         let table = table.clone();
-        tokio::spawn(async move { workload(&c, &table, 5000, 50, 6, 2).await })
+        tokio::spawn(async move { workload(&c, &table, 1500, 50, 6, 2).await })
     };
     let mut svc = Service::start(&config, dir.path(), "svc", &[]);
     let mut rng = fastrand::Rng::with_seed(7);
@@ -123,7 +123,7 @@ async fn sigkill_at_random_moments_loses_and_doubles_nothing() {
         }
     }
     let writes = writer.await.unwrap();
-    assert!(writes >= 5000);
+    assert!(writes >= 1500);
     // The last kill left a lease that expires after one lease duration.
     wait_exact(&c, &table, Duration::from_secs(120)).await;
     println!("{kills} SIGKILLs during {writes} writes: aggregates exact");
