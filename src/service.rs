@@ -263,6 +263,7 @@ async fn run_stream(
         info!(stream = %stream_arn, "this stream follows one read before (disabled and enabled again): its shards start at TRIM_HORIZON, not LATEST");
     }
     config.source.start_position = start_of(config.source.start_position, follows);
+    let expiry = crate::sink::dynamodb::helper_expiry(ddb, &config).await;
     let sink = Arc::new(DynamoDbAggregates::new(ddb.clone(), config.aggregates_table.clone()));
     let owner = replica_id();
     info!(owner = %owner, stream = %stream_arn, "reading stream");
@@ -275,7 +276,8 @@ async fn run_stream(
     };
     let streams = aws_sdk_dynamodbstreams::Client::new(sdk);
     let shared = Shared::new(config.clone(), DynamoDbStream::new(streams, stream_arn.to_string()), leases, sink, owner, health)
-        .with_dead_letters(dead_letters, stream_arn.to_string());
+        .with_dead_letters(dead_letters, stream_arn.to_string())
+        .with_expiry(expiry);
     let worker = Worker::new(shared);
     // Also with the schedule off: a persisted request to reconcile everything (data lost)
     // is still carried out.

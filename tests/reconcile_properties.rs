@@ -134,7 +134,7 @@ impl Harness {
     }
 
     fn targets(&self) -> MemoryTargets<'_> {
-        MemoryTargets { store: &self.main, ledger: Ledger::new(&self.ledger_namespace()) }
+        MemoryTargets { store: &self.main, ledger: Ledger::new(&self.ledger_namespace()), expiry: None }
     }
 
     fn ledger_namespace(&self) -> String {

@@ -593,5 +593,27 @@ async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
     }
     let metrics = svc.metrics();
     assert!(metric(&metrics, "ddb_aggregator_derivations_total{outcome=\"written\"}") > 0.0, "{metrics}");
+    assert!(metric(&metrics, "ddb_aggregator_helper_expiries_total{rule=\"customer-orders\"}") > 0.0, "{metrics}");
+    // Every helper at zero carries an expiry within 48 hours in the table's TTL attribute, and
+    // no live helper carries one.
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (mut zero, mut live) = (0, 0);
+    let is_helper = |i: &&std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>| {
+        i["SK"].as_s().unwrap().contains("#_agg#") && !i["PK"].as_s().unwrap().starts_with("#_agg#")
+    };
+    for item in scan(&c, &aggregates).await.iter().filter(is_helper) {
+        // No `refs`: the item's writes added nothing (a value that came and went in one batch).
+        let refs: i64 = item.get("refs").map_or(0, |v| v.as_n().unwrap().parse().unwrap());
+        let at = item.get(EXPIRES_AT).map(|v| v.as_n().unwrap().parse::<u64>().unwrap());
+        if refs == 0 {
+            zero += 1;
+            assert!(at.is_some_and(|at| at > now_s + 30 * 3600 && at <= now_s + 48 * 3600), "{item:?}");
+        } else {
+            live += 1;
+            assert_eq!(at, None, "a live helper does not expire: {item:?}");
+        }
+    }
+    println!("helpers: {live} live, {zero} at zero, each with an expiry");
+    assert!(zero > 0 && live > 0, "{zero} at zero, {live} live");
     drop(svc);
 }

@@ -27,6 +27,7 @@ use crate::rules::{Rule, TargetKey};
 use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
 use crate::sink::derive::DeriveTarget;
 use crate::sink::dynamodb::DynamoDbAggregates;
+use crate::sink::expiry::ExpiryChange;
 use crate::sink::ledger::Ledger;
 use crate::state::dynamodb::DynamoDbLeases;
 use crate::state::Lease;
@@ -56,6 +57,9 @@ pub struct Reconciler {
     /// Consumed read capacity per second over both tables.
     budget: Arc<ReadBudget>,
     pub items_read: Arc<AtomicU64>,
+    /// The aggregates table's TTL attribute: a corrected helper item's expiry follows its
+    /// count ([`crate::sink::expiry`]).
+    expiry: Option<crate::sink::expiry::Expiry>,
 }
 
 fn to_json(item: &Item) -> Result<Map<String, Value>, ReconcileError> {
@@ -90,7 +94,9 @@ impl Reconciler {
         let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.clone());
         let ledger = Ledger::new(&config.ledger_namespace);
         let stream = DynamoDbStream::new(aws_sdk_dynamodbstreams::Client::new(sdk), stream_arn.clone());
+        let expiry = crate::sink::dynamodb::helper_expiry(&ddb, &config).await;
         Ok(Reconciler {
+            expiry,
             ddb,
             config,
             source_keys,
@@ -560,6 +566,17 @@ impl TargetStore for Reconciler {
             }
             let condition = req.get_condition_expression().clone().unwrap_or_default();
             req = req.condition_expression(format!("({condition}) AND #h = :h"));
+        }
+        match crate::sink::expiry::after_correction(self.expiry.as_ref(), key, &c.set, crate::state::now_ms()) {
+            Some(ExpiryChange::Set { attribute, at }) => {
+                sets.push("#x = :x".to_string());
+                req = req.expression_attribute_names("#x", attribute).expression_attribute_values(":x", AttributeValue::N(at.to_string()));
+            }
+            Some(ExpiryChange::Remove { attribute }) => {
+                removes.push("#x".to_string());
+                req = req.expression_attribute_names("#x", attribute);
+            }
+            None => {}
         }
         let set = if sets.is_empty() { String::new() } else { format!("SET {} ", sets.join(", ")) };
         let remove = if removes.is_empty() { String::new() } else { format!(" REMOVE {}", removes.join(", ")) };

@@ -9,8 +9,10 @@ use super::protocol::{Correction, Placement, Removal, SourceItems, TargetItem, T
 use super::report::Stored;
 use super::truth::{is_target, Truth};
 use super::{Options, ReconcileError};
+use crate::decimal::Decimal;
 use crate::rules::{Rule, TargetKey};
 use crate::sink::derive::DeriveTarget;
+use crate::sink::expiry::ExpiryChange;
 use crate::sink::ledger::Ledger;
 use crate::sink::memory::{MemValue, MemoryAggregates};
 
@@ -18,6 +20,8 @@ use crate::sink::memory::{MemValue, MemoryAggregates};
 pub struct MemoryTargets<'a> {
     pub store: &'a MemoryAggregates,
     pub ledger: Ledger,
+    /// The table's TTL attribute, as [`crate::sink::expiry`] uses it.
+    pub expiry: Option<crate::sink::expiry::Expiry>,
 }
 
 fn key_of(key: &TargetKey) -> Vec<String> {
@@ -85,6 +89,14 @@ impl TargetStore for MemoryTargets<'_> {
     async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
         let (version, measures, hold) = (self.ledger.version_attribute(), self.ledger.measures_attribute(), self.ledger.hold_attribute());
         let fence = c.fence.as_ref().map(|f| [(self.ledger.floor_attribute(), f.clone()), (self.ledger.open_attribute(), ",".to_string())]);
+        let (mut set, mut remove) = (c.set.clone(), c.release.as_ref().map(|r| r.logs.clone()).unwrap_or_default());
+        match crate::sink::expiry::after_correction(self.expiry.as_ref(), key, &c.set, crate::state::now_ms()) {
+            Some(ExpiryChange::Set { attribute, at }) => {
+                set.push((attribute.to_string(), Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))))
+            }
+            Some(ExpiryChange::Remove { attribute }) => remove.push(attribute.to_string()),
+            None => {}
+        }
         Ok(self.store.correct_if(
             &key_of(key),
             (&version, &measures),
@@ -93,9 +105,9 @@ impl TargetStore for MemoryTargets<'_> {
                 expect: &c.expect,
                 hold: c.release.as_ref().map(|r| (hold.as_str(), r.hold.as_str())),
             },
-            &c.set,
+            &set,
             fence.as_ref().map_or(&[][..], |f| &f[..]),
-            c.release.as_ref().map_or(&[][..], |r| &r.logs[..]),
+            &remove,
         ))
     }
 

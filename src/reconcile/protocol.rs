@@ -853,7 +853,7 @@ mod tests {
             store.put(&[&format!("CUST#{c}"), "PROFILE"], &ledger.floor_attribute(), MemValue::Str(floor_value(100)));
             store.put(&[&format!("CUST#{c}"), "PROFILE"], &ledger.open_attribute(), MemValue::Str(",1gg,".into()));
         }
-        let targets = super::super::memory::MemoryTargets { store: &store, ledger: ledger.clone() };
+        let targets = super::super::memory::MemoryTargets { store: &store, ledger: ledger.clone(), expiry: None };
         // Both right (no fence known), then c2 drifts.
         let all = Options { all: true, ..Options::default() };
         reconcile_rule(&targets, &sources, &Quiet(None), &rule, None, &all, &mut Report::default()).await.unwrap();
@@ -960,7 +960,7 @@ mod tests {
             store.put(&[&format!("CUST#{c}"), "PROFILE"], "orderCount", MemValue::Num(d("7")));
         }
         let targets = Refusing {
-            inner: super::super::memory::MemoryTargets { store: &store, ledger: crate::sink::ledger::Ledger::new("t") },
+            inner: super::super::memory::MemoryTargets { store: &store, ledger: crate::sink::ledger::Ledger::new("t"), expiry: None },
             refused: key(&["CUST#c2", "PROFILE"]),
             touched: None,
         };
@@ -996,7 +996,7 @@ mod tests {
         ours(&["SALES#2026-11-15", "TOTAL"], &[("orders", "0"), ("revenue", "0")]);
         ours(&["CUST#c1", "PROFILE"], &[("orderCount", "2"), ("revenue", "0"), ("spend", "9")]);
         let targets = Refusing {
-            inner: super::super::memory::MemoryTargets { store: &store, ledger: ledger.clone() },
+            inner: super::super::memory::MemoryTargets { store: &store, ledger: ledger.clone(), expiry: None },
             refused: key(&["none"]),
             touched: Some(key(&["SALES#2026-11-15", "TOTAL"])),
         };
@@ -1040,7 +1040,7 @@ mod tests {
         let stale = format!("{}{}", helper::prefix("PROFILE", "largestOrder"), Derive::Max.tail(&Scalar::N(d("12")), None));
         store.put(&["CUST#c1", &stale], helper::REFS, MemValue::Num(d("1")));
         store.put(&["CUST#c1", "PROFILE"], "largestOrder", MemValue::Num(d("12")));
-        let targets = super::super::memory::MemoryTargets { store: &store, ledger: Ledger::new("t") };
+        let targets = super::super::memory::MemoryTargets { store: &store, ledger: Ledger::new("t"), expiry: None };
         let c1 = [key(&["CUST#c1", "PROFILE"])].into();
         let mut report = Report::default();
         reconcile_rule(&targets, &sources, &Quiet(None), rule, Some(c1), &Options::default(), &mut report).await.unwrap();

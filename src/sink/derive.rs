@@ -490,6 +490,9 @@ mod tests {
             }
             self.inner.set_derived(w).await
         }
+        async fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> Result<bool, SinkError> {
+            self.inner.expire_helper(key, attribute, at).await
+        }
     }
 
     /// `n` helpers of `measure` (a max) under the profile, valued 1..=n.

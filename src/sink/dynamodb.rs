@@ -1,11 +1,14 @@
 //! The aggregate table in DynamoDB: the ledger-guarded write as one UpdateItem.
 
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
-use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure};
+use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure, TimeToLiveStatus};
 use aws_sdk_dynamodb::Client;
+use tracing::{info, warn};
 
-use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use super::expiry::Expiry;
+use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::aws::{classify, FailureKind};
+use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::derive::derived_expressions;
 use crate::sink::hold::HoldSeen;
@@ -64,6 +67,7 @@ impl AggregateStore for DynamoDbAggregates {
                 Ok(WriteOutcome::Applied {
                     capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0),
                     seen: Seen { entries, floor: text(floor_attr), open: text(open_attr) },
+                    helper: helper_seen(w, item),
                 })
             }
             Err(e) => {
@@ -86,7 +90,8 @@ impl AggregateStore for DynamoDbAggregates {
                         value,
                         logs: c.item().map(|i| i.keys().filter(|k| k.starts_with(&log_prefix)).cloned().collect()).unwrap_or_default(),
                     });
-                    return Ok(WriteOutcome::Stale { entry, floor: text(floor_attr), open: text(open_attr), hold });
+                    let helper = helper_seen(w, c.item());
+                    return Ok(WriteOutcome::Stale { entry, floor: text(floor_attr), open: text(open_attr), hold, helper });
                 }
                 Err(self.error(classify(&e)))
             }
@@ -192,6 +197,68 @@ impl AggregateStore for DynamoDbAggregates {
             Ok(out) => Ok(Some(out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0))),
             Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(None),
             Err(e) => Err(self.error(classify(&e))),
+        }
+    }
+
+    async fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> Result<bool, SinkError> {
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .update_expression("SET #x = :at")
+            .condition_expression("attribute_exists(#pk) AND (attribute_not_exists(#refs) OR #refs = :zero)")
+            .expression_attribute_names("#pk", key.first().map_or("", |(name, _)| name.as_str()))
+            .expression_attribute_names("#x", attribute)
+            .expression_attribute_names("#refs", REFS)
+            .expression_attribute_values(":at", AttributeValue::N(at.to_string()))
+            .expression_attribute_values(":zero", AttributeValue::N("0".into()));
+        for (name, value) in key {
+            req = req.key(name, AttributeValue::S(value.clone()));
+        }
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
+            Err(e) => Err(self.error(classify(&e))),
+        }
+    }
+}
+
+/// What a helper write saw of the item's count and expiry (None: the write carries no expiry).
+fn helper_seen(w: &LedgerWrite, item: Option<&std::collections::HashMap<String, AttributeValue>>) -> Option<HelperSeen> {
+    let (e, item) = (w.expiry.as_ref()?, item?);
+    // No count: the item's writes added nothing to it (a value that came and went in one batch).
+    let refs = match item.get(REFS) {
+        None => Decimal::ZERO,
+        Some(v) => Decimal::parse(v.as_n().ok()?).ok()?,
+    };
+    Some(HelperSeen { refs, expiring: item.contains_key(&e.attribute) })
+}
+
+/// The aggregates table's TTL attribute, where zero-count helper items get their expiry
+/// ([`crate::sink::expiry`]), when rules keep helper items. Without TTL (or without the
+/// permission to ask) they stay, and the log says so.
+pub async fn helper_expiry(ddb: &Client, config: &crate::config::Config) -> Option<Expiry> {
+    let helpers = config.engine.rules.iter().any(|r| r.measures.iter().any(|m| matches!(m.kind, crate::rules::MeasureKind::Helper(_))));
+    if !helpers {
+        return None;
+    }
+    let table = &config.aggregates_table;
+    let ttl = match ddb.describe_time_to_live().table_name(table).send().await {
+        Ok(out) => out.time_to_live_description().cloned(),
+        Err(e) => {
+            warn!(table = %table, error = %classify(&e), "DescribeTimeToLive failed: zero-count helper items of max, min, latest and distinct will not expire");
+            return None;
+        }
+    };
+    let on = ttl.as_ref().filter(|d| matches!(d.time_to_live_status(), Some(TimeToLiveStatus::Enabled | TimeToLiveStatus::Enabling)));
+    match on.and_then(|d| d.attribute_name()) {
+        Some(attribute) => {
+            info!(table = %table, attribute, "zero-count helper items expire through the table's TTL attribute");
+            Some(Expiry::new(attribute))
+        }
+        None => {
+            warn!(table = %table, "the aggregates table has no TTL: zero-count helper items of max, min, latest and distinct stay; enable TTL on it (docs/semantics.md#helper-items-expire)");
+            None
         }
     }
 }

@@ -679,6 +679,10 @@ pub fn expressions(w: &super::LedgerWrite) -> Expressions {
             }
         }
     }
+    if let Some(e) = w.expiry.as_ref().filter(|e| e.clear) {
+        names.push(("#x".into(), e.attribute.clone()));
+        removes.push("#x".into());
+    }
     let mut update = format!("ADD {} ", adds.join(", "));
     update.push_str("SET ");
     update.push_str(&sets.join(", "));
@@ -977,6 +981,7 @@ mod tests {
             }),
             prune: Some(p),
             hold: HoldWrite::Absent,
+            expiry: Some(crate::sink::ExpiryWrite { attribute: "expiresAt".into(), clear: true }),
         };
         let e = expressions(&w);
         assert!(e.longest() <= MAX_EXPRESSION_BYTES, "{} bytes", e.longest());

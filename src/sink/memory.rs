@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use super::hold::{HoldSeen, HoldWrite};
-use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::ledger::{admits, applied_of, expressions, is_any_entry, Seen, MAX_EXPRESSION_BYTES};
@@ -110,6 +110,16 @@ impl MemoryAggregates {
 
     pub fn item(&self, key: &[&str]) -> Option<BTreeMap<String, MemValue>> {
         self.lock().items.get(&key.iter().map(|s| s.to_string()).collect::<Vec<_>>()).cloned()
+    }
+
+    /// What DynamoDB's TTL does, at once: deletes the items whose `attribute` (epoch seconds)
+    /// is at or before `now_s`. How many it deleted.
+    pub fn delete_expired(&self, attribute: &str, now_s: u64) -> usize {
+        let mut s = self.lock();
+        let before = s.items.len();
+        let now = Decimal::from_i64(i64::try_from(now_s).unwrap_or(i64::MAX));
+        s.items.retain(|_, item| !matches!(item.get(attribute), Some(MemValue::Num(at)) if *at <= now));
+        before - s.items.len()
     }
 
     /// Sets an attribute directly (e.g. a string where a counter should be).
@@ -343,6 +353,19 @@ fn attribute_size(name: &str, value: &MemValue) -> usize {
         }
 }
 
+/// What a helper write saw of the item's count and expiry (None: the write carries no expiry,
+/// or the item has no count).
+fn helper_seen(w: &LedgerWrite, item: &BTreeMap<String, MemValue>) -> Option<HelperSeen> {
+    let e = w.expiry.as_ref().filter(|_| !item.is_empty())?;
+    // No count: the item's writes added nothing to it (a value that came and went in one batch).
+    let refs = match item.get(REFS) {
+        None => Decimal::ZERO,
+        Some(MemValue::Num(refs)) => *refs,
+        Some(_) => return None,
+    };
+    Some(HelperSeen { refs, expiring: item.contains_key(&e.attribute) })
+}
+
 /// DynamoDB's largest item.
 pub const MAX_ITEM_BYTES: usize = 400 * 1024;
 
@@ -396,7 +419,7 @@ impl AggregateStore for MemoryAggregates {
         if !(entry_ok && fence_ok && cas_ok && hold_ok) {
             let log_prefix = w.ledger.log_prefix();
             let hold = hold.map(|value| HoldSeen { value, logs: item.keys().filter(|k| k.starts_with(&log_prefix)).cloned().collect() });
-            return Ok(WriteOutcome::Stale { entry, floor, open, hold });
+            return Ok(WriteOutcome::Stale { entry, floor, open, hold, helper: helper_seen(w, item) });
         }
         // The changed attributes first (None: removed), so a refused write leaves the item as
         // it was and the item is not copied (hot items hold hundreds of entries).
@@ -446,6 +469,9 @@ impl AggregateStore for MemoryAggregates {
                 }
             }
         }
+        if let Some(e) = w.expiry.as_ref().filter(|e| e.clear) {
+            changes.entry(e.attribute.clone()).or_insert(None);
+        }
         let before = item_size(&w.key, item);
         let removed: usize = changes.keys().filter_map(|n| item.get_key_value(n)).map(|(n, v)| attribute_size(n, v)).sum();
         let added: usize = changes.iter().filter_map(|(n, v)| v.as_ref().map(|v| attribute_size(n, v))).sum();
@@ -460,6 +486,7 @@ impl AggregateStore for MemoryAggregates {
             };
         }
         let updated = &*item;
+        let helper = helper_seen(w, updated);
         let seen = Seen {
             entries: updated.keys().filter(|k| w.ledger.is_entry(k)).cloned().collect(),
             floor: text(updated.get(floor_attr)),
@@ -479,7 +506,20 @@ impl AggregateStore for MemoryAggregates {
         let u = s.usage.entry(w.key.iter().map(|(_, v)| v.clone()).collect()).or_default();
         u.0 += 1;
         u.1 += capacity;
-        Ok(WriteOutcome::Applied { capacity, seen })
+        Ok(WriteOutcome::Applied { capacity, seen, helper })
+    }
+
+    async fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> Result<bool, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
+        match s.items.get_mut(&key) {
+            Some(item) if !item.is_empty() && item.get(REFS).is_none_or(|v| matches!(v, MemValue::Num(n) if n.is_zero())) => {
+                item.insert(attribute.to_string(), MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<LiveHelpers, SinkError> {

@@ -4,6 +4,7 @@
 pub mod dead_letter;
 pub mod derive;
 pub mod dynamodb;
+pub mod expiry;
 pub mod hold;
 pub mod ledger;
 pub mod memory;
@@ -15,6 +16,7 @@ use std::time::Duration;
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar};
 use crate::rules::{TargetDelta, TargetKey};
+use expiry::{Expiry, ExpiryWrite, HelperSeen};
 use hold::{HoldSeen, HoldWrite};
 use ledger::{admits, plan, FloorPlan, Ledger, Prune, Seen, WritePlan};
 
@@ -57,14 +59,19 @@ pub struct LedgerWrite {
     pub prune: Option<Prune>,
     /// No hold, or the reconcile hold the write logs under or ends ([`hold`]).
     pub hold: HoldWrite,
+    /// A helper item's expiry ([`expiry`]): removed when the write raises its count, and the
+    /// outcome says what the write saw of the helper. None: not a helper, or no TTL.
+    pub expiry: Option<ExpiryWrite>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum WriteOutcome {
-    /// `seen`: the item's ledger after the write.
-    Applied { capacity: f64, seen: Seen },
-    /// The condition failed: the item's current entry, floor, straggler set and hold.
-    Stale { entry: Option<String>, floor: Option<String>, open: Option<String>, hold: Option<HoldSeen> },
+    /// `seen`: the item's ledger after the write; `helper`: its count and expiry after the
+    /// write, when the write carried an [`ExpiryWrite`].
+    Applied { capacity: f64, seen: Seen, helper: Option<HelperSeen> },
+    /// The condition failed: the item's current entry, floor, straggler set and hold (and
+    /// its count and expiry, as for `Applied`).
+    Stale { entry: Option<String>, floor: Option<String>, open: Option<String>, hold: Option<HoldSeen>, helper: Option<HelperSeen> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -104,6 +111,10 @@ pub trait AggregateStore: Send + Sync + 'static {
     /// if every counter is still as `seen` (None: absent): the write capacity it consumed.
     /// None when another derivation moved one of them first.
     fn set_derived(&self, write: &DerivedWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
+
+    /// Sets a helper item's expiry (`attribute`, epoch seconds `at`) if its count is still
+    /// zero ([`expiry`]): whether it did (false: the count moved, or the item is gone).
+    fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> impl Future<Output = Result<bool, SinkError>> + Send;
 }
 
 /// One Query for a target measure's helpers.
@@ -174,6 +185,8 @@ pub struct WriteStats {
     pub held: u64,
     /// Writes that ended an expired or full hold.
     pub holds_ended: u64,
+    /// Helper items given an expiry (their count reached zero).
+    pub expiries_set: u64,
 }
 
 /// The shard a batch comes from, and what the ledger may prune.
@@ -188,6 +201,8 @@ pub struct ShardContext {
     pub fence: Option<Fence>,
     /// The current floor plan (from the lease table); None: prune nothing.
     pub plan: Option<std::sync::Arc<FloorPlan>>,
+    /// The aggregates table's TTL attribute: helper items at zero expire ([`expiry`]).
+    pub expiry: Option<Expiry>,
 }
 
 impl ShardContext {
@@ -206,6 +221,7 @@ impl ShardContext {
                 tokens: ledger::open_tokens(shard_id),
             }),
             plan: None,
+            expiry: None,
         }
     }
 
@@ -258,12 +274,16 @@ pub async fn write_target_pruning<S: AggregateStore>(
     let mut end_hold = false;
     let mut transient = 0;
     let total_records = delta.contributions.len() as u64;
+    // What the last write saw of the helper's count and expiry (helper items only).
+    let mut helper: Option<HelperSeen> = None;
+    let expiry = shard.expiry.as_ref().filter(|_| is_helper(key));
     // Each stale round raises `applied` strictly or drops the pruning, so this ends; the
     // bound is a safety net.
     for _ in 0..64 {
         let Some(p): Option<WritePlan> = plan(&delta.contributions, applied.as_deref()).map_err(|e| SinkError::Fatal(e.to_string()))?
         else {
             stats.skipped_records = total_records - stats.applied_records;
+            expire_if_due(store, key_names, key, expiry, helper, &mut stats).await?;
             return Ok(stats);
         };
         let hold = match &held {
@@ -288,6 +308,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
             fence: shard.fence.clone(),
             prune: prune.clone(),
             hold,
+            expiry: expiry.map(|e| ExpiryWrite::for_delta(e, refs_added(&p.adds))),
         };
         let longest = ledger::expressions(&write).longest();
         if longest > ledger::MAX_EXPRESSION_BYTES {
@@ -314,17 +335,19 @@ pub async fn write_target_pruning<S: AggregateStore>(
         }
         stats.calls += 1;
         match store.apply(&write).await {
-            Ok(WriteOutcome::Applied { capacity, seen }) => {
+            Ok(WriteOutcome::Applied { capacity, seen, helper }) => {
                 stats.capacity += capacity;
                 stats.applied_records = p.records as u64;
                 stats.skipped_records = total_records - stats.applied_records;
                 stats.pruned = write.prune.as_ref().map_or(0, |p| p.entries.len());
                 stats.holds_ended += u64::from(matches!(write.hold, HoldWrite::Clear { .. }));
                 stats.seen = Some(seen);
+                expire_if_due(store, key_names, key, expiry, helper, &mut stats).await?;
                 return Ok(stats);
             }
-            Ok(WriteOutcome::Stale { entry, floor, open, hold }) => {
+            Ok(WriteOutcome::Stale { entry, floor, open, hold, helper: now }) => {
                 stats.stale += 1;
+                helper = now;
                 if !shard.admitted(floor.as_deref(), open.as_deref()) {
                     // The item's floor passed this shard: someone saw it finished (every
                     // record applied and checkpointed) and pruned its entry, so this write is
@@ -381,6 +404,46 @@ pub async fn write_target_pruning<S: AggregateStore>(
     Err(SinkError::Fatal("ledger write did not settle after 64 rounds".into()))
 }
 
+/// Whether a target key is a helper item's (its sort key holds [`helper::MARK`]).
+pub fn is_helper(key: &TargetKey) -> bool {
+    key.0.len() > 1 && key.0.last().is_some_and(|sk| crate::rules::helper::parse(sk).is_some())
+}
+
+/// What a write adds to a helper's count.
+fn refs_added(adds: &[(String, Decimal)]) -> Decimal {
+    adds.iter().find(|(name, _)| name == crate::rules::helper::REFS).map_or(Decimal::ZERO, |(_, v)| *v)
+}
+
+/// Gives a helper found at zero without an expiry its expiry ([`expiry`]). Also after a
+/// refused replay: a crash between the write that reached zero and this one leaves the expiry
+/// to the batch's replay.
+async fn expire_if_due<S: AggregateStore>(
+    store: &S,
+    key_names: &[String],
+    key: &TargetKey,
+    expiry: Option<&Expiry>,
+    seen: Option<HelperSeen>,
+    stats: &mut WriteStats,
+) -> Result<(), SinkError> {
+    let Some(e) = expiry.filter(|_| expiry::due(seen)) else { return Ok(()) };
+    let item_key: Vec<(String, String)> = key_names.iter().cloned().zip(key.0.iter().map(|v| v.to_string())).collect();
+    let at = e.at(crate::state::now_ms());
+    let mut transient = 0;
+    loop {
+        match store.expire_helper(&item_key, &e.attribute, at).await {
+            Ok(set) => {
+                stats.expiries_set += u64::from(set);
+                return Ok(());
+            }
+            Err(err) if err.is_retriable() && transient < MAX_TRANSIENT_RETRIES => {
+                transient += 1;
+                tokio::time::sleep(backoff(transient)).await;
+            }
+            Err(err) => return Err(err),
+        }
+    }
+}
+
 impl WriteStats {
     /// Adds a later write's figures (the later one's view of the item wins).
     fn add(&mut self, later: &WriteStats) {
@@ -393,6 +456,7 @@ impl WriteStats {
         self.throttled += later.throttled;
         self.held += later.held;
         self.holds_ended += later.holds_ended;
+        self.expiries_set += later.expiries_set;
         if later.seen.is_some() {
             self.seen = later.seen.clone();
         }
@@ -460,6 +524,97 @@ mod tests {
         let again = write_target(&store, &names, &key(), &delta, &ctx).await.unwrap();
         assert_eq!(again.applied_records, 0);
         assert_eq!(store.numbers().values().map(|v| v.to_string()).collect::<std::collections::BTreeSet<_>>(), ["1".to_string()].into());
+    }
+
+    #[tokio::test]
+    async fn a_helper_at_zero_expires_and_a_raised_one_does_not() {
+        use crate::rules::helper::REFS;
+        let store = MemoryAggregates::new();
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let helper = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE#_agg#largest#N5")].into_boxed_slice());
+        let with_ttl = ShardContext {
+            expiry: Some(Expiry::new("expiresAt")),
+            ..ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa")
+        };
+        let refs = |seq: u64, d: i64| TargetDelta {
+            contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+            ..Default::default()
+        };
+        let state = || {
+            let item = store.item(&["CUST#c1", "PROFILE#_agg#largest#N5"]);
+            let num = |a: &str| match item.as_ref().and_then(|i| i.get(a)) {
+                Some(MemValue::Num(n)) => Some(n.to_string()),
+                _ => None,
+            };
+            (num(REFS), num("expiresAt"))
+        };
+        let write = |d: TargetDelta, ctx: ShardContext| {
+            let (store, names, helper) = (&store, &names, &helper);
+            async move { write_target(store, names, helper, &d, &ctx).await.unwrap() }
+        };
+        let s = write(refs(1, 1), with_ttl.clone()).await;
+        assert_eq!((state(), s.expiries_set), ((Some("1".into()), None), 0));
+        let before = crate::state::now_ms();
+        let s = write(refs(2, -1), with_ttl.clone()).await;
+        let (count, at) = state();
+        let at: u64 = at.expect("an expiry at zero").parse().unwrap();
+        assert_eq!((count.as_deref(), s.expiries_set), (Some("0"), 1));
+        assert!(at >= Expiry::new("expiresAt").at(before) && at * 1000 <= crate::state::now_ms() + 48 * 3_600_000, "{at}");
+        // A replay changes nothing and sets nothing again.
+        assert_eq!(write(refs(2, -1), with_ttl.clone()).await.expiries_set, 0);
+        // Raised again: the same write removes the expiry.
+        write(refs(3, 1), with_ttl.clone()).await;
+        assert_eq!(state(), (Some("1".into()), None));
+        // The process dies between the write that reaches zero and the expiry: its replay sets it.
+        let without = ShardContext { expiry: None, ..with_ttl.clone() };
+        write(refs(4, -1), without).await;
+        assert_eq!(state(), (Some("0".into()), None));
+        let replay = write(refs(4, -1), with_ttl.clone()).await;
+        assert_eq!((replay.applied_records, replay.expiries_set), (0, 1));
+        assert!(state().1.is_some());
+        // TTL deletes it; a later record makes a new helper, which does not expire.
+        assert_eq!(store.delete_expired("expiresAt", u64::MAX / 2), 1);
+        write(refs(5, 1), with_ttl.clone()).await;
+        assert_eq!(state(), (Some("1".into()), None));
+        // Items that are not helpers never get an expiry.
+        let zero = TargetDelta {
+            contributions: vec![Contribution { values: vec![("n".into(), Decimal::ZERO)], ..contribution(6, "n") }],
+            ..Default::default()
+        };
+        assert_eq!(write_target(&store, &names, &key(), &zero, &with_ttl).await.unwrap().expiries_set, 0);
+        assert!(store.item(&["CUST#c1", "PROFILE"]).is_none_or(|i| !i.contains_key("expiresAt")));
+    }
+
+    /// The argument of [`expiry`] at one helper, with its seeded bug: a batch replayed after its
+    /// helper expired at once counts its record again (the count goes below zero); with the
+    /// service's expiry the helper, and the ledger entry that refuses the replay, are still there.
+    #[tokio::test]
+    async fn a_replay_after_an_early_expiry_counts_twice_and_after_the_real_one_does_not() {
+        use crate::rules::helper::REFS;
+        for (after_ms, want) in [(0, Some("-1")), (expiry::EXPIRE_AFTER_MS, Some("0"))] {
+            let store = MemoryAggregates::new();
+            let names = vec!["PK".to_string(), "SK".to_string()];
+            let helper = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE#_agg#largest#N5")].into_boxed_slice());
+            let ctx = ShardContext {
+                expiry: Some(Expiry { after_ms, ..Expiry::new("expiresAt") }),
+                ..ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa")
+            };
+            let refs = |seq: u64, d: i64| TargetDelta {
+                contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+                ..Default::default()
+            };
+            write_target(&store, &names, &helper, &refs(1, 1), &ctx).await.unwrap();
+            write_target(&store, &names, &helper, &refs(2, -1), &ctx).await.unwrap();
+            // The table's TTL runs now; then the batch of record 2 is replayed (its checkpoint
+            // never moved).
+            store.delete_expired("expiresAt", crate::state::now_ms() / 1000);
+            write_target(&store, &names, &helper, &refs(2, -1), &ctx).await.unwrap();
+            let count = match store.item(&["CUST#c1", "PROFILE#_agg#largest#N5"]).and_then(|i| i.get(REFS).cloned()) {
+                Some(MemValue::Num(n)) => Some(n.to_string()),
+                _ => None,
+            };
+            assert_eq!(count.as_deref(), want, "expiring {after_ms} ms after zero");
+        }
     }
 
     /// Record `seq` of source item `item`, changing `n` by `delta`; the item contributes
@@ -547,6 +702,7 @@ mod tests {
             fence: ctx.fence.clone(),
             prune: None,
             hold: hold::decide(&seen, 0, &ledger, &logs, false),
+            expiry: None,
         };
         assert!(matches!(w.hold, HoldWrite::Log { .. }));
         assert!(ledger::expressions(&w).longest() <= ledger::MAX_EXPRESSION_BYTES, "{}", ledger::expressions(&w).longest());

@@ -25,10 +25,12 @@ use crate::rules::fingerprint;
 /// The storage formats this release writes (ledger entries, counters, helper keys, state
 /// items). 1: releases before definitions were kept (no heartbeat, no committed item). 2:
 /// definitions committed by generation. 3: every ledger write honours a reconcile hold
-/// ([`crate::sink::hold`]), so a hold may be placed only once 3 is committed. A replica never
-/// runs once a newer protocol is committed, and a newer one commits its own only when no
-/// replica of the committed one holds a lease.
-pub const PROTOCOL: u64 = 3;
+/// ([`crate::sink::hold`]), so a hold may be placed only once 3 is committed. 4: a write that
+/// raises a helper item's count removes its expiry ([`crate::sink::expiry`]), so expiries are
+/// written only where no replica of 3 or older writes. A replica never runs once a newer
+/// protocol is committed, and a newer one commits its own only when no replica of the
+/// committed one holds a lease.
+pub const PROTOCOL: u64 = 4;
 
 /// One committed rule: its canonical definition and the generation since which it holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,6 +12,8 @@ pub const RECORDS_MATCHED: &str = "ddb_aggregator_records_matched_total";
 pub const RECORDS_SKIPPED: &str = "ddb_aggregator_records_skipped_total";
 pub const AGGREGATE_WRITES: &str = "ddb_aggregator_aggregate_writes_total";
 pub const DERIVATIONS: &str = "ddb_aggregator_derivations_total";
+pub const HELPER_EXPIRIES: &str = "ddb_aggregator_helper_expiries_total";
+pub const HELPER_WRITES_TOO_OLD: &str = "ddb_aggregator_helper_writes_too_old_total";
 pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
 /// 1 for the reason a replica holds no lease while its rule definitions differ from the
 /// committed ones (`reason`: committed_replicas_live, leases_held, conflicting_definitions,
@@ -119,6 +121,11 @@ pub fn describe() {
         SHARDS_LOST,
         "Leased shards that left the stream before they were read to their end: data was lost and a reconcile of everything was requested."
     );
+    describe_counter!(
+        HELPER_EXPIRIES,
+        "Helper items of max, min, latest and distinct given an expiry in the table's TTL attribute (their count reached zero), per rule."
+    );
+    describe_counter!(HELPER_WRITES_TOO_OLD, "Helper writes left out because their batch held a record older than 36 hours (a helper that expired meanwhile would count it again); a reconcile of everything is requested.");
     describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");
     describe_counter!(LEASES_DELETED, "Finished leases deleted once their shard left the stream and its children held checkpoints.");
     describe_gauge!(RECONCILE_REQUESTED, "1 while a persisted request to reconcile everything (after lost or trimmed data) is pending.");

@@ -3,6 +3,7 @@
 //! queued); the shard reader moves it into the batch in flight and gets it back with the
 //! outcome, so the next batch is read and evaluated while this one writes ([`super::shard`]).
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -19,7 +20,8 @@ use super::window::WriteWindow;
 use super::Shared;
 use crate::rules::{TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
-use crate::sink::{write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
+use crate::sink::expiry;
+use crate::sink::{is_helper, write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
 use crate::telemetry::names::{self, WriteOutcome};
@@ -58,7 +60,7 @@ pub struct Applier<S, L, A> {
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
     pub fn new(shared: Arc<Shared<S, L, A>>, lease: ShardLease) -> Applier<S, L, A> {
-        let ctx = ShardContext::new(&shared.ledger, &lease.shard_id);
+        let ctx = ShardContext { expiry: shared.expiry.clone(), ..ShardContext::new(&shared.ledger, &lease.shard_id) };
         let window = WriteWindow::new(shared.config.write_concurrency);
         Applier { shared, lease, ctx, window, dead_lettered: HashSet::new() }
     }
@@ -92,12 +94,13 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         if !self.lease.valid() {
             return BatchOutcome::LeaseLost;
         }
-        if let Err(outcome) = self.write(&evaluated.targets).await {
+        let targets = self.writable(&evaluated);
+        if let Err(outcome) = self.write(&targets).await {
             return outcome;
         }
         // Derived attributes (max, min, latest, distinct) follow their helpers before the
         // checkpoint moves: a crash in between replays the batch, which derives again.
-        if let Err(e) = self.derive(&evaluated.targets).await {
+        if let Err(e) = self.derive(&targets).await {
             return BatchOutcome::Failed(e);
         }
         phases.writes = lap(&mut mark);
@@ -120,6 +123,23 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         self.shared.note_age(&self.lease.shard_id, |a| a.applied(evaluated.facts.newest_ms));
         metrics::histogram!(names::BATCH_DURATION_SECONDS).record((started.elapsed() + evaluated.facts.evaluate).as_secs_f64());
         BatchOutcome::Applied(checkpoint)
+    }
+
+    /// The batch's targets, less its helper items when its oldest record is too old to write
+    /// them ([`expiry::may_write_helpers`]: a helper that expired meanwhile would count it
+    /// again). Reconcile repairs those helpers instead; the batch goes on.
+    fn writable<'a>(&self, evaluated: &'a Evaluated) -> Cow<'a, [(TargetKey, TargetDelta)]> {
+        let oldest = evaluated.facts.created.iter().min().copied();
+        if self.shared.expiry.is_none() || expiry::may_write_helpers(oldest, now_ms()) {
+            return Cow::Borrowed(&evaluated.targets);
+        }
+        let (helpers, rest): (Vec<_>, Vec<_>) = evaluated.targets.iter().cloned().partition(|(key, _)| is_helper(key));
+        if !helpers.is_empty() {
+            error!(shard = %self.shard(), helpers = helpers.len(), "records too old to write to helper items (an expired helper would count them again); a reconcile of everything is requested");
+            metrics::counter!(names::HELPER_WRITES_TOO_OLD).increment(helpers.len() as u64);
+            self.shared.request_reconcile_everything();
+        }
+        Cow::Owned(rest)
     }
 
     async fn checkpoint(&self, progress: &Progress) -> Result<bool, SinkError> {
@@ -257,6 +277,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
         rules.dedup();
         for r in rules {
+            if stats.expiries_set > 0 {
+                metrics::counter!(names::HELPER_EXPIRIES, "rule" => r.to_string()).increment(stats.expiries_set);
+            }
             self.shared.touch(r, key);
         }
     }

@@ -73,6 +73,9 @@ pub struct Shared<S, L, A> {
     /// This replica runs the committed rule definitions ([`gate`]): only then does it hold
     /// leases, reconcile on schedule or rebuild.
     pub definitions_current: std::sync::atomic::AtomicBool,
+    /// The aggregates table's TTL attribute: helper items at zero expire through it
+    /// ([`crate::sink::expiry`]). None: the table has no TTL, zero-count helpers stay.
+    pub expiry: Option<crate::sink::expiry::Expiry>,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -101,6 +104,7 @@ impl<S, L, A> Shared<S, L, A> {
             balance: true,
             from_horizon: false,
             definitions_current: Default::default(),
+            expiry: None,
         }
     }
 
@@ -134,6 +138,12 @@ impl<S, L, A> Shared<S, L, A> {
     /// committed ones.
     pub fn without_balancing(mut self) -> Self {
         self.balance = false;
+        self
+    }
+
+    /// Helper items at zero expire through this TTL attribute ([`crate::sink::expiry`]).
+    pub fn with_expiry(mut self, expiry: Option<crate::sink::expiry::Expiry>) -> Self {
+        self.expiry = expiry;
         self
     }
 

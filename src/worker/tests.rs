@@ -1235,4 +1235,59 @@ async fn a_refused_record_the_stream_answers_only_empty_pages_for_is_lettered_cu
     assert!(letter.reason.message.contains("only empty pages at it, 6 times"), "{}", letter.reason.message);
 }
 
+/// A batch holding a record older than the helper write limit writes its counts and sums but
+/// none of its helper items (one that expired meanwhile would count the record again), and
+/// asks for a reconcile of everything. With no TTL on the table no helper expires: they are
+/// written.
+#[tokio::test]
+async fn records_too_old_for_helper_items_leave_them_to_reconcile() {
+    for ttl in [true, false] {
+        let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+        let shard = fakes.0.add_shard(None);
+        let now_s = crate::state::now_ms() / 1000;
+        let mut old = order("c1", 1, "INSERT", "5", "PAID");
+        old["dynamodb"]["ApproximateCreationDateTime"] = json!(now_s - 37 * 3600);
+        let mut fresh = order("c1", 2, "INSERT", "7", "PAID");
+        fresh["dynamodb"]["ApproximateCreationDateTime"] = json!(now_s);
+        fakes.0.append(&shard, old);
+        fakes.0.append(&shard, fresh);
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
+        let cfg = Config::from_yaml(&text, vec![("DDB_AGGREGATOR__STATE__LEASE_DURATION".to_string(), "600ms".to_string())]).unwrap();
+        let expiry = ttl.then(|| crate::sink::expiry::Expiry::new("expiresAt"));
+        let shared = Shared::new(
+            cfg,
+            ArcSource(fakes.0.clone()),
+            ArcLeases(fakes.1.clone()),
+            fakes.2.clone(),
+            "r1".into(),
+            Arc::new(Health::default()),
+        )
+        .with_expiry(expiry);
+        let worker = Worker::new(shared);
+        let shared = worker.shared().clone();
+        let cancel = CancellationToken::new();
+        let h = tokio::spawn(worker.run(cancel.clone()));
+        let count = || fakes.2.numbers().get(&(vec!["CUST#c1".to_string(), "PROFILE".to_string()], "orderCount".to_string())).copied();
+        let checkpointed = || fakes.1.snapshot().iter().any(|l| l.checkpoint == Some(Checkpoint::Sequence(format!("{:021}", 2))));
+        for _ in 0..200 {
+            if count() == Some(Decimal::from_i64(2)) && checkpointed() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cancel.cancel();
+        h.await.unwrap().unwrap();
+        assert_eq!(count(), Some(Decimal::from_i64(2)), "counts are written either way (ttl {ttl})");
+        assert!(checkpointed(), "the shard goes on (ttl {ttl})");
+        let helpers = fakes.2.keys().iter().filter(|k| k.len() == 2 && k[1].contains(crate::rules::helper::MARK)).count();
+        // Persisted in the state table, or still to be.
+        let requested = shared.reconcile_everything.load(Ordering::Relaxed) || fakes.1.reconcile_request().await.unwrap().is_some();
+        if ttl {
+            assert_eq!((helpers, requested), (0, true), "helpers left to reconcile");
+        } else {
+            assert!(helpers > 0 && !requested, "{helpers} helpers, reconcile requested {requested}");
+        }
+    }
+}
+
 mod pipeline;

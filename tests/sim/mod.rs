@@ -16,7 +16,9 @@ use ddb_aggregator::config::Config;
 use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::reconcile::memory::MemorySources;
 use ddb_aggregator::reconcile::ReconcileError;
+use ddb_aggregator::rules::helper::{MARK, REFS};
 use ddb_aggregator::sink::dead_letter::{DeadLetters, Delivery, MemoryDeadLetters};
+use ddb_aggregator::sink::expiry::Expiry;
 use ddb_aggregator::sink::memory::{MemValue, MemoryAggregates};
 use ddb_aggregator::state::memory::MemoryLeases;
 use ddb_aggregator::state::{now_ms, simulate_clock, Checkpoint, LeaseStore};
@@ -37,6 +39,8 @@ const CUSTOMERS_PER_PARTITION: u32 = 8;
 /// minutes (the most the config allows), so months of stream life cost minutes of CPU (each maintenance round lists the
 /// whole lease table and each renewal is a call); still short against a shard's 4 hours.
 const LEASE: &str = "600s";
+/// The simulated aggregates table's TTL attribute.
+pub const TTL_ATTRIBUTE: &str = "expiresAt";
 /// Every customer whose number is this modulo 8 has a string in `orders_HELD` on its item
 /// (the application wrote it), so the table refuses the write of a record that moves one of
 /// its orders to HELD (scenario c): that record goes to the dead letters, and every other
@@ -72,6 +76,9 @@ pub struct Params {
     /// (3 pages over 2s), so reconcile must never judge a shard caught up too early.
     pub empty_runs_per_partition_hour: f64,
     pub empty_run_pages: (u32, u32),
+    /// How long after reaching zero a helper item expires (the table's TTL deletes it at the
+    /// next retention pass). Shorter than the service's own is a seeded bug.
+    pub helper_expiry_ms: u64,
 }
 
 impl Default for Params {
@@ -89,6 +96,7 @@ impl Default for Params {
             progress: false,
             empty_runs_per_partition_hour: 1.0,
             empty_run_pages: (1, 2),
+            helper_expiry_ms: ddb_aggregator::sink::expiry::EXPIRE_AFTER_MS,
         }
     }
 }
@@ -166,6 +174,12 @@ pub struct Report {
     /// Shards of the old stream whose checkpoint moved after the new stream appeared: a
     /// paused replica read them late (the fence keeps that from counting twice).
     pub old_stream_read_late: u64,
+    /// Helper items the simulated TTL deleted, and those left at the end: live (a count
+    /// above zero) and at zero (expiring), with the most on one target.
+    pub helpers_expired: u64,
+    pub helpers_live: u64,
+    pub helpers_zero: u64,
+    pub helpers_most_on_a_target: u64,
     /// Records the table refused (scenario c), and their dead letters.
     pub refused: u64,
     pub refused_letters: u64,
@@ -191,6 +205,11 @@ impl std::fmt::Display for Report {
             self.faults, self.calls, self.crashes, self.pauses, self.restarts, self.outages
         )?;
         writeln!(f, "  quiescent checks {}: {} values compared, {} wrong", self.checks, self.values_compared, self.values_wrong)?;
+        writeln!(
+            f,
+            "  helper items: {} expired and deleted; at the end {} live, {} at zero (expiring), at most {} on one target",
+            self.helpers_expired, self.helpers_live, self.helpers_zero, self.helpers_most_on_a_target
+        )?;
         writeln!(
             f,
             "  largest target item {} bytes ({} ledger entries, hour {}), most ledger entries on one item at the end {}",
@@ -528,7 +547,8 @@ impl World {
             format!("replica-{slot}-{}", self.generation),
             Arc::new(Health::default()),
         )
-        .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), self.stream_arn.clone());
+        .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), self.stream_arn.clone())
+        .with_expiry(Some(Expiry { after_ms: self.p.helper_expiry_ms, ..Expiry::new(TTL_ATTRIBUTE) }));
         // Idle shards are polled every few minutes: months of stream life in minutes of CPU.
         shared.polling = Polling { idle_min: Duration::from_secs(60), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
         let worker = Worker::new(shared);
@@ -630,6 +650,9 @@ impl World {
             }
             if now >= next_retention {
                 self.retention(now);
+                // What the table's TTL does: deletes expired helpers (here at once, the worst case).
+                self.report.helpers_expired += self.aggregates.delete_expired(TTL_ATTRIBUTE, now / 1000) as u64;
+                self.negative_helpers(now);
                 next_retention = now + 10 * 60_000;
             }
             match draining_since {
@@ -1360,6 +1383,42 @@ impl World {
         }
     }
 
+    /// A helper count below zero: a record's -1 counted again on a helper that no longer held
+    /// it (one that expired too early, say). Never right, whatever is in flight: each source
+    /// item's records reach its helpers in order.
+    fn negative_helpers(&mut self, now: u64) {
+        let below: Vec<String> = self
+            .aggregates
+            .numbers()
+            .into_iter()
+            .filter(|((key, attr), v)| attr == REFS && *v < Decimal::ZERO && key.last().is_some_and(|sk| sk.contains(MARK)))
+            .take(3)
+            .map(|((key, _), v)| format!("{key:?} = {v}"))
+            .collect();
+        if !below.is_empty() && self.report.problems.iter().all(|p| !p.starts_with("helper counts below zero")) {
+            let day = (now - EPOCH_MS) / DAY;
+            self.report.problems.push(format!("helper counts below zero on day {day}: {}", below.join("; ")));
+        }
+    }
+
+    /// The helper items left: live and at zero, and the most on one target.
+    fn count_helpers(&mut self) {
+        let mut per_target: BTreeMap<(String, String), u64> = BTreeMap::new();
+        for key in self.aggregates.keys() {
+            let Some(h) = key.last().and_then(|sk| ddb_aggregator::rules::helper::parse(sk)) else { continue };
+            let parts: Vec<&str> = key.iter().map(String::as_str).collect();
+            let Some(item) = self.aggregates.item(&parts) else { continue };
+            *per_target.entry((key[0].clone(), h.owner_sk.to_string())).or_default() += 1;
+            // No count: the item's writes added nothing to it (a value that came and went in one batch).
+            if item.get(REFS).is_none_or(|v| matches!(v, MemValue::Num(n) if n.is_zero())) {
+                self.report.helpers_zero += 1;
+            } else {
+                self.report.helpers_live += 1;
+            }
+        }
+        self.report.helpers_most_on_a_target = per_target.values().copied().max().unwrap_or(0);
+    }
+
     /// The aggregates as the rules define them, computed from the items alone.
     fn truth(&self) -> BTreeMap<(Vec<String>, String), Decimal> {
         let mut t: BTreeMap<(Vec<String>, String), Decimal> = BTreeMap::new();
@@ -1381,6 +1440,9 @@ impl World {
             add(pk.clone(), "PROFILE", format!("orders_{}", o.status), one);
             let max = largest.entry(pk.clone()).or_insert(total);
             *max = (*max).max(total);
+            for measure in ["largestOrder", "activeDays"] {
+                add(pk.clone(), &format!("PROFILE{MARK}{measure}"), REFS.into(), one);
+            }
             days.entry(pk).or_default().insert(day);
             add(format!("SALES#{day}"), "TOTAL", "orders".into(), one);
             add(format!("SALES#{day}"), "TOTAL", "revenue".into(), total);
@@ -1435,6 +1497,7 @@ impl World {
         }
         self.report.faults = self.faults.injected.load(Ordering::Relaxed);
         self.report.calls = self.faults.calls.load(Ordering::Relaxed);
+        self.count_helpers();
         self.report.largest_item = self.aggregates.largest_item();
         let (entries, at) = self.aggregates.largest_item_entries();
         self.report.largest_item_entries = entries;
@@ -1462,13 +1525,29 @@ type RoundResult = Result<ddb_aggregator::reconcile::Report, ReconcileError>;
 /// application's string (not compared); a status count HELD moves left from may stand above
 /// the truth by the moves reconcile has not corrected yet (`held_from`), and is exact once
 /// reconcile has (then the allowance ends).
-/// The table's numbers as the oracle compares them: every aggregate, derived ones included, but
-/// not the helper items of max and distinct (their counts are how the values are kept, not
-/// what the rules define).
+/// The table's numbers as the oracle compares them: every aggregate, derived ones included.
+/// The helper items of max and distinct are summed per target and measure
+/// (`<target SK>#_agg#<measure>`, `refs`): every order counts once in each, so a record
+/// counted twice (say after its helper expired too early) shows there even where the derived
+/// value hides it. Their expiries are not compared.
 fn numbers(aggregates: &MemoryAggregates) -> BTreeMap<(Vec<String>, String), Decimal> {
-    let mut n = aggregates.numbers();
-    n.retain(|(key, _), _| !key.last().is_some_and(|sk| sk.contains(ddb_aggregator::rules::helper::MARK)));
-    n
+    let mut out = BTreeMap::new();
+    for ((key, attr), v) in aggregates.numbers() {
+        let helper =
+            key.last().and_then(|sk| ddb_aggregator::rules::helper::parse(sk)).map(|h| format!("{}{}{}", h.owner_sk, MARK, h.measure));
+        match helper {
+            None => {
+                out.insert((key, attr), v);
+            }
+            Some(_) if attr != REFS => {}
+            Some(sum) => {
+                let e = out.entry((vec![key[0].clone(), sum], attr)).or_insert(Decimal::ZERO);
+                *e = e.checked_add(v).expect("in range");
+            }
+        }
+    }
+    out.retain(|_, v| !v.is_zero());
+    out
 }
 
 fn agrees(

@@ -1,6 +1,7 @@
 //! Reconcile in the simulation: the real protocol over the simulated tables, the lease table
 //! and the stream listing, with the same evidence rule as on DynamoDB.
 
+use ddb_aggregator::sink::expiry::Expiry;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +27,7 @@ pub struct SimTargets {
 
 impl SimTargets {
     fn view(&self) -> MemoryTargets<'_> {
-        MemoryTargets { store: &self.store, ledger: Ledger::new(&self.namespace) }
+        MemoryTargets { store: &self.store, ledger: Ledger::new(&self.namespace), expiry: Some(Expiry::new(super::TTL_ATTRIBUTE)) }
     }
 }
 
