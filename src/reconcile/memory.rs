@@ -89,15 +89,12 @@ impl TargetStore for MemoryTargets<'_> {
     async fn correct(&self, key: &TargetKey, c: &Correction) -> Result<bool, ReconcileError> {
         let (version, measures, hold) = (self.ledger.version_attribute(), self.ledger.measures_attribute(), self.ledger.hold_attribute());
         let fence = c.fence.as_ref().map(|f| [(self.ledger.floor_attribute(), f.clone()), (self.ledger.open_attribute(), ",".to_string())]);
-        let (mut set, mut remove) = (c.set.clone(), c.release.as_ref().map(|r| r.logs.clone()).unwrap_or_default());
-        match crate::sink::expiry::after_correction(self.expiry.as_ref(), key, &c.set, crate::state::now_ms()) {
-            Some(ExpiryChange::Set { attribute, at }) => {
-                set.push((attribute.to_string(), Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))))
-            }
-            Some(ExpiryChange::Remove { attribute }) => remove.push(attribute.to_string()),
-            None => {}
+        let mut remove = c.release.as_ref().map(|r| r.logs.clone()).unwrap_or_default();
+        let change = crate::sink::expiry::after_correction(self.expiry.as_ref(), key, &c.set, crate::state::now_ms());
+        if let Some(ExpiryChange::Remove { attribute }) = &change {
+            remove.push(attribute.to_string());
         }
-        Ok(self.store.correct_if(
+        let corrected = self.store.correct_if(
             &key_of(key),
             (&version, &measures),
             crate::sink::memory::Guard {
@@ -105,10 +102,17 @@ impl TargetStore for MemoryTargets<'_> {
                 expect: &c.expect,
                 hold: c.release.as_ref().map(|r| (hold.as_str(), r.hold.as_str())),
             },
-            &set,
+            &c.set,
             fence.as_ref().map_or(&[][..], |f| &f[..]),
             &remove,
-        ))
+        );
+        // In the same write on DynamoDB; nothing runs in between here.
+        if let (true, Some(ExpiryChange::Set { attribute, at })) = (corrected, change) {
+            let parts: Vec<String> = key_of(key);
+            let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
+            self.store.put(&parts, attribute, MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
+        }
+        Ok(corrected)
     }
 
     async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {

@@ -490,8 +490,14 @@ mod tests {
             }
             self.inner.set_derived(w).await
         }
-        async fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> Result<bool, SinkError> {
-            self.inner.expire_helper(key, attribute, at).await
+        async fn expire_helper(
+            &self,
+            key: &[(String, String)],
+            attribute: &str,
+            at: u64,
+            version: (&str, Option<&str>),
+        ) -> Result<bool, SinkError> {
+            self.inner.expire_helper(key, attribute, at, version).await
         }
     }
 

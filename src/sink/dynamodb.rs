@@ -5,7 +5,7 @@ use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValu
 use aws_sdk_dynamodb::Client;
 use tracing::{info, warn};
 
-use super::expiry::Expiry;
+use super::expiry::Described;
 use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
 use crate::aws::{classify, FailureKind};
 use crate::decimal::Decimal;
@@ -200,18 +200,36 @@ impl AggregateStore for DynamoDbAggregates {
         }
     }
 
-    async fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> Result<bool, SinkError> {
+    async fn expire_helper(
+        &self,
+        key: &[(String, String)],
+        attribute: &str,
+        at: u64,
+        version: (&str, Option<&str>),
+    ) -> Result<bool, SinkError> {
         let mut req = self
             .client
             .update_item()
             .table_name(&self.table)
             .update_expression("SET #x = :at")
-            .condition_expression("attribute_exists(#pk) AND (attribute_not_exists(#refs) OR #refs = :zero)")
             .expression_attribute_names("#pk", key.first().map_or("", |(name, _)| name.as_str()))
             .expression_attribute_names("#x", attribute)
             .expression_attribute_names("#refs", REFS)
+            .expression_attribute_names("#v", version.0)
             .expression_attribute_values(":at", AttributeValue::N(at.to_string()))
             .expression_attribute_values(":zero", AttributeValue::N("0".into()));
+        // No write since the helper was seen at zero: every record it counted was created
+        // before `at` was computed.
+        let unchanged = match version.1 {
+            Some(v) => {
+                req = req.expression_attribute_values(":v", AttributeValue::N(v.to_string()));
+                "#v = :v"
+            }
+            None => "attribute_not_exists(#v)",
+        };
+        req = req.condition_expression(format!(
+            "attribute_exists(#pk) AND (attribute_not_exists(#refs) OR #refs = :zero) AND attribute_not_exists(#x) AND {unchanged}"
+        ));
         for (name, value) in key {
             req = req.key(name, AttributeValue::S(value.clone()));
         }
@@ -231,35 +249,47 @@ fn helper_seen(w: &LedgerWrite, item: Option<&std::collections::HashMap<String, 
         None => Decimal::ZERO,
         Some(v) => Decimal::parse(v.as_n().ok()?).ok()?,
     };
-    Some(HelperSeen { refs, expiring: item.contains_key(&e.attribute) })
+    let version = item.get(&w.version_attribute).and_then(|v| v.as_n().ok()).cloned();
+    Some(HelperSeen { refs, expiring: item.contains_key(&e.attribute), version })
 }
 
-/// The aggregates table's TTL attribute, where zero-count helper items get their expiry
-/// ([`crate::sink::expiry`]), when rules keep helper items. Without TTL (or without the
-/// permission to ask) they stay, and the log says so.
-pub async fn helper_expiry(ddb: &Client, config: &crate::config::Config) -> Option<Expiry> {
-    let helpers = config.engine.rules.iter().any(|r| r.measures.iter().any(|m| matches!(m.kind, crate::rules::MeasureKind::Helper(_))));
-    if !helpers {
-        return None;
-    }
-    let table = &config.aggregates_table;
-    let ttl = match ddb.describe_time_to_live().table_name(table).send().await {
-        Ok(out) => out.time_to_live_description().cloned(),
-        Err(e) => {
-            warn!(table = %table, error = %classify(&e), "DescribeTimeToLive failed: zero-count helper items of max, min, latest and distinct will not expire");
-            return None;
-        }
+/// Whether any rule keeps helper items (max, min, latest, distinct): only then does the
+/// table's TTL matter.
+pub fn keeps_helpers(config: &crate::config::Config) -> bool {
+    config.engine.rules.iter().any(|r| r.measures.iter().any(|m| matches!(m.kind, crate::rules::MeasureKind::Helper(_))))
+}
+
+/// What DescribeTimeToLive says of `table`, and the failure when it failed.
+pub async fn describe_ttl(ddb: &Client, table: &str) -> (Described, Option<crate::aws::Failure>) {
+    let out = match ddb.describe_time_to_live().table_name(table).send().await {
+        Ok(out) => out,
+        Err(e) => return (Described::Failed, Some(classify(&e))),
     };
-    let on = ttl.as_ref().filter(|d| matches!(d.time_to_live_status(), Some(TimeToLiveStatus::Enabled | TimeToLiveStatus::Enabling)));
-    match on.and_then(|d| d.attribute_name()) {
-        Some(attribute) => {
-            info!(table = %table, attribute, "zero-count helper items expire through the table's TTL attribute");
-            Some(Expiry::new(attribute))
+    let d = out.time_to_live_description();
+    let status = d.and_then(|d| d.time_to_live_status());
+    let described = match (status, d.and_then(|d| d.attribute_name())) {
+        (Some(TimeToLiveStatus::Enabled), Some(a)) => Described::On { attribute: a.to_string(), enabled: true },
+        (Some(TimeToLiveStatus::Enabling), Some(a)) => Described::On { attribute: a.to_string(), enabled: false },
+        _ => Described::Off,
+    };
+    (described, None)
+}
+
+/// Logs what the table's TTL means for helper items, once at start.
+pub fn log_ttl(table: &str, described: &Described, failure: Option<&crate::aws::Failure>) {
+    match (described, failure) {
+        (Described::On { attribute, .. }, _) => {
+            info!(table = %table, attribute = %attribute, "zero-count helper items expire through the table's TTL attribute");
         }
-        None => {
-            warn!(table = %table, "the aggregates table has no TTL: zero-count helper items of max, min, latest and distinct stay; enable TTL on it (docs/semantics.md#helper-items-expire)");
-            None
-        }
+        (Described::Off, _) => warn!(
+            table = %table,
+            "the aggregates table has no TTL: zero-count helper items of max, min, latest and distinct stay; enable TTL on it (docs/semantics.md#helper-items-expire)"
+        ),
+        (Described::Failed, f) => warn!(
+            table = %table,
+            error = %f.map(ToString::to_string).unwrap_or_default(),
+            "DescribeTimeToLive failed: helper items of max, min, latest and distinct are not written until it succeeds (retried every minute)"
+        ),
     }
 }
 

@@ -9,19 +9,21 @@
 //! Why no record is counted twice although the deleted helper took its ledger with it:
 //! - Every record R whose delta a helper holds was created before the helper last reached zero,
 //!   so before the expiry was set at `t_e`: the helper is deleted at or after `t_e + EXPIRE_AFTER`.
-//! - A batch writes helper items only while its oldest record is younger than
-//!   `WRITE_AGE_LIMIT` ([`may_write_helpers`]). A batch that is older fails and is read again
-//!   from its checkpoint; the stream keeps records for 24 hours, so by then it is trimmed and
-//!   the gap is reconciled. Any write of R is therefore sent before
-//!   `R.created + WRITE_AGE_LIMIT + P`, where P, the time from that check to the request
-//!   reaching DynamoDB (the batch's own writes, a process paused in between), is assumed below
-//!   `EXPIRE_AFTER - WRITE_AGE_LIMIT` (4 hours; a request signed more than 5 minutes before it
-//!   arrives is refused by AWS).
+//! - A helper write is sent only while the oldest record of its batch is younger than
+//!   `WRITE_AGE_LIMIT` ([`may_write_helpers`], checked before each helper write). The stream
+//!   keeps records for 24 hours, so only a batch stuck for hours is older: its helper writes
+//!   are left out and a reconcile of everything is requested. Any write of R therefore reaches
+//!   DynamoDB before `R.created + WRITE_AGE_LIMIT + P`, where P, the time from that check to
+//!   the request's arrival (a process paused in between), is assumed below
+//!   `EXPIRE_AFTER - WRITE_AGE_LIMIT` (4 hours), and the local clock within minutes of AWS's.
 //! - So a replay of R reaches the helper before `t_e + EXPIRE_AFTER`: the helper, and the ledger
 //!   entry that refuses the replay, are still there. A helper written after its deletion is new:
 //!   it counts only records it never held.
 //! - A write that raises the count removes the expiry; an expiry is set only while the count is
-//!   zero (the write's condition). So a helper with a live reference is never deleted.
+//!   zero and no write has touched the helper since it was seen at zero (the write's
+//!   condition). So a helper with a live reference is never deleted. Every process removes
+//!   expiries once it knows the TTL attribute, and sets them only after knowing it for
+//!   [`SETTLE_MS`] ([`TtlView`]), by which time every other process has read it too.
 
 use crate::decimal::Decimal;
 use crate::rules::helper::REFS;
@@ -33,18 +35,27 @@ pub const EXPIRE_AFTER_MS: u64 = 40 * HOUR_MS;
 /// Records older than this are not written to helper items ([`may_write_helpers`]).
 pub const WRITE_AGE_LIMIT_MS: u64 = 36 * HOUR_MS;
 
+/// How often a running service reads the table's TTL settings again.
+pub const REFRESH_MS: u64 = 60_000;
+/// How long a process knows the TTL attribute before it sets expiries: every other process
+/// has read it again meanwhile, so each of their writes that raises a count removes it.
+pub const SETTLE_MS: u64 = 2 * REFRESH_MS;
+
 /// The aggregates table's TTL attribute (DescribeTimeToLive), where helper expiries go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expiry {
     pub attribute: String,
-    /// How long after its count reached zero a helper expires: [`EXPIRE_AFTER_MS`] (the
-    /// simulation shortens it to show that expiring too early double-counts).
+    /// How long after its count reached zero a helper expires: [`EXPIRE_AFTER_MS`] (a test
+    /// shortens it to show that expiring too early double-counts).
     pub after_ms: u64,
+    /// Whether this process sets expiries; it always removes them ([`TtlView::expiry`]).
+    pub set: bool,
 }
 
 impl Expiry {
+    /// Sets and removes expiries in `attribute`.
     pub fn new(attribute: &str) -> Expiry {
-        Expiry { attribute: attribute.to_string(), after_ms: EXPIRE_AFTER_MS }
+        Expiry { attribute: attribute.to_string(), after_ms: EXPIRE_AFTER_MS, set: true }
     }
 
     /// The expiry, in epoch seconds (the TTL attribute's unit), of a helper found at zero at `now_ms`.
@@ -53,31 +64,96 @@ impl Expiry {
     }
 }
 
-/// A helper write's part in expiry: the TTL attribute, and whether the write removes it (it
-/// raises the count).
+/// What DescribeTimeToLive said of the aggregates table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Described {
+    /// TTL on (`enabled`) or being turned on, on this attribute.
+    On { attribute: String, enabled: bool },
+    /// TTL off, or being turned off.
+    Off,
+    /// The call failed.
+    Failed,
+}
+
+/// What this process knows of the table's TTL. Every process removes the expiry on each write
+/// that raises a helper's count as soon as it knows the attribute; expiries are set only once
+/// TTL is enabled and this process has known the attribute for [`SETTLE_MS`]. So a process
+/// that has not read the attribute yet never raises a helper that carries an expiry.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TtlView {
+    /// The attribute last seen (kept after TTL is turned off: expiries may still be on items).
+    pub attribute: Option<String>,
+    /// Since when TTL has been enabled on `attribute`, as this process saw it.
+    pub known_since_ms: Option<u64>,
+    pub enabled: bool,
+    /// The settings could not be read (and were never read): helper writes wait.
+    pub unknown: bool,
+    /// Whether the settings were ever read.
+    pub read: bool,
+}
+
+impl TtlView {
+    /// The view after DescribeTimeToLive answered `d` at `now_ms`.
+    pub fn next(&self, d: Described, now_ms: u64) -> TtlView {
+        match d {
+            Described::On { attribute, enabled } => {
+                let since = match (&self.attribute, self.known_since_ms) {
+                    (Some(a), Some(since)) if *a == attribute => since,
+                    // Enabled before this process read it: every process started before that
+                    // read it as it turned on (AWS turns TTL on through ENABLING), or at its own
+                    // start, so it is settled.
+                    _ if !self.read && enabled => now_ms.saturating_sub(SETTLE_MS),
+                    _ => now_ms,
+                };
+                TtlView { attribute: Some(attribute), known_since_ms: Some(since), enabled, unknown: false, read: true }
+            }
+            Described::Off => {
+                TtlView { attribute: self.attribute.clone(), known_since_ms: None, enabled: false, unknown: false, read: true }
+            }
+            // With an attribute known, its expiries are still removed; with none, another
+            // process may be setting expiries this one would not remove.
+            Described::Failed => TtlView { unknown: self.attribute.is_none(), ..self.clone() },
+        }
+    }
+
+    /// The expiry part of this process's helper writes at `now_ms`. None: no TTL attribute
+    /// known (nothing to remove, nothing to set).
+    pub fn expiry(&self, now_ms: u64) -> Option<Expiry> {
+        let attribute = self.attribute.as_deref()?;
+        let settled = self.known_since_ms.is_some_and(|since| now_ms.saturating_sub(since) >= SETTLE_MS);
+        Some(Expiry { set: self.enabled && settled, ..Expiry::new(attribute) })
+    }
+
+    /// A view for a process whose table has TTL on `attribute` for good (tests, the simulation).
+    pub fn settled(expiry: Option<Expiry>) -> TtlView {
+        match expiry {
+            None => TtlView::default(),
+            Some(e) => TtlView { attribute: Some(e.attribute), known_since_ms: Some(0), enabled: e.set, unknown: false, read: true },
+        }
+    }
+}
+
+/// A helper write's part in expiry: the TTL attribute, which the write removes. Every write
+/// removes it, whatever it adds: one that leaves the count at zero has it set again after
+/// ([`due`]), and a live helper written by any process that knows the attribute never keeps
+/// one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpiryWrite {
     pub attribute: String,
-    pub clear: bool,
 }
 
-/// What a write saw of a helper item: its count and whether it carries an expiry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a write saw of a helper item: its count, whether it carries an expiry, and its write
+/// counter (the expiry is set only if no write came since).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HelperSeen {
     pub refs: Decimal,
     pub expiring: bool,
-}
-
-impl ExpiryWrite {
-    /// The expiry part of a helper write adding `refs` to the count.
-    pub fn for_delta(expiry: &Expiry, refs: Decimal) -> ExpiryWrite {
-        ExpiryWrite { attribute: expiry.attribute.clone(), clear: refs > Decimal::ZERO }
-    }
+    pub version: Option<String>,
 }
 
 /// Whether a helper seen as `seen` after a write (or a refused replay) is to get its expiry
 /// now: its count is zero and it has none.
-pub fn due(seen: Option<HelperSeen>) -> bool {
+pub fn due(seen: Option<&HelperSeen>) -> bool {
     seen.is_some_and(|s| s.refs.is_zero() && !s.expiring)
 }
 
@@ -96,8 +172,8 @@ pub enum ExpiryChange<'a> {
 }
 
 /// The expiry part of a correction that sets `set` on the item `key` at `now_ms`: a helper
-/// set to zero expires, one set above zero loses any expiry. None: not a helper, no TTL, or
-/// the correction leaves the count alone.
+/// set to zero expires (if this process sets expiries), one set above zero loses any expiry.
+/// None: not a helper, no TTL, or the correction leaves the count alone.
 pub fn after_correction<'a>(
     expiry: Option<&'a Expiry>,
     key: &TargetKey,
@@ -107,7 +183,11 @@ pub fn after_correction<'a>(
     let e = expiry.filter(|_| super::is_helper(key))?;
     let attribute = e.attribute.as_str();
     let (_, refs) = set.iter().find(|(name, _)| name == REFS)?;
-    Some(if refs.is_zero() { ExpiryChange::Set { attribute, at: e.at(now_ms) } } else { ExpiryChange::Remove { attribute } })
+    match refs.is_zero() {
+        true if e.set => Some(ExpiryChange::Set { attribute, at: e.at(now_ms) }),
+        true => None,
+        false => Some(ExpiryChange::Remove { attribute }),
+    }
 }
 
 #[cfg(test)]
@@ -115,24 +195,16 @@ mod tests {
     use super::*;
 
     fn seen(refs: i64, expiring: bool) -> Option<HelperSeen> {
-        Some(HelperSeen { refs: Decimal::from_i64(refs), expiring })
+        Some(HelperSeen { refs: Decimal::from_i64(refs), expiring, version: Some("3".into()) })
     }
 
     #[test]
     fn only_a_helper_at_zero_without_an_expiry_gets_one() {
-        assert!(due(seen(0, false)));
-        assert!(!due(seen(0, true)), "already expiring");
-        assert!(!due(seen(1, false)), "still referenced");
-        assert!(!due(seen(-1, false)), "below zero is a drift for reconcile, not an expiry");
+        assert!(due(seen(0, false).as_ref()));
+        assert!(!due(seen(0, true).as_ref()), "already expiring");
+        assert!(!due(seen(1, false).as_ref()), "still referenced");
+        assert!(!due(seen(-1, false).as_ref()), "below zero is a drift for reconcile, not an expiry");
         assert!(!due(None), "not a helper, or a store without TTL");
-    }
-
-    #[test]
-    fn raising_the_count_clears_the_expiry_and_lowering_it_does_not() {
-        let e = Expiry::new("ttl");
-        assert!(ExpiryWrite::for_delta(&e, Decimal::from_i64(1)).clear);
-        assert!(!ExpiryWrite::for_delta(&e, Decimal::from_i64(-1)).clear);
-        assert!(!ExpiryWrite::for_delta(&e, Decimal::ZERO).clear);
     }
 
     #[test]
@@ -155,8 +227,46 @@ mod tests {
         assert_eq!(after_correction(Some(&e), &helper, &refs(0), now), Some(ExpiryChange::Set { attribute: "ttl", at: e.at(now) }));
         assert_eq!(after_correction(Some(&e), &helper, &refs(2), now), Some(ExpiryChange::Remove { attribute: "ttl" }));
         assert_eq!(after_correction(None, &helper, &refs(0), now), None, "no TTL");
+        let removing = Expiry { set: false, ..e.clone() };
+        assert_eq!(after_correction(Some(&removing), &helper, &refs(0), now), None, "this process sets none");
+        assert_eq!(after_correction(Some(&removing), &helper, &refs(1), now), Some(ExpiryChange::Remove { attribute: "ttl" }));
         assert_eq!(after_correction(Some(&e), &target, &refs(0), now), None, "not a helper");
         assert_eq!(after_correction(Some(&e), &helper, &[("other".into(), Decimal::ZERO)], now), None, "count untouched");
+    }
+
+    #[test]
+    fn expiries_are_set_only_once_every_process_had_time_to_read_the_attribute() {
+        let on = |enabled| Described::On { attribute: "ttl".into(), enabled };
+        const T: u64 = 1_764_547_200_000;
+        let start = TtlView::default();
+        assert_eq!(start.expiry(T), None, "nothing known: nothing to remove or set");
+        assert_eq!(start.next(on(true), T + 1_000).expiry(T + 1_000).map(|e| e.set), Some(true), "enabled before this process started");
+        // Turned on while this process runs: it settles first.
+        let v = start.next(Described::Off, T + 500).next(on(true), T + 1_000);
+        assert_eq!(v.expiry(T + 1_000).map(|e| e.set), Some(false), "known, not settled: removed on raise, not set");
+        assert_eq!(v.expiry(T + 1_000 + SETTLE_MS).map(|e| e.set), Some(true));
+        // Read again: the first sighting counts.
+        let again = v.next(on(true), T + 1_000 + REFRESH_MS);
+        assert_eq!(again.known_since_ms, Some(T + 1_000));
+        // Being turned on: removed, never set; then enabled, it settles from the first sighting.
+        let enabling = start.next(on(false), T);
+        assert_eq!(enabling.expiry(T + 10 * SETTLE_MS).map(|e| e.set), Some(false));
+        let enabled = enabling.next(on(true), T + 10 * SETTLE_MS);
+        assert_eq!(enabled.expiry(T + 10 * SETTLE_MS).map(|e| e.set), Some(true), "known since it was enabling");
+        // Another attribute: settles anew.
+        let other = v.next(Described::On { attribute: "exp".into(), enabled: true }, T + 5_000);
+        assert_eq!(other.known_since_ms, Some(T + 5_000));
+        assert_eq!(other.expiry(T + 5_000).map(|e| (e.attribute, e.set)), Some(("exp".into(), false)));
+        // Turned off: expiries already on items are still removed by raising writes.
+        let off = v.next(Described::Off, T + 9_000);
+        assert_eq!(off.expiry(T + 10 * SETTLE_MS).map(|e| (e.attribute, e.set)), Some(("ttl".into(), false)));
+        // A failed read keeps what was known; with nothing known, helper writes wait.
+        assert_eq!(v.next(Described::Failed, T + 9_000), v);
+        assert!(start.next(Described::Failed, T).unknown);
+        assert!(!start.next(Described::Off, T).unknown);
+        assert!(!start.next(Described::Failed, T).next(Described::Off, T + 1).unknown, "read at last");
+        let late = start.next(Described::Failed, T).next(on(true), T + 1);
+        assert_eq!(late.expiry(T + 1).map(|e| e.set), Some(true), "first read after failures: as at a start");
     }
 
     #[test]

@@ -679,7 +679,7 @@ pub fn expressions(w: &super::LedgerWrite) -> Expressions {
             }
         }
     }
-    if let Some(e) = w.expiry.as_ref().filter(|e| e.clear) {
+    if let Some(e) = &w.expiry {
         names.push(("#x".into(), e.attribute.clone()));
         removes.push("#x".into());
     }
@@ -981,7 +981,7 @@ mod tests {
             }),
             prune: Some(p),
             hold: HoldWrite::Absent,
-            expiry: Some(crate::sink::ExpiryWrite { attribute: "expiresAt".into(), clear: true }),
+            expiry: Some(crate::sink::ExpiryWrite { attribute: "expiresAt".into() }),
         };
         let e = expressions(&w);
         assert!(e.longest() <= MAX_EXPRESSION_BYTES, "{} bytes", e.longest());

@@ -363,7 +363,11 @@ fn helper_seen(w: &LedgerWrite, item: &BTreeMap<String, MemValue>) -> Option<Hel
         Some(MemValue::Num(refs)) => *refs,
         Some(_) => return None,
     };
-    Some(HelperSeen { refs, expiring: item.contains_key(&e.attribute) })
+    let version = match item.get(&w.version_attribute) {
+        Some(MemValue::Num(n)) => Some(n.to_string()),
+        _ => None,
+    };
+    Some(HelperSeen { refs, expiring: item.contains_key(&e.attribute), version })
 }
 
 /// DynamoDB's largest item.
@@ -469,7 +473,7 @@ impl AggregateStore for MemoryAggregates {
                 }
             }
         }
-        if let Some(e) = w.expiry.as_ref().filter(|e| e.clear) {
+        if let Some(e) = &w.expiry {
             changes.entry(e.attribute.clone()).or_insert(None);
         }
         let before = item_size(&w.key, item);
@@ -509,12 +513,27 @@ impl AggregateStore for MemoryAggregates {
         Ok(WriteOutcome::Applied { capacity, seen, helper })
     }
 
-    async fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> Result<bool, SinkError> {
+    async fn expire_helper(
+        &self,
+        key: &[(String, String)],
+        attribute: &str,
+        at: u64,
+        version: (&str, Option<&str>),
+    ) -> Result<bool, SinkError> {
         let mut s = self.lock();
         s.calls += 1;
         let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
+        let unchanged = |item: &BTreeMap<String, MemValue>| match item.get(version.0) {
+            Some(MemValue::Num(n)) => version.1 == Some(n.to_string().as_str()),
+            _ => version.1.is_none(),
+        };
         match s.items.get_mut(&key) {
-            Some(item) if !item.is_empty() && item.get(REFS).is_none_or(|v| matches!(v, MemValue::Num(n) if n.is_zero())) => {
+            Some(item)
+                if !item.is_empty()
+                    && item.get(REFS).is_none_or(|v| matches!(v, MemValue::Num(n) if n.is_zero()))
+                    && !item.contains_key(attribute)
+                    && unchanged(item) =>
+            {
                 item.insert(attribute.to_string(), MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
                 Ok(true)
             }

@@ -114,7 +114,15 @@ pub trait AggregateStore: Send + Sync + 'static {
 
     /// Sets a helper item's expiry (`attribute`, epoch seconds `at`) if its count is still
     /// zero ([`expiry`]): whether it did (false: the count moved, or the item is gone).
-    fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> impl Future<Output = Result<bool, SinkError>> + Send;
+    /// `version`: the item's write counter (attribute, value seen; None: absent), which must
+    /// be unchanged.
+    fn expire_helper(
+        &self,
+        key: &[(String, String)],
+        attribute: &str,
+        at: u64,
+        version: (&str, Option<&str>),
+    ) -> impl Future<Output = Result<bool, SinkError>> + Send;
 }
 
 /// One Query for a target measure's helpers.
@@ -203,6 +211,9 @@ pub struct ShardContext {
     pub plan: Option<std::sync::Arc<FloorPlan>>,
     /// The aggregates table's TTL attribute: helper items at zero expire ([`expiry`]).
     pub expiry: Option<Expiry>,
+    /// The creation time of the batch's oldest record: helper writes are sent only while it is
+    /// younger than [`expiry::WRITE_AGE_LIMIT_MS`].
+    pub oldest_ms: Option<u64>,
 }
 
 impl ShardContext {
@@ -222,6 +233,7 @@ impl ShardContext {
             }),
             plan: None,
             expiry: None,
+            oldest_ms: None,
         }
     }
 
@@ -283,7 +295,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
         let Some(p): Option<WritePlan> = plan(&delta.contributions, applied.as_deref()).map_err(|e| SinkError::Fatal(e.to_string()))?
         else {
             stats.skipped_records = total_records - stats.applied_records;
-            expire_if_due(store, key_names, key, expiry, helper, &mut stats).await?;
+            expire_if_due(store, key_names, key, (expiry, &shard.version_attribute), helper.take(), &mut stats).await?;
             return Ok(stats);
         };
         let hold = match &held {
@@ -308,7 +320,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
             fence: shard.fence.clone(),
             prune: prune.clone(),
             hold,
-            expiry: expiry.map(|e| ExpiryWrite::for_delta(e, refs_added(&p.adds))),
+            expiry: expiry.map(|e| ExpiryWrite { attribute: e.attribute.clone() }),
         };
         let longest = ledger::expressions(&write).longest();
         if longest > ledger::MAX_EXPRESSION_BYTES {
@@ -333,6 +345,10 @@ pub async fn write_target_pruning<S: AggregateStore>(
             // dead-letter records.
             return Err(SinkError::Fatal(format!("ledger write expression of {longest} bytes exceeds DynamoDB's 4 KB")));
         }
+        if is_helper(key) && !expiry::may_write_helpers(shard.oldest_ms, crate::state::now_ms()) {
+            // Checked again before each helper write: the batch may have aged while it wrote.
+            return Err(SinkError::Transient("the batch's oldest record is too old to write helper items".into()));
+        }
         stats.calls += 1;
         match store.apply(&write).await {
             Ok(WriteOutcome::Applied { capacity, seen, helper }) => {
@@ -342,7 +358,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
                 stats.pruned = write.prune.as_ref().map_or(0, |p| p.entries.len());
                 stats.holds_ended += u64::from(matches!(write.hold, HoldWrite::Clear { .. }));
                 stats.seen = Some(seen);
-                expire_if_due(store, key_names, key, expiry, helper, &mut stats).await?;
+                expire_if_due(store, key_names, key, (expiry, &shard.version_attribute), helper, &mut stats).await?;
                 return Ok(stats);
             }
             Ok(WriteOutcome::Stale { entry, floor, open, hold, helper: now }) => {
@@ -409,11 +425,6 @@ pub fn is_helper(key: &TargetKey) -> bool {
     key.0.len() > 1 && key.0.last().is_some_and(|sk| crate::rules::helper::parse(sk).is_some())
 }
 
-/// What a write adds to a helper's count.
-fn refs_added(adds: &[(String, Decimal)]) -> Decimal {
-    adds.iter().find(|(name, _)| name == crate::rules::helper::REFS).map_or(Decimal::ZERO, |(_, v)| *v)
-}
-
 /// Gives a helper found at zero without an expiry its expiry ([`expiry`]). Also after a
 /// refused replay: a crash between the write that reached zero and this one leaves the expiry
 /// to the batch's replay.
@@ -421,16 +432,16 @@ async fn expire_if_due<S: AggregateStore>(
     store: &S,
     key_names: &[String],
     key: &TargetKey,
-    expiry: Option<&Expiry>,
+    (expiry, version_attribute): (Option<&Expiry>, &str),
     seen: Option<HelperSeen>,
     stats: &mut WriteStats,
 ) -> Result<(), SinkError> {
-    let Some(e) = expiry.filter(|_| expiry::due(seen)) else { return Ok(()) };
+    let (Some(e), Some(seen)) = (expiry.filter(|e| e.set && expiry::due(seen.as_ref())), seen) else { return Ok(()) };
     let item_key: Vec<(String, String)> = key_names.iter().cloned().zip(key.0.iter().map(|v| v.to_string())).collect();
     let at = e.at(crate::state::now_ms());
     let mut transient = 0;
     loop {
-        match store.expire_helper(&item_key, &e.attribute, at).await {
+        match store.expire_helper(&item_key, &e.attribute, at, (version_attribute, seen.version.as_deref())).await {
             Ok(set) => {
                 stats.expiries_set += u64::from(set);
                 return Ok(());

@@ -20,7 +20,7 @@ use super::window::WriteWindow;
 use super::Shared;
 use crate::rules::{TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
-use crate::sink::expiry;
+use crate::sink::expiry::{self, Expiry};
 use crate::sink::{is_helper, write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
@@ -60,7 +60,7 @@ pub struct Applier<S, L, A> {
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
     pub fn new(shared: Arc<Shared<S, L, A>>, lease: ShardLease) -> Applier<S, L, A> {
-        let ctx = ShardContext { expiry: shared.expiry.clone(), ..ShardContext::new(&shared.ledger, &lease.shard_id) };
+        let ctx = ShardContext::new(&shared.ledger, &lease.shard_id);
         let window = WriteWindow::new(shared.config.write_concurrency);
         Applier { shared, lease, ctx, window, dead_lettered: HashSet::new() }
     }
@@ -94,8 +94,16 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         if !self.lease.valid() {
             return BatchOutcome::LeaseLost;
         }
+        let ttl = self.shared.ttl_view();
         let targets = self.writable(&evaluated);
-        if let Err(outcome) = self.write(&targets).await {
+        if ttl.unknown && targets.iter().any(|(key, _)| is_helper(key)) {
+            // Another replica may be setting expiries that this one could not remove.
+            return BatchOutcome::Failed(SinkError::Transient(
+                "the aggregates table's TTL settings could not be read yet; helper writes wait".into(),
+            ));
+        }
+        let oldest_ms = evaluated.facts.created.iter().min().copied();
+        if let Err(outcome) = self.write(&targets, ttl.expiry(now_ms()), oldest_ms).await {
             return outcome;
         }
         // Derived attributes (max, min, latest, distinct) follow their helpers before the
@@ -130,7 +138,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
     /// again). Reconcile repairs those helpers instead; the batch goes on.
     fn writable<'a>(&self, evaluated: &'a Evaluated) -> Cow<'a, [(TargetKey, TargetDelta)]> {
         let oldest = evaluated.facts.created.iter().min().copied();
-        if self.shared.expiry.is_none() || expiry::may_write_helpers(oldest, now_ms()) {
+        if expiry::may_write_helpers(oldest, now_ms()) {
             return Cow::Borrowed(&evaluated.targets);
         }
         let (helpers, rest): (Vec<_>, Vec<_>) = evaluated.targets.iter().cloned().partition(|(key, _)| is_helper(key));
@@ -164,11 +172,16 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
     /// by record, and the letter of a record it still refuses is sent before any later record
     /// of that target is written (a later record advances the ledger past it, so a replay
     /// after a crash would never retry it).
-    async fn write(&mut self, targets: &[(TargetKey, TargetDelta)]) -> Result<(), BatchOutcome> {
+    async fn write(
+        &mut self,
+        targets: &[(TargetKey, TargetDelta)],
+        expiry: Option<Expiry>,
+        oldest_ms: Option<u64>,
+    ) -> Result<(), BatchOutcome> {
         let shared = self.shared.clone();
         let key_names = &shared.engine.key_names;
         let store = shared.sink.as_ref();
-        let ctx = ShardContext { plan: shared.floor_plan(), ..self.ctx.clone() };
+        let ctx = ShardContext { plan: shared.floor_plan(), expiry, oldest_ms, ..self.ctx.clone() };
         let ctx = &ctx;
         let mut writes = Vec::with_capacity(targets.len());
         for (key, delta) in targets {

@@ -73,9 +73,9 @@ pub struct Shared<S, L, A> {
     /// This replica runs the committed rule definitions ([`gate`]): only then does it hold
     /// leases, reconcile on schedule or rebuild.
     pub definitions_current: std::sync::atomic::AtomicBool,
-    /// The aggregates table's TTL attribute: helper items at zero expire through it
-    /// ([`crate::sink::expiry`]). None: the table has no TTL, zero-count helpers stay.
-    pub expiry: Option<crate::sink::expiry::Expiry>,
+    /// What this replica knows of the aggregates table's TTL: helper items at zero expire
+    /// through it ([`crate::sink::expiry`]); the service reads it again now and then.
+    pub ttl: std::sync::RwLock<crate::sink::expiry::TtlView>,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -104,7 +104,7 @@ impl<S, L, A> Shared<S, L, A> {
             balance: true,
             from_horizon: false,
             definitions_current: Default::default(),
-            expiry: None,
+            ttl: Default::default(),
         }
     }
 
@@ -141,10 +141,25 @@ impl<S, L, A> Shared<S, L, A> {
         self
     }
 
-    /// Helper items at zero expire through this TTL attribute ([`crate::sink::expiry`]).
-    pub fn with_expiry(mut self, expiry: Option<crate::sink::expiry::Expiry>) -> Self {
-        self.expiry = expiry;
+    /// Helper items at zero expire through this TTL attribute for good ([`crate::sink::expiry`]).
+    pub fn with_expiry(self, expiry: Option<crate::sink::expiry::Expiry>) -> Self {
+        self.with_ttl(crate::sink::expiry::TtlView::settled(expiry))
+    }
+
+    pub fn with_ttl(mut self, view: crate::sink::expiry::TtlView) -> Self {
+        self.ttl = std::sync::RwLock::new(view);
         self
+    }
+
+    /// What this replica knows of the table's TTL now.
+    pub fn ttl_view(&self) -> crate::sink::expiry::TtlView {
+        self.ttl.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Takes in what DescribeTimeToLive said at `now_ms`.
+    pub fn note_ttl(&self, described: crate::sink::expiry::Described, now_ms: u64) {
+        let mut view = self.ttl.write().unwrap_or_else(|e| e.into_inner());
+        *view = view.next(described, now_ms);
     }
 
     pub fn with_dead_letters(mut self, dead_letters: DeadLetters, stream_arn: String) -> Self {

@@ -232,8 +232,14 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
         call(&self.fate, &self.faults, self.inner.set_derived(w), t, t).await
     }
 
-    async fn expire_helper(&self, key: &[(String, String)], attribute: &str, at: u64) -> Result<bool, SinkError> {
+    async fn expire_helper(
+        &self,
+        key: &[(String, String)],
+        attribute: &str,
+        at: u64,
+        version: (&str, Option<&str>),
+    ) -> Result<bool, SinkError> {
         let t = || SinkError::Transient("simulated".into());
-        call(&self.fate, &self.faults, self.inner.expire_helper(key, attribute, at), t, t).await
+        call(&self.fate, &self.faults, self.inner.expire_helper(key, attribute, at, version), t, t).await
     }
 }

@@ -652,7 +652,6 @@ impl World {
                 self.retention(now);
                 // What the table's TTL does: deletes expired helpers (here at once, the worst case).
                 self.report.helpers_expired += self.aggregates.delete_expired(TTL_ATTRIBUTE, now / 1000) as u64;
-                self.negative_helpers(now);
                 next_retention = now + 10 * 60_000;
             }
             match draining_since {
@@ -1380,24 +1379,6 @@ impl World {
                 wrong.len(),
                 wrong.iter().take(5).cloned().collect::<Vec<_>>().join("; ")
             ));
-        }
-    }
-
-    /// A helper count below zero: a record's -1 counted again on a helper that no longer held
-    /// it (one that expired too early, say). Never right, whatever is in flight: each source
-    /// item's records reach its helpers in order.
-    fn negative_helpers(&mut self, now: u64) {
-        let below: Vec<String> = self
-            .aggregates
-            .numbers()
-            .into_iter()
-            .filter(|((key, attr), v)| attr == REFS && *v < Decimal::ZERO && key.last().is_some_and(|sk| sk.contains(MARK)))
-            .take(3)
-            .map(|((key, _), v)| format!("{key:?} = {v}"))
-            .collect();
-        if !below.is_empty() && self.report.problems.iter().all(|p| !p.starts_with("helper counts below zero")) {
-            let day = (now - EPOCH_MS) / DAY;
-            self.report.problems.push(format!("helper counts below zero on day {day}: {}", below.join("; ")));
         }
     }
 
