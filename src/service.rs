@@ -15,7 +15,7 @@ use crate::registry::dynamodb::{Registered, Registry, RegistryError};
 use crate::registry::Starting;
 use crate::sink::dead_letter::{DeadLetters, SqsDeadLetters};
 use crate::sink::dynamodb::DynamoDbAggregates;
-use crate::sink::expiry::TtlView;
+use crate::sink::expiry::Described;
 use crate::state::dynamodb::DynamoDbLeases;
 use crate::state::LeaseStore;
 use crate::stream::dynamodb::DynamoDbStream;
@@ -264,7 +264,6 @@ async fn run_stream(
         info!(stream = %stream_arn, "this stream follows one read before (disabled and enabled again): its shards start at TRIM_HORIZON, not LATEST");
     }
     config.source.start_position = start_of(config.source.start_position, follows);
-    let ttl = table_ttl(ddb, &config).await?;
     let sink = Arc::new(DynamoDbAggregates::new(ddb.clone(), config.aggregates_table.clone()));
     let owner = replica_id();
     info!(owner = %owner, stream = %stream_arn, "reading stream");
@@ -277,11 +276,10 @@ async fn run_stream(
     };
     let streams = aws_sdk_dynamodbstreams::Client::new(sdk);
     let shared = Shared::new(config.clone(), DynamoDbStream::new(streams, stream_arn.to_string()), leases, sink, owner, health)
-        .with_dead_letters(dead_letters, stream_arn.to_string())
-        .with_ttl(ttl);
+        .with_dead_letters(dead_letters, stream_arn.to_string());
     let worker = Worker::new(shared);
-    if crate::sink::dynamodb::keeps_helpers(&config) {
-        tokio::spawn(refresh_ttl(worker.shared().clone(), ddb.clone(), config.aggregates_table.clone(), stop.clone()));
+    if let Some(attribute) = config.helper_expiry_attribute.clone().filter(|_| crate::sink::dynamodb::keeps_helpers(&config)) {
+        tokio::spawn(watch_ttl(worker.shared().clone(), ddb.clone(), (config.aggregates_table.clone(), attribute), stop.clone()));
     }
     // Also with the schedule off: a persisted request to reconcile everything (data lost)
     // is still carried out.
@@ -293,36 +291,28 @@ async fn run_stream(
     })
 }
 
-/// What this replica knows of the aggregates table's TTL at start ([`crate::sink::expiry`]).
-/// A table whose TTL settings it may not read is a setup error: other replicas may be setting
-/// expiries that this one would never remove.
-async fn table_ttl(ddb: &aws_sdk_dynamodb::Client, config: &Config) -> Result<TtlView, ServiceError> {
-    if !crate::sink::dynamodb::keeps_helpers(config) {
-        return Ok(TtlView::default());
-    }
-    let table = &config.aggregates_table;
-    let (described, failure) = crate::sink::dynamodb::describe_ttl(ddb, table).await;
-    if let Some(f) = failure.as_ref().filter(|f| f.kind == FailureKind::Other) {
-        return Err(ServiceError::Setup(format!(
-            "DescribeTimeToLive on the aggregates table {table} failed ({f}): rules with max, min, latest or distinct need dynamodb:DescribeTimeToLive (deploy/iam/policy.json)"
-        )));
-    }
-    crate::sink::dynamodb::log_ttl(table, &described, failure.as_ref());
-    Ok(TtlView::default().next(described, crate::state::now_ms()))
-}
-
-/// Reads the aggregates table's TTL settings again every minute, until `stop`.
-async fn refresh_ttl<S, L, A>(shared: Arc<Shared<S, L, A>>, ddb: aws_sdk_dynamodb::Client, table: String, stop: CancellationToken) {
+/// Reads the aggregates table's TTL settings at start and every minute after, until `stop`:
+/// expiries are set while TTL is enabled on the configured attribute ([`crate::sink::expiry`]).
+/// Every helper write removes the attribute whatever this finds.
+async fn watch_ttl<S, L, A>(
+    shared: Arc<Shared<S, L, A>>,
+    ddb: aws_sdk_dynamodb::Client,
+    (table, attribute): (String, String),
+    stop: CancellationToken,
+) {
+    let mut last: Option<bool> = None;
     loop {
+        let (described, failure) = crate::sink::dynamodb::describe_ttl(&ddb, &table).await;
+        let on = matches!(&described, Described::On { attribute: a, enabled: true } if *a == attribute);
+        if last != Some(on) {
+            crate::sink::dynamodb::log_ttl(&table, &attribute, &described, failure.as_ref());
+        }
+        last = Some(on);
+        shared.expiry_on.store(on, std::sync::atomic::Ordering::Relaxed);
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_millis(crate::sink::expiry::REFRESH_MS)) => {}
         }
-        let (described, failure) = crate::sink::dynamodb::describe_ttl(&ddb, &table).await;
-        if let Some(f) = failure {
-            warn!(table = %table, error = %f, "DescribeTimeToLive failed; tried again in a minute");
-        }
-        shared.note_ttl(described, crate::state::now_ms());
     }
 }
 

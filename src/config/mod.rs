@@ -70,6 +70,9 @@ pub struct Config {
     pub ledger_namespace_explicit: bool,
     /// Most target writes a shard keeps in flight (`aggregates.write_concurrency`).
     pub write_concurrency: usize,
+    /// The aggregates table's TTL attribute for helper items (`aggregates.helper_expiry_attribute`,
+    /// [`crate::sink::expiry`]).
+    pub helper_expiry_attribute: Option<String>,
     pub dead_letter: Option<DeadLetterConfig>,
     /// None: no scheduled reconcile.
     pub reconcile_interval: Option<Duration>,
@@ -426,6 +429,21 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         Some(ns) => crate::sink::ledger::check_namespace(ns).map_err(|m| err("aggregates.ledger_namespace", m))?.to_string(),
     };
     let ledger_namespace_explicit = raw.aggregates.as_ref().is_some_and(|a| a.ledger_namespace.is_some());
+    let helper_expiry_attribute = match raw.aggregates.as_ref().and_then(|a| a.helper_expiry_attribute.as_deref()) {
+        None => None,
+        Some(a)
+            if a.is_empty() || a.len() > 255 || a.contains(['.', '[', '#']) || a.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) =>
+        {
+            return Err(err(
+                "aggregates.helper_expiry_attribute",
+                format!(
+                    "{a:?}: a top-level attribute name of 1 to 255 bytes, without . [ or #, not starting with {}",
+                    crate::rules::RESERVED_ATTRIBUTE_PREFIX
+                ),
+            ))
+        }
+        Some(a) => Some(a.to_string()),
+    };
     let dead_letter = match raw.dead_letter {
         Some(d) => {
             if !(d.queue_url.starts_with("https://") || d.queue_url.starts_with("http://")) {
@@ -508,6 +526,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         aggregates_table,
         ledger_namespace,
         ledger_namespace_explicit,
+        helper_expiry_attribute,
         write_concurrency,
         dead_letter,
         reconcile_interval,

@@ -164,6 +164,11 @@ pub struct RawAggregates {
     #[serde(default)]
     #[schemars(range(min = 1, max = 256))]
     pub write_concurrency: Option<u32>,
+    /// The table's TTL attribute, for the helper items of max, min, latest and distinct: one at
+    /// zero gets an expiry there (once TTL is enabled on it), and every helper write removes
+    /// it (default: none, helpers at zero stay).
+    #[serde(default)]
+    pub helper_expiry_attribute: Option<String>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]

@@ -423,7 +423,7 @@ fn leftovers_of_a_rule_change_are_removed_after_the_replay_window_unless_told_ot
 fn helper_items_are_loop_checked_like_targets() {
     // Aggregates in the source table, and a second rule whose source_key has the shape of the
     // first rule's helper items (`PROFILE#_agg#largestOrder#<value>`), not of its targets.
-    let text = include_str!("../../config/commerce-measures.yaml").replace("aggregates:\n  table: commerce-aggregates\n", "");
+    let text = include_str!("../../config/commerce-measures.yaml").replace("aggregates:\n  table: commerce-aggregates\n", "aggregates:\n");
     let events = "  - name: events\n    source_key: { PK: \"CUST#{customer}\", SK: \"{kind}#{a}#{b}#{c}\" }\n    target: { PK: \"EVENTS#{kind}\", SK: \"TOTAL\" }\n    measures: { events: count }\n    reconcile: { scan: true }\n";
     let looping = format!("{text}{events}");
     let e = load_err(&looping);

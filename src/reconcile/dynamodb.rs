@@ -75,26 +75,6 @@ fn aws(doing: String) -> impl FnOnce(crate::aws::Failure) -> ReconcileError {
     move |f| ReconcileError::Aws(format!("{doing}: {f}"))
 }
 
-/// The expiry part of reconcile's corrections: a helper it raises loses its expiry; it sets
-/// none (the service does, once every replica knows the attribute). A table whose TTL settings
-/// cannot be read is an error: corrections could leave an expiry on a live helper.
-async fn reconcile_expiry(ddb: &Client, config: &Config) -> Result<Option<crate::sink::expiry::Expiry>, ReconcileError> {
-    if !crate::sink::dynamodb::keeps_helpers(config) {
-        return Ok(None);
-    }
-    match crate::sink::dynamodb::describe_ttl(ddb, &config.aggregates_table).await {
-        (crate::sink::expiry::Described::On { attribute, .. }, _) => {
-            Ok(Some(crate::sink::expiry::Expiry { set: false, ..crate::sink::expiry::Expiry::new(&attribute) }))
-        }
-        (crate::sink::expiry::Described::Off, _) => Ok(None),
-        (crate::sink::expiry::Described::Failed, f) => Err(ReconcileError::Aws(format!(
-            "DescribeTimeToLive on the aggregates table {} failed: {}",
-            config.aggregates_table,
-            f.map(|f| f.to_string()).unwrap_or_default()
-        ))),
-    }
-}
-
 impl Reconciler {
     pub async fn new(sdk: &aws_config::SdkConfig, config: Config) -> Result<Reconciler, ReconcileError> {
         let ddb = Client::new(sdk);
@@ -114,7 +94,11 @@ impl Reconciler {
         let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.clone());
         let ledger = Ledger::new(&config.ledger_namespace);
         let stream = DynamoDbStream::new(aws_sdk_dynamodbstreams::Client::new(sdk), stream_arn.clone());
-        let expiry = reconcile_expiry(&ddb, &config).await?;
+        // A helper it raises loses its expiry; it sets none (the service does).
+        let expiry = config
+            .helper_expiry_attribute
+            .as_deref()
+            .map(|a| crate::sink::expiry::Expiry { set: false, ..crate::sink::expiry::Expiry::new(a) });
         Ok(Reconciler {
             expiry,
             ddb,

@@ -275,20 +275,27 @@ pub async fn describe_ttl(ddb: &Client, table: &str) -> (Described, Option<crate
     (described, None)
 }
 
-/// Logs what the table's TTL means for helper items, once at start.
-pub fn log_ttl(table: &str, described: &Described, failure: Option<&crate::aws::Failure>) {
+/// Logs what the table's TTL means for helper items (at start, and when it changes).
+pub fn log_ttl(table: &str, configured: &str, described: &Described, failure: Option<&crate::aws::Failure>) {
     match (described, failure) {
-        (Described::On { attribute, .. }, _) => {
+        (Described::On { attribute, enabled: true }, _) if attribute == configured => {
             info!(table = %table, attribute = %attribute, "zero-count helper items expire through the table's TTL attribute");
         }
+        (Described::On { attribute, enabled: false }, _) if attribute == configured => {
+            info!(table = %table, attribute = %attribute, "TTL is being turned on: helper items expire once it is enabled");
+        }
+        (Described::On { attribute, .. }, _) => warn!(
+            table = %table, attribute = %attribute, configured = %configured,
+            "the table's TTL is on another attribute than aggregates.helper_expiry_attribute: zero-count helper items do not expire"
+        ),
         (Described::Off, _) => warn!(
-            table = %table,
-            "the aggregates table has no TTL: zero-count helper items of max, min, latest and distinct stay; enable TTL on it (docs/semantics.md#helper-items-expire)"
+            table = %table, configured = %configured,
+            "the aggregates table has no TTL: zero-count helper items do not expire; turn TTL on for aggregates.helper_expiry_attribute (docs/semantics.md#helper-items-expire)"
         ),
         (Described::Failed, f) => warn!(
             table = %table,
             error = %f.map(ToString::to_string).unwrap_or_default(),
-            "DescribeTimeToLive failed: helper items of max, min, latest and distinct are not written until it succeeds (retried every minute)"
+            "DescribeTimeToLive failed (it needs dynamodb:DescribeTimeToLive): zero-count helper items get no expiry until it succeeds"
         ),
     }
 }

@@ -21,9 +21,10 @@
 //!   it counts only records it never held.
 //! - A write that raises the count removes the expiry; an expiry is set only while the count is
 //!   zero and no write has touched the helper since it was seen at zero (the write's
-//!   condition). So a helper with a live reference is never deleted. Every process removes
-//!   expiries once it knows the TTL attribute, and sets them only after knowing it for
-//!   [`SETTLE_MS`] ([`TtlView`]), by which time every other process has read it too.
+//!   condition). So a helper with a live reference is never deleted. The attribute is
+//!   configured (`aggregates.helper_expiry_attribute`), so every process that writes helpers
+//!   (the service, reconcile and its own consumer) removes it on every helper write, whether
+//!   or not it may set expiries (only while DescribeTimeToLive says TTL is enabled on it).
 
 use crate::decimal::Decimal;
 use crate::rules::helper::REFS;
@@ -37,18 +38,17 @@ pub const WRITE_AGE_LIMIT_MS: u64 = 36 * HOUR_MS;
 
 /// How often a running service reads the table's TTL settings again.
 pub const REFRESH_MS: u64 = 60_000;
-/// How long a process knows the TTL attribute before it sets expiries: every other process
-/// has read it again meanwhile, so each of their writes that raises a count removes it.
-pub const SETTLE_MS: u64 = 2 * REFRESH_MS;
 
-/// The aggregates table's TTL attribute (DescribeTimeToLive), where helper expiries go.
+/// The aggregates table's TTL attribute (`aggregates.helper_expiry_attribute`), where helper
+/// expiries go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expiry {
     pub attribute: String,
     /// How long after its count reached zero a helper expires: [`EXPIRE_AFTER_MS`] (a test
     /// shortens it to show that expiring too early double-counts).
     pub after_ms: u64,
-    /// Whether this process sets expiries; it always removes them ([`TtlView::expiry`]).
+    /// Whether this process sets expiries (TTL is enabled on the attribute); every process
+    /// removes them.
     pub set: bool,
 }
 
@@ -64,7 +64,8 @@ impl Expiry {
     }
 }
 
-/// What DescribeTimeToLive said of the aggregates table.
+/// What DescribeTimeToLive said of the aggregates table: expiries are set only while TTL is
+/// enabled on the configured attribute.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Described {
     /// TTL on (`enabled`) or being turned on, on this attribute.
@@ -75,68 +76,9 @@ pub enum Described {
     Failed,
 }
 
-/// What this process knows of the table's TTL. Every process removes the expiry on each write
-/// that raises a helper's count as soon as it knows the attribute; expiries are set only once
-/// TTL is enabled and this process has known the attribute for [`SETTLE_MS`]. So a process
-/// that has not read the attribute yet never raises a helper that carries an expiry.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TtlView {
-    /// The attribute last seen (kept after TTL is turned off: expiries may still be on items).
-    pub attribute: Option<String>,
-    /// Since when TTL has been enabled on `attribute`, as this process saw it.
-    pub known_since_ms: Option<u64>,
-    pub enabled: bool,
-    /// The settings could not be read (and were never read): helper writes wait.
-    pub unknown: bool,
-    /// Whether the settings were ever read.
-    pub read: bool,
-}
-
-impl TtlView {
-    /// The view after DescribeTimeToLive answered `d` at `now_ms`.
-    pub fn next(&self, d: Described, now_ms: u64) -> TtlView {
-        match d {
-            Described::On { attribute, enabled } => {
-                let since = match (&self.attribute, self.known_since_ms) {
-                    (Some(a), Some(since)) if *a == attribute => since,
-                    // Enabled before this process read it: every process started before that
-                    // read it as it turned on (AWS turns TTL on through ENABLING), or at its own
-                    // start, so it is settled.
-                    _ if !self.read && enabled => now_ms.saturating_sub(SETTLE_MS),
-                    _ => now_ms,
-                };
-                TtlView { attribute: Some(attribute), known_since_ms: Some(since), enabled, unknown: false, read: true }
-            }
-            Described::Off => {
-                TtlView { attribute: self.attribute.clone(), known_since_ms: None, enabled: false, unknown: false, read: true }
-            }
-            // With an attribute known, its expiries are still removed; with none, another
-            // process may be setting expiries this one would not remove.
-            Described::Failed => TtlView { unknown: self.attribute.is_none(), ..self.clone() },
-        }
-    }
-
-    /// The expiry part of this process's helper writes at `now_ms`. None: no TTL attribute
-    /// known (nothing to remove, nothing to set).
-    pub fn expiry(&self, now_ms: u64) -> Option<Expiry> {
-        let attribute = self.attribute.as_deref()?;
-        let settled = self.known_since_ms.is_some_and(|since| now_ms.saturating_sub(since) >= SETTLE_MS);
-        Some(Expiry { set: self.enabled && settled, ..Expiry::new(attribute) })
-    }
-
-    /// A view for a process whose table has TTL on `attribute` for good (tests, the simulation).
-    pub fn settled(expiry: Option<Expiry>) -> TtlView {
-        match expiry {
-            None => TtlView::default(),
-            Some(e) => TtlView { attribute: Some(e.attribute), known_since_ms: Some(0), enabled: e.set, unknown: false, read: true },
-        }
-    }
-}
-
 /// A helper write's part in expiry: the TTL attribute, which the write removes. Every write
 /// removes it, whatever it adds: one that leaves the count at zero has it set again after
-/// ([`due`]), and a live helper written by any process that knows the attribute never keeps
-/// one.
+/// ([`due`]), so a live helper never keeps one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpiryWrite {
     pub attribute: String,
@@ -232,41 +174,6 @@ mod tests {
         assert_eq!(after_correction(Some(&removing), &helper, &refs(1), now), Some(ExpiryChange::Remove { attribute: "ttl" }));
         assert_eq!(after_correction(Some(&e), &target, &refs(0), now), None, "not a helper");
         assert_eq!(after_correction(Some(&e), &helper, &[("other".into(), Decimal::ZERO)], now), None, "count untouched");
-    }
-
-    #[test]
-    fn expiries_are_set_only_once_every_process_had_time_to_read_the_attribute() {
-        let on = |enabled| Described::On { attribute: "ttl".into(), enabled };
-        const T: u64 = 1_764_547_200_000;
-        let start = TtlView::default();
-        assert_eq!(start.expiry(T), None, "nothing known: nothing to remove or set");
-        assert_eq!(start.next(on(true), T + 1_000).expiry(T + 1_000).map(|e| e.set), Some(true), "enabled before this process started");
-        // Turned on while this process runs: it settles first.
-        let v = start.next(Described::Off, T + 500).next(on(true), T + 1_000);
-        assert_eq!(v.expiry(T + 1_000).map(|e| e.set), Some(false), "known, not settled: removed on raise, not set");
-        assert_eq!(v.expiry(T + 1_000 + SETTLE_MS).map(|e| e.set), Some(true));
-        // Read again: the first sighting counts.
-        let again = v.next(on(true), T + 1_000 + REFRESH_MS);
-        assert_eq!(again.known_since_ms, Some(T + 1_000));
-        // Being turned on: removed, never set; then enabled, it settles from the first sighting.
-        let enabling = start.next(on(false), T);
-        assert_eq!(enabling.expiry(T + 10 * SETTLE_MS).map(|e| e.set), Some(false));
-        let enabled = enabling.next(on(true), T + 10 * SETTLE_MS);
-        assert_eq!(enabled.expiry(T + 10 * SETTLE_MS).map(|e| e.set), Some(true), "known since it was enabling");
-        // Another attribute: settles anew.
-        let other = v.next(Described::On { attribute: "exp".into(), enabled: true }, T + 5_000);
-        assert_eq!(other.known_since_ms, Some(T + 5_000));
-        assert_eq!(other.expiry(T + 5_000).map(|e| (e.attribute, e.set)), Some(("exp".into(), false)));
-        // Turned off: expiries already on items are still removed by raising writes.
-        let off = v.next(Described::Off, T + 9_000);
-        assert_eq!(off.expiry(T + 10 * SETTLE_MS).map(|e| (e.attribute, e.set)), Some(("ttl".into(), false)));
-        // A failed read keeps what was known; with nothing known, helper writes wait.
-        assert_eq!(v.next(Described::Failed, T + 9_000), v);
-        assert!(start.next(Described::Failed, T).unknown);
-        assert!(!start.next(Described::Off, T).unknown);
-        assert!(!start.next(Described::Failed, T).next(Described::Off, T + 1).unknown, "read at last");
-        let late = start.next(Described::Failed, T).next(on(true), T + 1);
-        assert_eq!(late.expiry(T + 1).map(|e| e.set), Some(true), "first read after failures: as at a start");
     }
 
     #[test]

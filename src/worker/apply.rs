@@ -94,16 +94,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         if !self.lease.valid() {
             return BatchOutcome::LeaseLost;
         }
-        let ttl = self.shared.ttl_view();
         let targets = self.writable(&evaluated);
-        if ttl.unknown && targets.iter().any(|(key, _)| is_helper(key)) {
-            // Another replica may be setting expiries that this one could not remove.
-            return BatchOutcome::Failed(SinkError::Transient(
-                "the aggregates table's TTL settings could not be read yet; helper writes wait".into(),
-            ));
-        }
         let oldest_ms = evaluated.facts.created.iter().min().copied();
-        if let Err(outcome) = self.write(&targets, ttl.expiry(now_ms()), oldest_ms).await {
+        if let Err(outcome) = self.write(&targets, self.shared.expiry(), oldest_ms).await {
             return outcome;
         }
         // Derived attributes (max, min, latest, distinct) follow their helpers before the

@@ -73,13 +73,19 @@ pub struct Shared<S, L, A> {
     /// This replica runs the committed rule definitions ([`gate`]): only then does it hold
     /// leases, reconcile on schedule or rebuild.
     pub definitions_current: std::sync::atomic::AtomicBool,
-    /// What this replica knows of the aggregates table's TTL: helper items at zero expire
-    /// through it ([`crate::sink::expiry`]); the service reads it again now and then.
-    pub ttl: std::sync::RwLock<crate::sink::expiry::TtlView>,
+    /// The helper items' expiry attribute (`aggregates.helper_expiry_attribute`): every helper
+    /// write removes it ([`crate::sink::expiry`]).
+    pub expiry_attribute: Option<String>,
+    /// Whether expiries are set: TTL is enabled on that attribute (the service reads it every
+    /// minute; reconcile's own consumer never sets).
+    pub expiry_on: std::sync::atomic::AtomicBool,
+    /// How long after reaching zero a helper expires (a test shortens it).
+    pub expiry_after_ms: u64,
 }
 
 impl<S, L, A> Shared<S, L, A> {
     pub fn new(config: Config, source: S, leases: L, sink: Arc<A>, owner: String, health: Arc<Health>) -> Shared<S, L, A> {
+        let expiry_attribute = config.helper_expiry_attribute.clone();
         let engine = config.engine.clone();
         let ledger = crate::sink::ledger::Ledger::new(&config.ledger_namespace);
         Shared {
@@ -104,7 +110,9 @@ impl<S, L, A> Shared<S, L, A> {
             balance: true,
             from_horizon: false,
             definitions_current: Default::default(),
-            ttl: Default::default(),
+            expiry_attribute,
+            expiry_on: Default::default(),
+            expiry_after_ms: crate::sink::expiry::EXPIRE_AFTER_MS,
         }
     }
 
@@ -141,25 +149,19 @@ impl<S, L, A> Shared<S, L, A> {
         self
     }
 
-    /// Helper items at zero expire through this TTL attribute for good ([`crate::sink::expiry`]).
-    pub fn with_expiry(self, expiry: Option<crate::sink::expiry::Expiry>) -> Self {
-        self.with_ttl(crate::sink::expiry::TtlView::settled(expiry))
-    }
-
-    pub fn with_ttl(mut self, view: crate::sink::expiry::TtlView) -> Self {
-        self.ttl = std::sync::RwLock::new(view);
+    /// Helper items at zero expire through this attribute, whatever the config says (tests,
+    /// the simulation). None: no expiry.
+    pub fn with_expiry(mut self, expiry: Option<crate::sink::expiry::Expiry>) -> Self {
+        self.expiry_attribute = expiry.as_ref().map(|e| e.attribute.clone());
+        self.expiry_on = std::sync::atomic::AtomicBool::new(expiry.as_ref().is_some_and(|e| e.set));
+        self.expiry_after_ms = expiry.map_or(crate::sink::expiry::EXPIRE_AFTER_MS, |e| e.after_ms);
         self
     }
 
-    /// What this replica knows of the table's TTL now.
-    pub fn ttl_view(&self) -> crate::sink::expiry::TtlView {
-        self.ttl.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Takes in what DescribeTimeToLive said at `now_ms`.
-    pub fn note_ttl(&self, described: crate::sink::expiry::Described, now_ms: u64) {
-        let mut view = self.ttl.write().unwrap_or_else(|e| e.into_inner());
-        *view = view.next(described, now_ms);
+    /// The expiry part of this replica's helper writes now: None without an expiry attribute.
+    pub fn expiry(&self) -> Option<crate::sink::expiry::Expiry> {
+        let attribute = self.expiry_attribute.clone()?;
+        Some(crate::sink::expiry::Expiry { attribute, after_ms: self.expiry_after_ms, set: self.expiry_on.load(Ordering::Relaxed) })
     }
 
     pub fn with_dead_letters(mut self, dead_letters: DeadLetters, stream_arn: String) -> Self {

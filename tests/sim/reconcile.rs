@@ -27,7 +27,11 @@ pub struct SimTargets {
 
 impl SimTargets {
     fn view(&self) -> MemoryTargets<'_> {
-        MemoryTargets { store: &self.store, ledger: Ledger::new(&self.namespace), expiry: Some(Expiry::new(super::TTL_ATTRIBUTE)) }
+        MemoryTargets {
+            store: &self.store,
+            ledger: Ledger::new(&self.namespace),
+            expiry: Some(Expiry { set: false, ..Expiry::new(super::TTL_ATTRIBUTE) }),
+        }
     }
 }
 
