@@ -59,8 +59,8 @@ pub struct LedgerWrite {
     pub prune: Option<Prune>,
     /// No hold, or the reconcile hold the write logs under or ends ([`hold`]).
     pub hold: HoldWrite,
-    /// A helper item's expiry ([`expiry`]): removed when the write raises its count, and the
-    /// outcome says what the write saw of the helper. None: not a helper, or no TTL.
+    /// A helper item's expiry attribute ([`expiry`]): every helper write removes it, and the
+    /// outcome says what the write saw of the helper. None: not a helper, or no attribute.
     pub expiry: Option<ExpiryWrite>,
 }
 
@@ -345,7 +345,7 @@ pub async fn write_target_pruning<S: AggregateStore>(
             // dead-letter records.
             return Err(SinkError::Fatal(format!("ledger write expression of {longest} bytes exceeds DynamoDB's 4 KB")));
         }
-        if is_helper(key) && !expiry::may_write_helpers(shard.oldest_ms, crate::state::now_ms()) {
+        if expiry.is_some() && !expiry::may_write_helpers(shard.oldest_ms, crate::state::now_ms()) {
             // Checked again before each helper write: the batch may have aged while it wrote.
             return Err(SinkError::Transient("the batch's oldest record is too old to write helper items".into()));
         }

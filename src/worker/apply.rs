@@ -126,12 +126,12 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         BatchOutcome::Applied(checkpoint)
     }
 
-    /// The batch's targets, less its helper items when its oldest record is too old to write
-    /// them ([`expiry::may_write_helpers`]: a helper that expired meanwhile would count it
-    /// again). Reconcile repairs those helpers instead; the batch goes on.
+    /// The batch's targets, less its helper items when helpers expire and its oldest record is
+    /// too old to write them ([`expiry::may_write_helpers`]: a helper that expired meanwhile
+    /// would count it again). Reconcile repairs those helpers instead; the batch goes on.
     fn writable<'a>(&self, evaluated: &'a Evaluated) -> Cow<'a, [(TargetKey, TargetDelta)]> {
         let oldest = evaluated.facts.created.iter().min().copied();
-        if expiry::may_write_helpers(oldest, now_ms()) {
+        if self.shared.expiry_attribute.is_none() || expiry::may_write_helpers(oldest, now_ms()) {
             return Cow::Borrowed(&evaluated.targets);
         }
         let (helpers, rest): (Vec<_>, Vec<_>) = evaluated.targets.iter().cloned().partition(|(key, _)| is_helper(key));
