@@ -109,7 +109,8 @@ pub async fn create_source_table(c: &Client, name: &str) {
 /// An aggregates table of its own (no stream), as DESIGN recommends: on DynamoDB Local a write
 /// to a stream-enabled table is about 20 times slower (25 against 500 UpdateItems/s here), and
 /// helper items (max, min, latest, distinct) write once per value. Its TTL attribute is
-/// [`EXPIRES_AT`], as docs/semantics.md asks (DynamoDB Local never deletes expired items).
+/// [`EXPIRES_AT`], as docs/semantics.md asks (helpers expire 40 hours after reaching zero, long
+/// after any test ends, although DynamoDB Local does delete expired items).
 pub async fn create_aggregates_table(c: &Client, name: &str) {
     create_table(c, name, false).await;
     let spec = aws_sdk_dynamodb::types::TimeToLiveSpecification::builder().enabled(true).attribute_name(EXPIRES_AT).build().unwrap();
