@@ -371,6 +371,7 @@ SQS_CALLS = {
 }
 DDB_CALLS = {
     "describe_table",
+    "describe_time_to_live",
     "create_table",
     "describe_stream",
     "list_streams",
