@@ -94,8 +94,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         if !self.lease.valid() {
             return BatchOutcome::LeaseLost;
         }
-        let targets = self.writable(&evaluated);
         let oldest_ms = evaluated.facts.created.iter().min().copied();
+        let targets = self.writable(&evaluated, oldest_ms);
         if let Err(outcome) = self.write(&targets, self.shared.expiry(), oldest_ms).await {
             return outcome;
         }
@@ -129,9 +129,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
     /// The batch's targets, less its helper items when helpers expire and its oldest record is
     /// too old to write them ([`expiry::may_write_helpers`]: a helper that expired meanwhile
     /// would count it again). Reconcile repairs those helpers instead; the batch goes on.
-    fn writable<'a>(&self, evaluated: &'a Evaluated) -> Cow<'a, [(TargetKey, TargetDelta)]> {
-        let oldest = evaluated.facts.created.iter().min().copied();
-        if self.shared.expiry_attribute.is_none() || expiry::may_write_helpers(oldest, now_ms()) {
+    fn writable<'a>(&self, evaluated: &'a Evaluated, oldest_ms: Option<u64>) -> Cow<'a, [(TargetKey, TargetDelta)]> {
+        if self.shared.expiry_attribute.is_none() || expiry::may_write_helpers(oldest_ms, now_ms()) {
             return Cow::Borrowed(&evaluated.targets);
         }
         let (helpers, rest): (Vec<_>, Vec<_>) = evaluated.targets.iter().cloned().partition(|(key, _)| is_helper(key));

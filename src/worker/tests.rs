@@ -1252,20 +1252,9 @@ async fn records_too_old_for_helper_items_leave_them_to_reconcile() {
         fakes.0.append(&shard, fresh);
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
         let cfg = Config::from_yaml(&text, vec![("DDB_AGGREGATOR__STATE__LEASE_DURATION".to_string(), "600ms".to_string())]).unwrap();
-        let expiry = Some(crate::sink::expiry::Expiry::new("expiresAt"));
-        let shared = Shared::new(
-            cfg,
-            ArcSource(fakes.0.clone()),
-            ArcLeases(fakes.1.clone()),
-            fakes.2.clone(),
-            "r1".into(),
-            Arc::new(Health::default()),
-        )
-        .with_expiry(expiry);
-        let worker = Worker::new(shared);
-        let shared = worker.shared().clone();
-        let cancel = CancellationToken::new();
-        let h = tokio::spawn(worker.run(cancel.clone()));
+        // The example config names `expiresAt` as the helpers' expiry attribute: the limit holds.
+        assert!(cfg.helper_expiry_attribute.is_some());
+        let Replica { cancel, handle: h, shared } = start_config(&fakes, "r1", None, cfg);
         let count = || fakes.2.numbers().get(&(vec!["CUST#c1".to_string(), "PROFILE".to_string()], "orderCount".to_string())).copied();
         let checkpointed = || fakes.1.snapshot().iter().any(|l| l.checkpoint == Some(Checkpoint::Sequence(format!("{:021}", 2))));
         for _ in 0..200 {
