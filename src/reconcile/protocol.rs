@@ -21,9 +21,9 @@ use super::report::{Drift, Report, Stored};
 use super::truth::{self, Truth};
 use super::{Options, ReconcileError};
 use crate::decimal::Decimal;
-use crate::rules::helper::{self, Derive};
+use crate::rules::helper::{self, Derive, HelperScan};
 use crate::rules::{MeasureKind, ReconcileSource, Rule, TargetKey};
-use crate::sink::derive::DeriveTarget;
+use crate::sink::derive::{DeriveTarget, Raised};
 use crate::state::now_ms;
 use crate::telemetry::names;
 
@@ -149,7 +149,12 @@ pub fn derivations(rule: &Rule, keys: &BTreeSet<TargetKey>) -> Vec<DeriveTarget>
             }
         }
     }
-    out.into_iter().map(|(key, measures)| DeriveTarget { key, measures }).collect()
+    // A correction may raise any helper from zero: each derivation reads the whole range,
+    // and moves the cursor back to its start if another derivation lands first.
+    let everything = |measures: &BTreeMap<String, Derive>| {
+        measures.iter().filter(|(_, d)| d.scan() != HelperScan::Count).map(|(m, _)| (m.clone(), Raised::Everything)).collect()
+    };
+    out.into_iter().map(|(key, measures)| DeriveTarget { key, raised: everything(&measures), measures }).collect()
 }
 
 /// The source table.

@@ -135,6 +135,24 @@ pub fn prefix(owner_sk: &str, measure: &str) -> String {
     format!("{owner_sk}{MARK}{measure}#")
 }
 
+/// A string above every string that begins with `prefix` and at most a string that does
+/// not: `prefix` with its last byte raised by one (helper prefixes end with `#`).
+pub fn successor(prefix: &str) -> String {
+    match prefix.as_bytes().split_last() {
+        Some((last, rest)) if *last < 0x7f => format!("{}{}", &prefix[..rest.len()], char::from(last + 1)),
+        _ => format!("{prefix}{}", char::MAX),
+    }
+}
+
+/// Whether helper tail `a` comes before `b` in the order `scan` reads them.
+pub fn before(scan: HelperScan, a: &str, b: &str) -> bool {
+    match scan {
+        HelperScan::First => a < b,
+        HelperScan::Last => a > b,
+        HelperScan::Count => false,
+    }
+}
+
 /// A helper item's sort key, taken apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HelperKey<'a> {

@@ -18,11 +18,30 @@
 //!   every attribute written alone to two writes (three rounds), where waiting for its own
 //!   landing could lose for ever. Attributes go 32 to a write until one such write loses, then
 //!   one to a write (a write of k loses when any of its k counters moved).
+//!
+//! `max`, `min` and `latest` read from a cursor (`_aggk:<namespace>:<attribute>`), so what a
+//! derivation reads depends on the live helpers, not on the history of zero-count ones. The
+//! cursor is the tail of a helper with no live helper before it in scan order (absent: the
+//! whole range). A derivation queries from it and sets it to the first live helper (or the
+//! last one it read), on condition that it is unchanged too. The only way a live helper gets
+//! before the cursor is a write that raises it from zero; the derivation after that write
+//! ([`Raised`]) is responsible for it, and only ever moves the cursor back:
+//! - if it reads the cursor beyond its raised helper, it queries from that helper instead;
+//!   once such a write lost, it moves the cursor back to the helper ([`AggregateStore::lower_cursor`],
+//!   conditioned on the cursor still lying beyond it) before querying again;
+//! - [`covered`] counts only landings after a read that saw the cursor at or before the
+//!   helper, and every later read must see it so. Then either the cursor stayed at or before
+//!   the helper (the second of those landings read after the helper write, queried from at
+//!   or before it, and found it), or a move back put it there, after which every landing read
+//!   after the move (it changed the cursor they are conditioned on) and found it; whoever moved
+//!   it back counts its own landings from a read after the move.
+//!   A derivation that read the cursor before the helper write and lands after it can move the
+//!   cursor past the helper; the next read then sees the cursor beyond it, and starts over.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{AggregateStore, Derived, DerivedWrite, HelperQuery, SinkError};
-use crate::rules::helper::{self, Derive, Scalar};
+use super::{AggregateStore, CursorWrite, DerivationNames, Derived, DerivedWrite, HelperQuery, SinkError};
+use crate::rules::helper::{self, Derive, HelperScan, Scalar};
 use crate::rules::{Engine, MeasureKind, TargetDelta, TargetKey};
 use crate::sink::ledger::Ledger;
 
@@ -42,13 +61,53 @@ pub struct DeriveTarget {
     pub key: TargetKey,
     /// Expanded measure name -> how it is derived.
     pub measures: BTreeMap<String, Derive>,
+    /// Of `max`, `min` and `latest`: the helpers the writes before this derivation may have
+    /// raised from zero, which the cursor must not lie beyond ([`Raised`]).
+    pub raised: BTreeMap<String, Raised>,
+}
+
+/// The helpers a derivation's own writes may have made live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Raised {
+    /// The one first in scan order (the least for `min`, the greatest for `max` and `latest`).
+    Tail(String),
+    /// Any of them (reconcile's corrections): the whole range.
+    Everything,
+}
+
+impl Raised {
+    /// Whether it lies before a cursor (None: absent, the whole range) in `scan` order.
+    pub fn before(&self, scan: HelperScan, cursor: Option<&str>) -> bool {
+        match (self, cursor) {
+            (_, None) => false,
+            (Raised::Everything, Some(_)) => true,
+            (Raised::Tail(t), Some(c)) => helper::before(scan, t, c),
+        }
+    }
+
+    /// Where a query that must see it starts (None: the end of the range).
+    pub fn from(&self) -> Option<&str> {
+        match self {
+            Raised::Tail(t) => Some(t),
+            Raised::Everything => None,
+        }
+    }
+
+    /// The one of two that a query must start from to see both.
+    fn earlier(self, other: Raised, scan: HelperScan) -> Raised {
+        match (&self, &other) {
+            (Raised::Tail(a), Raised::Tail(b)) if helper::before(scan, b, a) => other,
+            (Raised::Tail(_), Raised::Tail(_)) => self,
+            _ => Raised::Everything,
+        }
+    }
 }
 
 /// The targets whose helpers are among `targets` (a batch's writes), each with the measures
 /// those helpers belong to. Helpers are found by their sort key; the measure's kind by the
 /// rules that wrote them.
 pub fn targets_to_derive(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) -> Vec<DeriveTarget> {
-    let mut out: BTreeMap<TargetKey, BTreeMap<String, Derive>> = BTreeMap::new();
+    let mut out: BTreeMap<TargetKey, DeriveTarget> = BTreeMap::new();
     for (key, delta) in targets {
         let Some(h) = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)) else { continue };
         let derive = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).find_map(|rule| {
@@ -63,9 +122,20 @@ pub fn targets_to_derive(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) 
         if let Some(last) = owner.last_mut() {
             *last = Box::from(h.owner_sk);
         }
-        out.entry(TargetKey(owner.into_boxed_slice())).or_default().insert(h.measure.to_string(), derive);
+        let owner = TargetKey(owner.into_boxed_slice());
+        let t = out.entry(owner.clone()).or_insert_with(|| DeriveTarget { key: owner, measures: BTreeMap::new(), raised: BTreeMap::new() });
+        t.measures.insert(h.measure.to_string(), derive);
+        let raises = delta.attributes.get(helper::REFS).is_some_and(|n| *n > crate::decimal::Decimal::ZERO);
+        if raises && derive.scan() != HelperScan::Count {
+            let mine = Raised::Tail(h.tail.to_string());
+            let raised = match t.raised.remove(h.measure) {
+                Some(other) => other.earlier(mine, derive.scan()),
+                None => mine,
+            };
+            t.raised.insert(h.measure.to_string(), raised);
+        }
     }
-    out.into_iter().map(|(key, measures)| DeriveTarget { key, measures }).collect()
+    out.into_values().collect()
 }
 
 /// The derived values one batch gives on its own, from an empty table (each helper's count is
@@ -91,6 +161,11 @@ pub fn values_of_batch(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) ->
 #[derive(Debug, Default)]
 pub struct DeriveStats {
     pub queries: u64,
+    /// By measure kind (`max`, ...): helper queries, and the helper items they read, live
+    /// or not.
+    pub reads: BTreeMap<&'static str, (u64, u64)>,
+    /// Cursors moved back to a helper this derivation's writes raised.
+    pub lowered: u64,
     pub writes: u64,
     pub read_capacity: f64,
     /// Of the writes that landed.
@@ -130,7 +205,7 @@ pub fn covered(first: Option<&str>, now: Option<&str>) -> bool {
 }
 
 /// The update and condition of a derivation's write: value `i` is `#d{i}` (`:d{i}`), its
-/// counter `#g{i}` (read as `:s{i}`).
+/// counter `#g{i}` (read as `:s{i}`), its cursor `#k{i}` (read as `:ks{i}`, set to `:kt{i}`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DerivedExpressions {
     pub update: String,
@@ -155,6 +230,17 @@ pub fn derived_expressions(values: &[Derived]) -> DerivedExpressions {
             Some(_) => sets.push(format!("#d{i} = :d{i}")),
             None => removes.push(format!("#d{i}")),
         }
+        if let Some(c) = &d.cursor {
+            conditions.push(match c.seen {
+                Some(_) => format!("#k{i} = :ks{i}"),
+                None => format!("attribute_not_exists(#k{i})"),
+            });
+            match c.to {
+                Some(_) => sets.push(format!("#k{i} = :kt{i}")),
+                None if c.seen.is_some() => removes.push(format!("#k{i}")),
+                None => {}
+            }
+        }
     }
     let mut update = format!("SET {}", sets.join(", "));
     if !removes.is_empty() {
@@ -170,11 +256,14 @@ struct Progress<'a> {
     key: Vec<(String, String)>,
     pk: &'a str,
     owner_sk: &'a str,
-    counter_prefix: String,
+    names: DerivationNames,
     pending: BTreeSet<String>,
     first: BTreeMap<String, Option<String>>,
     /// A chunk lost a race: from then on each attribute is written alone.
     alone: bool,
+    /// Attributes whose write lost a race: a cursor beyond their raised helper is now moved
+    /// back before they query again.
+    lost: BTreeSet<String>,
 }
 
 /// Derives `target`'s attributes from its live helpers until each one landed, was covered
@@ -193,10 +282,11 @@ pub async fn derive_target<S: AggregateStore>(
         key: key_names.iter().cloned().zip(target.key.0.iter().map(|v| v.to_string())).collect(),
         pk,
         owner_sk,
-        counter_prefix: ledger.derived_prefix(),
+        names: ledger.derivation_names(),
         pending: target.measures.keys().cloned().collect(),
         first: BTreeMap::new(),
         alone: false,
+        lost: BTreeSet::new(),
     };
     let mut stats = DeriveStats::default();
     let (mut rounds, mut transient) = (0, 0);
@@ -214,36 +304,63 @@ pub async fn derive_target<S: AggregateStore>(
     Err(SinkError::Transient(format!("deriving {:?}: other derivations kept landing first", target.key.0)))
 }
 
-/// One round: read the counters, drop the covered attributes, query the helpers of the
-/// others and write them on condition, in chunks.
+/// One round: read the counters and cursors, drop the covered attributes, query the helpers
+/// of the others and write them on condition, in chunks. An attribute whose cursor lies
+/// beyond a helper this derivation's writes raised queries from that helper; once such a
+/// write lost, it moves the cursor back first and queries in the next round.
 async fn derive_round<S: AggregateStore>(
     store: &S,
     key_names: &[String],
     p: &mut Progress<'_>,
     stats: &mut DeriveStats,
 ) -> Result<(), SinkError> {
-    let counters = store.derivation_counters(&p.key, &p.counter_prefix).await?;
+    let counters = store.derivation_counters(&p.key, &p.names).await?;
     stats.read_capacity += counters.capacity;
     let now = counters.values;
     let mut due = Vec::with_capacity(p.pending.len());
-    for name in &p.pending {
-        let first = p.first.entry(name.clone()).or_insert_with(|| now.get(name).cloned());
-        if covered(first.as_deref(), now.get(name).map(String::as_str)) {
-            stats.covered += 1;
-        } else {
-            due.push(name.clone());
+    for name in p.pending.clone() {
+        let Some(derive) = p.target.measures.get(&name) else { continue };
+        let cursor = counters.cursors.get(&name).map(String::as_str);
+        let raised = p.target.raised.get(&name).filter(|r| r.before(derive.scan(), cursor));
+        if raised.is_some() {
+            // Landings counted from here may have read that cursor and missed the helper:
+            // the count for `covered` starts again at a read that saw the cursor before it.
+            p.first.remove(&name);
+        }
+        match (raised, p.lost.contains(&name)) {
+            (Some(r), true) => {
+                store.lower_cursor(&p.key, &format!("{}{name}", p.names.cursors), r.from(), derive.scan()).await?;
+                stats.lowered += 1;
+            }
+            (Some(r), false) => due.push((name, *derive, r.from().map(str::to_string), cursor.map(str::to_string))),
+            (None, _) => {
+                let first = p.first.entry(name.clone()).or_insert_with(|| now.get(&name).cloned());
+                if covered(first.as_deref(), now.get(&name).map(String::as_str)) {
+                    stats.covered += 1;
+                    p.pending.remove(&name);
+                } else {
+                    due.push((name, *derive, cursor.map(str::to_string), cursor.map(str::to_string)));
+                }
+            }
         }
     }
-    p.pending.retain(|n| due.contains(n));
     let mut values = Vec::with_capacity(due.len());
-    for name in due {
-        let Some(derive) = p.target.measures.get(&name) else { continue };
+    for (name, derive, from, seen_cursor) in due {
         let prefix = helper::prefix(p.owner_sk, &name);
-        let live = store.live_helpers(&HelperQuery { key_names, pk: p.pk, prefix: &prefix, scan: derive.scan() }).await?;
+        let scan = derive.scan();
+        let from = from.as_deref().filter(|_| scan != HelperScan::Count);
+        let live = store.live_helpers(&HelperQuery { key_names, pk: p.pk, prefix: &prefix, scan, from }).await?;
         stats.queries += 1;
+        let reads = stats.reads.entry(derive.as_str()).or_default();
+        (reads.0, reads.1) = (reads.0 + 1, reads.1 + live.read);
         stats.read_capacity += live.capacity;
         let value = derive.value(live.first.as_deref(), live.count);
-        values.push(Derived { counter: format!("{}{name}", p.counter_prefix), seen: now.get(&name).cloned(), value, name });
+        let cursor = (scan != HelperScan::Count).then(|| CursorWrite {
+            attribute: format!("{}{name}", p.names.cursors),
+            to: live.last_read.clone().or_else(|| from.map(str::to_string)),
+            seen: seen_cursor,
+        });
+        values.push(Derived { counter: format!("{}{name}", p.names.counters), seen: now.get(&name).cloned(), value, name, cursor });
     }
     // After a chunk lost, one attribute a write: a chunk loses when any of its counters
     // moved, so k attributes together could lose 2k rounds to derivations of one each.
@@ -289,6 +406,7 @@ async fn write_chunk<S: AggregateStore>(
         }
         Ok(None) => {
             stats.lost += 1;
+            p.lost.extend(chunk.iter().map(|d| d.name.clone()));
             return Ok(Written::Lost);
         }
         Err(e @ SinkError::Invalid(_)) => Written::Refused(e),
@@ -398,22 +516,22 @@ mod tests {
 
     fn derived(seen: Option<String>, v: i64) -> Vec<Derived> {
         let value = Some(Scalar::N(Decimal::from_i64(v)));
-        vec![Derived { name: "largestOrder".into(), counter: "_aggd:t:largestOrder".into(), seen, value }]
+        vec![Derived { name: "largestOrder".into(), counter: "_aggd:t:largestOrder".into(), seen, value, cursor: None }]
     }
 
     #[tokio::test]
     async fn a_derivation_from_an_older_view_never_lands_after_a_newer_one() {
         let store = MemoryAggregates::new();
         let key = profile_key();
-        let old = store.derivation_counters(&key, "_aggd:t:").await.unwrap().values.remove("largestOrder");
-        let newer = store.derivation_counters(&key, "_aggd:t:").await.unwrap().values.remove("largestOrder");
+        let old = store.derivation_counters(&key, &Ledger::new("t").derivation_names()).await.unwrap().values.remove("largestOrder");
+        let newer = store.derivation_counters(&key, &Ledger::new("t").derivation_names()).await.unwrap().values.remove("largestOrder");
         assert!(store.set_derived(&DerivedWrite { key: &key, values: &derived(newer, 9) }).await.unwrap().is_some());
         assert!(
             store.set_derived(&DerivedWrite { key: &key, values: &derived(old, 5) }).await.unwrap().is_none(),
             "read before the newer one landed: refused"
         );
         assert_eq!(store.item(&["CUST#c1", "PROFILE"]).unwrap().get("largestOrder"), Some(&MemValue::Num(Decimal::from_i64(9))));
-        let counters = store.derivation_counters(&key, "_aggd:t:").await.unwrap().values;
+        let counters = store.derivation_counters(&key, &Ledger::new("t").derivation_names()).await.unwrap().values;
         assert_eq!(counters, BTreeMap::from([("largestOrder".to_string(), "1".to_string())]));
     }
 
@@ -438,6 +556,7 @@ mod tests {
                 counter: format!("_aggd:t:m{i}"),
                 seen: None,
                 value: (i % 2 == 0).then(|| Scalar::S("x".into())),
+                cursor: Some(CursorWrite { attribute: format!("_aggk:t:m{i}"), seen: Some("x".repeat(8)), to: Some("y".repeat(8)) }),
             })
             .collect();
         let e = derived_expressions(&values);
@@ -470,9 +589,19 @@ mod tests {
             tokio::task::yield_now().await;
             self.inner.live_helpers(q).await
         }
-        async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<crate::sink::Counters, SinkError> {
+        async fn derivation_counters(&self, key: &[(String, String)], names: &DerivationNames) -> Result<crate::sink::Counters, SinkError> {
             tokio::task::yield_now().await;
-            self.inner.derivation_counters(key, prefix).await
+            self.inner.derivation_counters(key, names).await
+        }
+        async fn lower_cursor(
+            &self,
+            key: &[(String, String)],
+            attribute: &str,
+            to: Option<&str>,
+            scan: HelperScan,
+        ) -> Result<(), SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.lower_cursor(key, attribute, to, scan).await
         }
         async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
             tokio::task::yield_now().await;
@@ -484,7 +613,8 @@ mod tests {
                 // each time.
                 let n = self.raced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let d = &w.values[n % w.values.len()];
-                let seen = self.inner.derivation_counters(w.key, "").await?.values.remove(&d.counter);
+                let names = DerivationNames { counters: String::new(), cursors: "\u{0}".into() };
+                let seen = self.inner.derivation_counters(w.key, &names).await?.values.remove(&d.counter);
                 let other = Derived { seen, ..d.clone() };
                 assert!(self.inner.set_derived(&DerivedWrite { key: w.key, values: &[other] }).await?.is_some());
             }
@@ -511,7 +641,7 @@ mod tests {
 
     fn target_of(measures: impl IntoIterator<Item = String>) -> DeriveTarget {
         let key = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice());
-        DeriveTarget { key, measures: measures.into_iter().map(|m| (m, Derive::Max)).collect() }
+        DeriveTarget { key, measures: measures.into_iter().map(|m| (m, Derive::Max)).collect(), raised: BTreeMap::new() }
     }
 
     /// A hot target: 64 shards derive it at once. Each writes at most twice (it lands, or two
@@ -592,5 +722,232 @@ mod tests {
         let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target).await.unwrap();
         assert_eq!((stats.writes, stats.lost), (1, 0), "{stats:?}");
         assert_eq!(stats.refused.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), [vec!["largestOrder".to_string()]]);
+    }
+
+    const OPEN_ORDERS: &str = r#"
+source: { table: orders }
+state: { table: state }
+aggregates: { table: aggregates }
+rules:
+  - name: open-orders
+    source_key: { PK: "CUST#{customer}", SK: "ORDER#{order_id}" }
+    target: { PK: "CUST#{customer}", SK: "PROFILE" }
+    measures:
+      oldestOpen: { min: createdAt, where: { status: { S: [OPEN] } } }
+      lastStatus: { latest: status, by: updatedAt }
+"#;
+
+    /// Order `id` of c1, created at `id`, changed at `at` from `old` (None: inserted) to
+    /// `new` status.
+    fn change(id: u32, at: u32, old: Option<&str>, new: &str) -> serde_json::Value {
+        let image = |status: &str| {
+            serde_json::json!({"PK": {"S": "CUST#c1"}, "SK": {"S": format!("ORDER#o{id:06}")},
+                "status": {"S": status}, "createdAt": {"N": id.to_string()}, "updatedAt": {"N": at.to_string()}})
+        };
+        let mut d = serde_json::json!({"Keys": {"PK": {"S": "CUST#c1"}, "SK": {"S": format!("ORDER#o{id:06}")}},
+            "NewImage": image(new), "SequenceNumber": format!("{at:021}"), "StreamViewType": "NEW_AND_OLD_IMAGES"});
+        if let Some(old) = old {
+            d["OldImage"] = image(old);
+        }
+        serde_json::json!({"eventName": if old.is_some() { "MODIFY" } else { "INSERT" }, "dynamodb": d})
+    }
+
+    /// Orders open and close for ever, one at a time and oldest first: every close leaves a
+    /// zero-count helper below the oldest open order, and one below the last status. Returns
+    /// the items the derivations of steps `from..to` read, and their queries.
+    async fn open_and_close(store: &MemoryAggregates, e: &Engine, steps: std::ops::Range<u32>) -> (u64, u64) {
+        let ctx = crate::sink::ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000000-00000001");
+        let (mut read, mut queries) = (0, 0);
+        for i in steps {
+            // Order i opens and order i - 1 (opened one step before) closes.
+            let mut records = vec![change(i, 2 * i + 1, None, "OPEN")];
+            if i > 0 {
+                records.push(change(i - 1, 2 * i + 2, Some("OPEN"), "CLOSED"));
+            }
+            let targets = batch(e, &records);
+            for (k, d) in &targets {
+                crate::sink::write_target(store, &e.key_names, k, d, &ctx).await.unwrap();
+            }
+            for t in targets_to_derive(e, &targets) {
+                let stats = derive_target(store, &e.key_names, &Ledger::new("t"), &t).await.unwrap();
+                let items: u64 = stats.reads.values().map(|r| r.1).sum();
+                (read, queries) = (read + items, queries + stats.queries);
+            }
+            let profile = store.item(&["CUST#c1", "PROFILE"]).unwrap();
+            assert_eq!(profile.get("oldestOpen"), Some(&MemValue::Num(Decimal::from_i64(i64::from(i)))), "step {i}");
+            let last = if i > 0 { "CLOSED" } else { "OPEN" };
+            assert_eq!(profile.get("lastStatus"), Some(&MemValue::Str(last.into())), "step {i}");
+        }
+        (read, queries)
+    }
+
+    /// Items read per derivation depend on the live helpers: a step after 2,000 closed orders
+    /// reads what a step after 200 did.
+    #[tokio::test]
+    async fn derivations_read_the_same_after_ten_times_the_history() {
+        let e = Config::from_yaml(OPEN_ORDERS, Vec::<(String, String)>::new()).unwrap().engine;
+        let store = MemoryAggregates::new();
+        open_and_close(&store, &e, 0..200).await;
+        let early = open_and_close(&store, &e, 200..400).await;
+        open_and_close(&store, &e, 400..2000).await;
+        let late = open_and_close(&store, &e, 2000..2200).await;
+        assert_eq!(early.1, late.1, "one query per measure and step");
+        assert_eq!(early, late, "items read: {early:?} then {late:?}");
+        assert!(late.0 <= 3 * late.1, "at most three items a query: {late:?}");
+    }
+
+    fn min_helper(store: &MemoryAggregates, v: i64, refs: i64) {
+        let sk = format!("{}{}", helper::prefix("PROFILE", "oldestOpen"), Derive::Min.tail(&Scalar::N(Decimal::from_i64(v)), None));
+        store.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::from_i64(refs)));
+    }
+
+    fn min_state(store: &MemoryAggregates, counter: i64, value: i64, cursor: i64) {
+        let tail = |v: i64| Derive::Min.tail(&Scalar::N(Decimal::from_i64(v)), None);
+        store.put(&["CUST#c1", "PROFILE"], "_aggd:t:oldestOpen", MemValue::Num(Decimal::from_i64(counter)));
+        store.put(&["CUST#c1", "PROFILE"], "_aggk:t:oldestOpen", MemValue::Str(tail(cursor)));
+        store.put(&["CUST#c1", "PROFILE"], "oldestOpen", MemValue::Num(Decimal::from_i64(value)));
+    }
+
+    /// What other derivations do between two calls of ours.
+    type Step = Box<dyn FnOnce(&MemoryAggregates) + Send>;
+
+    /// Runs `step` on the inner store right after the first counter read.
+    struct AfterFirstRead {
+        inner: MemoryAggregates,
+        step: std::sync::Mutex<Option<Step>>,
+    }
+
+    impl AggregateStore for AfterFirstRead {
+        async fn apply(&self, w: &crate::sink::LedgerWrite) -> Result<crate::sink::WriteOutcome, SinkError> {
+            self.inner.apply(w).await
+        }
+        async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<crate::sink::LiveHelpers, SinkError> {
+            self.inner.live_helpers(q).await
+        }
+        async fn derivation_counters(&self, key: &[(String, String)], names: &DerivationNames) -> Result<crate::sink::Counters, SinkError> {
+            let read = self.inner.derivation_counters(key, names).await;
+            let step = self.step.lock().unwrap().take();
+            if let Some(step) = step {
+                step(&self.inner);
+            }
+            read
+        }
+        async fn lower_cursor(
+            &self,
+            key: &[(String, String)],
+            attribute: &str,
+            to: Option<&str>,
+            scan: HelperScan,
+        ) -> Result<(), SinkError> {
+            self.inner.lower_cursor(key, attribute, to, scan).await
+        }
+        async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
+            self.inner.set_derived(w).await
+        }
+        async fn expire_helper(&self, k: &[(String, String)], a: &str, at: u64, v: (&str, Option<&str>)) -> Result<bool, SinkError> {
+            self.inner.expire_helper(k, a, at, v).await
+        }
+    }
+
+    fn min_target(raised: i64) -> DeriveTarget {
+        let key = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice());
+        let tail = Derive::Min.tail(&Scalar::N(Decimal::from_i64(raised)), None);
+        DeriveTarget {
+            key,
+            measures: BTreeMap::from([("oldestOpen".to_string(), Derive::Min)]),
+            raised: BTreeMap::from([("oldestOpen".to_string(), Raised::Tail(tail))]),
+        }
+    }
+
+    /// Our write raised order 3 below the cursor (5). A derivation that queried before that
+    /// write lands after our first read (cursor 9, it saw 5 closed), and one more lands from
+    /// that cursor: two landings after our first read, neither of which saw 3. We must not
+    /// count ourselves covered: we move the cursor back and land 3 ourselves.
+    #[tokio::test]
+    async fn landings_from_a_cursor_beyond_a_raised_helper_do_not_cover_it() {
+        let store = AfterFirstRead { inner: MemoryAggregates::new(), step: std::sync::Mutex::new(None) };
+        for (v, refs) in [(3, 1), (5, 0), (9, 1)] {
+            min_helper(&store.inner, v, refs);
+        }
+        min_state(&store.inner, 0, 5, 5);
+        *store.step.lock().unwrap() = Some(Box::new(|inner: &MemoryAggregates| {
+            min_state(inner, 1, 9, 9);
+            min_state(inner, 2, 9, 9);
+        }));
+        let key_names = ["PK".to_string(), "SK".to_string()];
+        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        assert_eq!((stats.covered, stats.lowered, stats.lost, stats.landed), (0, 1, 1, 1), "{stats:?}");
+        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert_eq!(profile.get("oldestOpen"), Some(&MemValue::Num(Decimal::from_i64(3))));
+        let cursor = Derive::Min.tail(&Scalar::N(Decimal::from_i64(3)), None);
+        assert_eq!(profile.get("_aggk:t:oldestOpen"), Some(&MemValue::Str(cursor)));
+    }
+
+    /// Our first read sees the cursor at our raised helper (3). Then a derivation that queried
+    /// before our write lands and moves the cursor past it (9), and one more lands from there.
+    /// We move the cursor back, and the landings counted before that cannot cover us.
+    #[tokio::test]
+    async fn a_cursor_moved_past_a_raised_helper_after_our_first_read_restarts_the_count() {
+        let store = AfterFirstRead { inner: MemoryAggregates::new(), step: std::sync::Mutex::new(None) };
+        for (v, refs) in [(3, 1), (5, 0), (9, 1)] {
+            min_helper(&store.inner, v, refs);
+        }
+        min_state(&store.inner, 0, 9, 3);
+        *store.step.lock().unwrap() = Some(Box::new(|inner: &MemoryAggregates| {
+            min_state(inner, 1, 9, 9);
+            min_state(inner, 2, 9, 9);
+        }));
+        let key_names = ["PK".to_string(), "SK".to_string()];
+        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        assert_eq!((stats.covered, stats.lowered, stats.landed), (0, 1, 1), "{stats:?}");
+        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert_eq!(profile.get("oldestOpen"), Some(&MemValue::Num(Decimal::from_i64(3))));
+    }
+
+    /// The same two landings, but both read a cursor at or before our raised helper: they saw
+    /// it, and we are covered without landing.
+    #[tokio::test]
+    async fn landings_that_read_a_cursor_before_a_raised_helper_cover_it() {
+        let store = AfterFirstRead { inner: MemoryAggregates::new(), step: std::sync::Mutex::new(None) };
+        for (v, refs) in [(2, 1), (3, 1), (9, 1)] {
+            min_helper(&store.inner, v, refs);
+        }
+        min_state(&store.inner, 0, 2, 2);
+        *store.step.lock().unwrap() = Some(Box::new(|inner: &MemoryAggregates| {
+            min_state(inner, 1, 2, 2);
+            min_state(inner, 2, 2, 2);
+        }));
+        let key_names = ["PK".to_string(), "SK".to_string()];
+        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        // Our one write read before they landed, and lost; the next read finds us covered.
+        assert_eq!((stats.covered, stats.lost, stats.landed, stats.lowered), (1, 1, 0, 0), "{stats:?}");
+    }
+
+    /// 64 shards each raise their own new maximum and derive at once: every one finishes,
+    /// and the value is the greatest of them.
+    #[tokio::test]
+    async fn sixty_four_concurrent_raises_each_above_the_cursor_end_at_the_greatest() {
+        let store = Interleaved::default();
+        put_helpers(&store.inner, "largestOrder", 5);
+        let key_names = ["PK".to_string(), "SK".to_string()];
+        let ledger = Ledger::new("t");
+        derive_target(&store, &key_names, &ledger, &target_of(["largestOrder".to_string()])).await.unwrap();
+        let targets: Vec<DeriveTarget> = (6..70)
+            .map(|v| {
+                let tail = Derive::Max.tail(&Scalar::N(Decimal::from_i64(v)), None);
+                let sk = format!("{}{tail}", helper::prefix("PROFILE", "largestOrder"));
+                store.inner.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::ONE));
+                let mut t = target_of(["largestOrder".to_string()]);
+                t.raised.insert("largestOrder".into(), Raised::Tail(tail));
+                t
+            })
+            .collect();
+        let results = futures::future::join_all(targets.iter().map(|t| derive_target(&store, &key_names, &ledger, t))).await;
+        for r in results {
+            let stats = r.expect("every derivation finishes");
+            assert!(stats.writes <= 3, "{stats:?}");
+        }
+        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert_eq!(profile.get("largestOrder"), Some(&MemValue::Num(Decimal::from_i64(69))));
     }
 }

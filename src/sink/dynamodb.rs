@@ -1,12 +1,16 @@
 //! The aggregate table in DynamoDB: the ledger-guarded write as one UpdateItem.
 
+use aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure, TimeToLiveStatus};
 use aws_sdk_dynamodb::Client;
+use std::collections::HashMap;
 use tracing::{info, warn};
 
 use super::expiry::Described;
-use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use super::{
+    AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError, WriteOutcome,
+};
 use crate::aws::{classify, FailureKind};
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar, REFS};
@@ -106,36 +110,29 @@ impl AggregateStore for DynamoDbAggregates {
         let mut start = None;
         // Each page reads up to 1 MB; the bound only stops a table that never ends.
         for _ in 0..100_000 {
-            let mut req = self
+            let req = self
                 .client
                 .query()
                 .table_name(&self.table)
                 .consistent_read(true)
-                .key_condition_expression("#pk = :pk AND begins_with(#sk, :prefix)")
-                .filter_expression("#refs > :zero")
                 .expression_attribute_names("#pk", pk_name)
                 .expression_attribute_names("#sk", sk_name)
-                .expression_attribute_names("#refs", REFS)
                 .expression_attribute_values(":pk", AttributeValue::S(q.pk.to_string()))
-                .expression_attribute_values(":prefix", AttributeValue::S(q.prefix.to_string()))
-                .expression_attribute_values(":zero", AttributeValue::N("0".into()))
                 .return_consumed_capacity(ReturnConsumedCapacity::Total)
                 .set_exclusive_start_key(start.take());
-            req = match q.scan {
-                HelperScan::Count => req.select(aws_sdk_dynamodb::types::Select::Count),
-                // Helpers of deleted values (refs 0) are filtered out after Limit: a few per page.
-                HelperScan::First | HelperScan::Last => {
-                    req.scan_index_forward(q.scan == HelperScan::First).limit(25).projection_expression("#sk")
-                }
-            };
-            let page = req.send().await.map_err(|e| self.error(classify(&e)))?;
+            // From the cursor the first live helper is usually among the first few read.
+            let limit = if out.read == 0 { 5 } else { 50 };
+            let page = match q.scan {
+                HelperScan::Count => count_query(req, q).send().await,
+                HelperScan::First | HelperScan::Last => scan_query(req, q).limit(limit).send().await,
+            }
+            .map_err(|e| self.error(classify(&e)))?;
             out.capacity += page.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0);
-            out.count += u64::try_from(page.count()).unwrap_or(0);
-            if q.scan != HelperScan::Count {
-                if let Some(sk) = page.items().first().and_then(|i| i.get(sk_name)).and_then(|v| v.as_s().ok()) {
-                    out.first = sk.strip_prefix(q.prefix).map(str::to_string);
-                    return Ok(out);
-                }
+            out.read += u64::try_from(page.scanned_count()).unwrap_or(0);
+            if q.scan == HelperScan::Count {
+                out.count += u64::try_from(page.count()).unwrap_or(0);
+            } else if first_live(page.items(), sk_name, q.prefix, &mut out) {
+                return Ok(out);
             }
             match page.last_evaluated_key().filter(|k| !k.is_empty()) {
                 Some(k) => start = Some(k.clone()),
@@ -145,7 +142,7 @@ impl AggregateStore for DynamoDbAggregates {
         Err(SinkError::Fatal(format!("querying helper items under {} did not end", q.prefix)))
     }
 
-    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<Counters, SinkError> {
+    async fn derivation_counters(&self, key: &[(String, String)], names: &DerivationNames) -> Result<Counters, SinkError> {
         // The whole item: a projection would cost the same read capacity, and its expression
         // would have to hold every counter's name.
         let mut req =
@@ -154,14 +151,42 @@ impl AggregateStore for DynamoDbAggregates {
             req = req.key(name, AttributeValue::S(value.clone()));
         }
         let out = req.send().await.map_err(|e| self.error(classify(&e)))?;
-        // A counter that is not a number (written by someone else) comes back as text that
-        // is not one either: the write conditioned on it is refused (a ValidationException),
-        // not lost to a race round after round.
-        let counters = out.item().into_iter().flatten().filter_map(|(name, value)| {
-            let value = value.as_n().cloned().unwrap_or_else(|_| format!("not a number: {value:?}"));
-            Some((name.strip_prefix(prefix)?.to_string(), value))
-        });
-        Ok(Counters { values: counters.collect(), capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0) })
+        let mut counters =
+            Counters { capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0), ..Counters::default() };
+        for (name, value) in out.item().into_iter().flatten() {
+            if let Some(measure) = name.strip_prefix(&names.counters) {
+                // A counter that is not a number (written by someone else) comes back as text
+                // that is not one either: the write conditioned on it is refused (a
+                // ValidationException), not lost to a race round after round.
+                let value = value.as_n().cloned().unwrap_or_else(|_| format!("not a number: {value:?}"));
+                counters.values.insert(measure.to_string(), value);
+            } else if let (Some(measure), Ok(tail)) = (name.strip_prefix(&names.cursors), value.as_s()) {
+                counters.cursors.insert(measure.to_string(), tail.clone());
+            }
+        }
+        Ok(counters)
+    }
+
+    async fn lower_cursor(&self, key: &[(String, String)], attribute: &str, to: Option<&str>, scan: HelperScan) -> Result<(), SinkError> {
+        let mut req = self.client.update_item().table_name(&self.table).expression_attribute_names("#k", attribute);
+        req = match (to, scan) {
+            (Some(to), HelperScan::First | HelperScan::Last) => {
+                let beyond = if scan == HelperScan::First { "#k > :to" } else { "#k < :to" };
+                req.update_expression("SET #k = :to")
+                    .condition_expression(beyond)
+                    .expression_attribute_values(":to", AttributeValue::S(to.to_string()))
+            }
+            _ => req.update_expression("REMOVE #k").condition_expression("attribute_exists(#k)"),
+        };
+        for (name, value) in key {
+            req = req.key(name, AttributeValue::S(value.clone()));
+        }
+        match req.send().await {
+            Ok(_) => Ok(()),
+            // Already at or before `to`, or absent: it covers the helper as it is.
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(()),
+            Err(e) => Err(self.error(classify(&e))),
+        }
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
@@ -178,6 +203,15 @@ impl AggregateStore for DynamoDbAggregates {
             req = req.expression_attribute_names(format!("#d{i}"), &d.name).expression_attribute_names(format!("#g{i}"), &d.counter);
             if let Some(seen) = &d.seen {
                 req = req.expression_attribute_values(format!(":s{i}"), AttributeValue::N(seen.clone()));
+            }
+            if let Some(c) = &d.cursor {
+                req = req.expression_attribute_names(format!("#k{i}"), &c.attribute);
+                if let Some(seen) = &c.seen {
+                    req = req.expression_attribute_values(format!(":ks{i}"), AttributeValue::S(seen.clone()));
+                }
+                if let Some(to) = &c.to {
+                    req = req.expression_attribute_values(format!(":kt{i}"), AttributeValue::S(to.clone()));
+                }
             }
             if let Some(v) = &d.value {
                 let v = match v {
@@ -309,4 +343,53 @@ impl DynamoDbAggregates {
             _ => SinkError::Fatal(format!("{} (table {})", f, self.table)),
         }
     }
+}
+
+/// Distinct's query: how many helpers are live (the filter drops the others after reading).
+fn count_query(req: QueryFluentBuilder, q: &HelperQuery<'_>) -> QueryFluentBuilder {
+    req.key_condition_expression("#pk = :pk AND begins_with(#sk, :prefix)")
+        .filter_expression("#refs > :zero")
+        .expression_attribute_names("#refs", REFS)
+        .expression_attribute_values(":prefix", AttributeValue::S(q.prefix.to_string()))
+        .expression_attribute_values(":zero", AttributeValue::N("0".into()))
+        .select(aws_sdk_dynamodb::types::Select::Count)
+}
+
+/// Max, min and latest's query: from the cursor (or the end of the range) in scan order, a
+/// page of keys and counts at a time (the caller sets its Limit); the first live one ends it
+/// ([`first_live`]).
+fn scan_query(req: QueryFluentBuilder, q: &HelperQuery<'_>) -> QueryFluentBuilder {
+    let forward = q.scan == HelperScan::First;
+    let req = req.scan_index_forward(forward).limit(25).projection_expression("#sk, #refs").expression_attribute_names("#refs", REFS);
+    let from = q.from.map(|f| format!("{}{f}", q.prefix));
+    match (from, forward) {
+        (None, _) => req
+            .key_condition_expression("#pk = :pk AND begins_with(#sk, :prefix)")
+            .expression_attribute_values(":prefix", AttributeValue::S(q.prefix.to_string())),
+        // Every key in [prefix, prefix + from] begins with the prefix.
+        (Some(from), false) => req
+            .key_condition_expression("#pk = :pk AND #sk BETWEEN :lo AND :hi")
+            .expression_attribute_values(":lo", AttributeValue::S(q.prefix.to_string()))
+            .expression_attribute_values(":hi", AttributeValue::S(from)),
+        // [prefix + from, the prefix's successor]: the bound itself is not a helper of it.
+        (Some(from), true) => req
+            .key_condition_expression("#pk = :pk AND #sk BETWEEN :lo AND :hi")
+            .expression_attribute_values(":lo", AttributeValue::S(from))
+            .expression_attribute_values(":hi", AttributeValue::S(crate::rules::helper::successor(q.prefix))),
+    }
+}
+
+/// Notes a page's items in `out` (the last one read) up to the first live one, the helper
+/// the derivation needs: whether it was found.
+fn first_live(items: &[HashMap<String, AttributeValue>], sk_name: &str, prefix: &str, out: &mut LiveHelpers) -> bool {
+    for item in items {
+        let Some(tail) = item.get(sk_name).and_then(|v| v.as_s().ok()).and_then(|sk| sk.strip_prefix(prefix)) else { continue };
+        out.last_read = Some(tail.to_string());
+        let live = item.get(REFS).and_then(|v| v.as_n().ok()).and_then(|n| n.parse::<Decimal>().ok()).is_some_and(|n| n > Decimal::ZERO);
+        if live {
+            out.first = Some(tail.to_string());
+            return true;
+        }
+    }
+    false
 }

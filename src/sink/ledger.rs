@@ -126,6 +126,17 @@ impl Ledger {
         format!("_aggd:{}:", self.namespace)
     }
 
+    /// `_aggk:<namespace>:`: the prefix of the cursors of `max`, `min` and `latest`
+    /// (`_aggk:<namespace>:<name>`), where their derivations start reading helpers
+    /// ([`crate::sink::derive`]).
+    pub fn cursor_prefix(&self) -> String {
+        format!("_aggk:{}:", self.namespace)
+    }
+
+    pub fn derivation_names(&self) -> crate::sink::DerivationNames {
+        crate::sink::DerivationNames { counters: self.derived_prefix(), cursors: self.cursor_prefix() }
+    }
+
     /// `_aggm:<namespace>`: the set of measure attributes this deployment wrote on the item;
     /// reconcile touches no other attribute (a user's `orders_note` stays as it is).
     pub fn measures_attribute(&self) -> String {
@@ -145,7 +156,7 @@ impl Ledger {
     }
 
     /// Whether a reserved attribute (`_agg...`) is this namespace's: an entry, the counter,
-    /// the floor, the straggler set, a derivation counter, the written-measures set, a hold or
+    /// the floor, the straggler set, a derivation counter or cursor, the written-measures set, a hold or
     /// a hold's log. An item holding a reserved attribute that is not is written by another
     /// deployment too.
     pub fn is_own(&self, attribute: &str) -> bool {
@@ -153,6 +164,7 @@ impl Ledger {
             [self.version_attribute(), self.floor_attribute(), self.open_attribute(), self.measures_attribute(), self.hold_attribute()];
         self.is_entry(attribute)
             || attribute.starts_with(&self.derived_prefix())
+            || attribute.starts_with(&self.cursor_prefix())
             || attribute.starts_with(&self.log_prefix())
             || exact.iter().any(|a| a == attribute)
     }

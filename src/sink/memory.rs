@@ -4,10 +4,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use super::hold::{HoldSeen, HoldWrite};
-use super::{AggregateStore, Counters, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use super::{
+    AggregateStore, Counters, DerivationNames, Derived, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError,
+    WriteOutcome,
+};
 use crate::decimal::Decimal;
-use crate::rules::helper::{HelperScan, Scalar, REFS};
+use crate::rules::helper::{self, HelperScan, Scalar, REFS};
 use crate::sink::ledger::{admits, applied_of, expressions, is_any_entry, Seen, MAX_EXPRESSION_BYTES};
+
+/// One item's attributes.
+type Item = BTreeMap<String, MemValue>;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MemValue {
@@ -548,45 +554,75 @@ impl AggregateStore for MemoryAggregates {
             s.fail_next -= 1;
             return Err(SinkError::Throttled("simulated throttling".into()));
         }
-        // The range of keys [pk, prefix..], in key order as a Query reads them; First and Last
-        // stop at the first live helper from their end, as the Query does.
-        let start = vec![q.pk.to_string(), q.prefix.to_string()];
-        let mine = |k: &Vec<String>| k.len() == 2 && k[0] == q.pk && k[1].starts_with(q.prefix);
+        // The helpers under [pk, prefix..], in key order as a Query reads them; First and Last
+        // start at `from` and stop at the first live helper, as the Query does.
+        let key = |tail: &str| vec![q.pk.to_string(), format!("{}{tail}", q.prefix)];
+        let all = key("")..vec![q.pk.to_string(), helper::successor(q.prefix)];
         let live = |item: &BTreeMap<String, MemValue>| matches!(item.get(REFS), Some(MemValue::Num(n)) if *n > Decimal::ZERO);
+        let mine = |k: &Vec<String>| k.len() == 2 && k[1].starts_with(q.prefix);
         let tail = |k: &Vec<String>| k[1][q.prefix.len()..].to_string();
-        let range = s.items.range(start..).take_while(|(k, _)| mine(k));
-        let out = match (q.scan, successor(q.prefix)) {
-            (HelperScan::First, _) => {
-                LiveHelpers { first: range.filter(|(_, i)| live(i)).map(|(k, _)| tail(k)).next(), ..Default::default() }
+        let mut out = LiveHelpers { capacity: 0.5, ..LiveHelpers::default() };
+        let range: Box<dyn Iterator<Item = (&Vec<String>, &Item)>> = match (q.scan, q.from) {
+            (HelperScan::Count, _) => {
+                let items: Vec<_> = s.items.range(all).filter(|(k, _)| mine(k)).collect();
+                out.read = items.len() as u64;
+                out.count = items.iter().filter(|(_, i)| live(i)).count() as u64;
+                return Ok(out);
             }
-            (HelperScan::Last, Some(end)) => {
-                let bounds = vec![q.pk.to_string(), q.prefix.to_string()]..vec![q.pk.to_string(), end];
-                let last = s.items.range(bounds).rev().filter(|(k, i)| mine(k) && live(i)).map(|(k, _)| tail(k)).next();
-                LiveHelpers { first: last, ..Default::default() }
-            }
-            (HelperScan::Last, None) => {
-                LiveHelpers { first: range.filter(|(_, i)| live(i)).map(|(k, _)| tail(k)).last(), ..Default::default() }
-            }
-            (HelperScan::Count, _) => LiveHelpers { count: range.filter(|(_, i)| live(i)).count() as u64, ..Default::default() },
+            (HelperScan::First, None) => Box::new(s.items.range(all)),
+            (HelperScan::First, Some(from)) => Box::new(s.items.range(key(from)..all.end)),
+            (HelperScan::Last, None) => Box::new(s.items.range(all).rev()),
+            (HelperScan::Last, Some(from)) => Box::new(s.items.range(all.start..=key(from)).rev()),
         };
-        Ok(LiveHelpers { capacity: 0.5, ..out })
+        for (k, item) in range.filter(|(k, _)| mine(k)) {
+            out.read += 1;
+            out.last_read = Some(tail(k));
+            if live(item) {
+                out.first = Some(tail(k));
+                break;
+            }
+        }
+        Ok(out)
     }
 
-    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<Counters, SinkError> {
+    async fn derivation_counters(&self, key: &[(String, String)], names: &DerivationNames) -> Result<Counters, SinkError> {
         let s = self.lock();
         let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
-        let Some(item) = s.items.get(&key) else { return Ok(Counters { values: BTreeMap::new(), capacity: 0.5 }) };
-        let values = item
-            .iter()
-            .filter_map(|(name, value)| {
+        let mut out = Counters { capacity: 0.5, ..Counters::default() };
+        for (name, value) in s.items.get(&key).into_iter().flatten() {
+            if let Some(measure) = name.strip_prefix(&names.counters) {
                 let value = match value {
                     MemValue::Num(n) => n.to_string(),
                     other => format!("not a number: {other:?}"),
                 };
-                Some((name.strip_prefix(prefix)?.to_string(), value))
-            })
-            .collect();
-        Ok(Counters { values, capacity: 0.5 })
+                out.values.insert(measure.to_string(), value);
+            } else if let (Some(measure), MemValue::Str(tail)) = (name.strip_prefix(&names.cursors), value) {
+                out.cursors.insert(measure.to_string(), tail.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    async fn lower_cursor(&self, key: &[(String, String)], attribute: &str, to: Option<&str>, scan: HelperScan) -> Result<(), SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        if s.fail_next > 0 {
+            s.fail_next -= 1;
+            return Err(SinkError::Throttled("simulated throttling".into()));
+        }
+        let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
+        let Some(item) = s.items.get_mut(&key) else { return Ok(()) };
+        let Some(MemValue::Str(at)) = item.get(attribute) else { return Ok(()) };
+        match to {
+            Some(to) if helper::before(scan, to, at) => {
+                item.insert(attribute.to_string(), MemValue::Str(to.to_string()));
+            }
+            Some(_) => {}
+            None => {
+                item.remove(attribute);
+            }
+        }
+        Ok(())
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
@@ -606,7 +642,12 @@ impl AggregateStore for MemoryAggregates {
             Some(MemValue::Num(n)) => Some(*n),
             _ => None,
         };
-        if w.values.iter().any(|d| counter(item, &d.counter).map(|n| n.to_string()) != d.seen) {
+        let cursor = |item: &BTreeMap<String, MemValue>, name: &str| match item.get(name) {
+            Some(MemValue::Str(t)) => Some(t.clone()),
+            _ => None,
+        };
+        let moved = |d: &Derived| d.cursor.as_ref().is_some_and(|c| cursor(item, &c.attribute) != c.seen);
+        if w.values.iter().any(|d| counter(item, &d.counter).map(|n| n.to_string()) != d.seen || moved(d)) {
             return Ok(None);
         }
         for d in w.values {
@@ -617,16 +658,15 @@ impl AggregateStore for MemoryAggregates {
                 Some(Scalar::S(v)) => item.insert(d.name.clone(), MemValue::Str(v.clone())),
                 None => item.remove(&d.name),
             };
+            if let Some(c) = &d.cursor {
+                match &c.to {
+                    Some(to) => item.insert(c.attribute.clone(), MemValue::Str(to.clone())),
+                    None => item.remove(&c.attribute),
+                };
+            }
         }
         Ok(Some(1.0))
     }
-}
-
-/// The least string above every string that begins with `prefix`: `prefix` with its last byte
-/// raised by one, when that byte is ASCII below DEL (helper prefixes end with `#`).
-fn successor(prefix: &str) -> Option<String> {
-    let (last, rest) = prefix.as_bytes().split_last()?;
-    (*last < 0x7f).then(|| format!("{}{}", &prefix[..rest.len()], char::from(last + 1)))
 }
 
 /// What [`MemoryAggregates::correct_if`] requires of the item: its counter still `seen` (None:

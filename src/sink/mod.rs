@@ -100,12 +100,30 @@ pub trait AggregateStore: Send + Sync + 'static {
 
     /// The helper items (`refs` above zero) of partition `pk` whose sort key begins with
     /// `prefix`, strongly consistent: the sort-key tail (after `prefix`) of the least
-    /// (`First`) or greatest (`Last`), or how many there are (`Count`).
+    /// (`First`) or greatest (`Last`), or how many there are (`Count`). `First` and `Last`
+    /// start at the tail `from` (inclusive; None: the end of the range) and stop at the first
+    /// live helper.
     fn live_helpers(&self, key: &HelperQuery<'_>) -> impl Future<Output = Result<LiveHelpers, SinkError>> + Send;
 
-    /// The item's derivation counters (attributes starting with `prefix`, numbers as
-    /// stored), strongly consistent, by the name after the prefix; absent ones are missing.
-    fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> impl Future<Output = Result<Counters, SinkError>> + Send;
+    /// The item's derivation counters (attributes starting with `names.counters`, numbers
+    /// as stored) and cursors (starting with `names.cursors`, strings), strongly consistent,
+    /// by the name after the prefix; absent ones are missing.
+    fn derivation_counters(
+        &self,
+        key: &[(String, String)],
+        names: &DerivationNames,
+    ) -> impl Future<Output = Result<Counters, SinkError>> + Send;
+
+    /// Moves a derivation cursor back to `to` if it lies beyond it in `scan` order (`First`:
+    /// above it; `Last`: below it), or removes it (`to` None: the whole range) if present.
+    /// Never creates the item; an absent cursor already covers the whole range.
+    fn lower_cursor(
+        &self,
+        key: &[(String, String)],
+        attribute: &str,
+        to: Option<&str>,
+        scan: HelperScan,
+    ) -> impl Future<Output = Result<(), SinkError>> + Send;
 
     /// Sets (Some) or removes (None) the derived attributes and advances each one's counter,
     /// if every counter is still as `seen` (None: absent): the write capacity it consumed.
@@ -133,6 +151,9 @@ pub struct HelperQuery<'a> {
     pub pk: &'a str,
     pub prefix: &'a str,
     pub scan: HelperScan,
+    /// `First` and `Last`: the tail to start at, inclusive (None: the end of the range the
+    /// scan starts from).
+    pub from: Option<&'a str>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -142,13 +163,25 @@ pub struct LiveHelpers {
     pub count: u64,
     /// Read capacity the query consumed.
     pub capacity: f64,
+    /// Helper items the query read, live or not.
+    pub read: u64,
+    /// `First` and `Last`: the tail of the last item read (the first live one, when found).
+    pub last_read: Option<String>,
 }
 
-/// A target's derivation counters, by the name after their prefix, and the read capacity
-/// reading them consumed.
+/// The attribute prefixes of a target's derivation counters and cursors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DerivationNames {
+    pub counters: String,
+    pub cursors: String,
+}
+
+/// A target's derivation counters and cursors, by the name after their prefix, and the read
+/// capacity reading them consumed.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Counters {
     pub values: BTreeMap<String, String>,
+    pub cursors: BTreeMap<String, String>,
     pub capacity: f64,
 }
 
@@ -169,6 +202,19 @@ pub struct Derived {
     pub seen: Option<String>,
     /// None: nothing contributes, the attribute is removed.
     pub value: Option<Scalar>,
+    /// `max`, `min` and `latest`: the cursor the helpers were queried from, as read, and
+    /// where the next derivation starts (None: absent, the whole range). The write is also
+    /// conditioned on the cursor being as read.
+    pub cursor: Option<CursorWrite>,
+}
+
+/// A derivation cursor (`_aggk:<namespace>:<attribute>`): the tail of a helper such that no
+/// live helper lies before it in the measure's scan order ([`derive`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CursorWrite {
+    pub attribute: String,
+    pub seen: Option<String>,
+    pub to: Option<String>,
 }
 
 /// What writing one target cost.

@@ -27,10 +27,12 @@ use crate::rules::fingerprint;
 /// definitions committed by generation. 3: every ledger write honours a reconcile hold
 /// ([`crate::sink::hold`]), so a hold may be placed only once 3 is committed. 4: a write that
 /// raises a helper item's count removes its expiry ([`crate::sink::expiry`]), so expiries are
-/// written only where no replica of 3 or older writes. A replica never runs once a newer
+/// written only where no replica of 3 or older writes. 5: derivations of `max`, `min` and
+/// `latest` read from a cursor that the writers of their helpers move back
+/// ([`crate::sink::derive`]), which a replica of 4 would not. A replica never runs once a newer
 /// protocol is committed, and a newer one commits its own only when no replica of the
 /// committed one holds a lease.
-pub const PROTOCOL: u64 = 4;
+pub const PROTOCOL: u64 = 5;
 
 /// One committed rule: its canonical definition and the generation since which it holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

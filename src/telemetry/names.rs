@@ -12,6 +12,10 @@ pub const RECORDS_MATCHED: &str = "ddb_aggregator_records_matched_total";
 pub const RECORDS_SKIPPED: &str = "ddb_aggregator_records_skipped_total";
 pub const AGGREGATE_WRITES: &str = "ddb_aggregator_aggregate_writes_total";
 pub const DERIVATIONS: &str = "ddb_aggregator_derivations_total";
+/// Helper queries of derivations, and the helper items they read (live or not): their ratio
+/// is what one derivation reads.
+pub const DERIVATION_QUERIES: &str = "ddb_aggregator_derivation_queries_total";
+pub const DERIVATION_ITEMS_READ: &str = "ddb_aggregator_derivation_items_read_total";
 pub const HELPER_EXPIRIES: &str = "ddb_aggregator_helper_expiries_total";
 pub const HELPER_WRITES_TOO_OLD: &str = "ddb_aggregator_helper_writes_too_old_total";
 pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
@@ -100,6 +104,11 @@ pub fn describe() {
         DERIVATIONS,
         "Derivations of max, min, latest and distinct attributes from their helper items, by outcome (written; lost_race: another derivation of the target landed first, retried; error)."
     );
+    describe_counter!(DERIVATION_QUERIES, "Helper queries of derivations (one per attribute derived), by measure kind.");
+    describe_counter!(
+        DERIVATION_ITEMS_READ,
+        "Helper items the derivations' queries read, live or not, by measure kind (divide by derivation_queries_total for the items one derivation reads)."
+    );
     describe_counter!(COALESCED_UPDATES, "Record-to-target updates folded into aggregate writes (compare with aggregate_writes_total).");
     describe_counter!(WRITE_CAPACITY_UNITS, "Write capacity units consumed by aggregate writes.");
     describe_histogram!(BATCH_DURATION_SECONDS, Unit::Seconds, "Time to evaluate and write one batch.");
@@ -169,6 +178,10 @@ pub fn init_series(rules: &[String]) {
     }
     for outcome in WriteOutcome::ALL {
         counter!(AGGREGATE_WRITES, "outcome" => outcome.as_str()).increment(0);
+    }
+    for kind in ["max", "min", "latest", "distinct"] {
+        counter!(DERIVATION_QUERIES, "kind" => kind).increment(0);
+        counter!(DERIVATION_ITEMS_READ, "kind" => kind).increment(0);
     }
     for outcome in ["written", "lost_race", "covered", "refused", "error"] {
         counter!(DERIVATIONS, "outcome" => outcome).increment(0);

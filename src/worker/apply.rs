@@ -257,6 +257,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
                     shared.capacity_milli.fetch_add((stats.write_capacity * 1000.0).round() as u64, Ordering::Relaxed);
                     metrics::counter!(names::DERIVATIONS, "outcome" => "lost_race").increment(stats.lost);
                     metrics::counter!(names::DERIVATIONS, "outcome" => "covered").increment(stats.covered);
+                    for (kind, (queries, items)) in &stats.reads {
+                        metrics::counter!(names::DERIVATION_QUERIES, "kind" => *kind).increment(*queries);
+                        metrics::counter!(names::DERIVATION_ITEMS_READ, "kind" => *kind).increment(*items);
+                    }
                     for (attributes, e) in &stats.refused {
                         // Not a reason to hold the shard: the helpers are exact, and reconcile
                         // derives again.

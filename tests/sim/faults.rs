@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ddb_aggregator::sink::{AggregateStore, Counters, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome};
+use ddb_aggregator::rules::helper::HelperScan;
+use ddb_aggregator::sink::{
+    AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome,
+};
 use ddb_aggregator::state::definitions::{Beat, Committed};
 use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
@@ -223,8 +226,13 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
         self.inner.live_helpers(q).await
     }
 
-    async fn derivation_counters(&self, key: &[(String, String)], prefix: &str) -> Result<Counters, SinkError> {
-        self.inner.derivation_counters(key, prefix).await
+    async fn derivation_counters(&self, key: &[(String, String)], names: &DerivationNames) -> Result<Counters, SinkError> {
+        self.inner.derivation_counters(key, names).await
+    }
+
+    async fn lower_cursor(&self, key: &[(String, String)], attribute: &str, to: Option<&str>, scan: HelperScan) -> Result<(), SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.lower_cursor(key, attribute, to, scan), t, t).await
     }
 
     async fn set_derived(&self, w: &DerivedWrite<'_>) -> Result<Option<f64>, SinkError> {
