@@ -630,3 +630,175 @@ async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
     assert!(zero > 0 && live > 0, "{zero} at zero, {live} live");
     drop(svc);
 }
+
+/// The config of [`derivation_reads_do_not_grow_with_history`]: the oldest open order (a
+/// `where`-filtered min), the last status and the days with orders, on a separate aggregates
+/// table whose helpers expire.
+fn open_orders_config(dir: &std::path::Path, table: &str, aggregates: &str) -> std::path::PathBuf {
+    let text = format!(
+        r#"source: {{ table: {table}, start_position: trim_horizon }}
+state: {{ table: {table}-state, create_table: true, lease_duration: 2s }}
+aggregates: {{ table: {aggregates}, helper_expiry_attribute: {EXPIRES_AT} }}
+rules:
+  - name: open-orders
+    filter: {{ dynamodb: {{ Keys: {{ SK: {{ S: [{{ prefix: "ORDER#" }}] }} }} }} }}
+    source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
+    target: {{ PK: "CUST#{{customer}}", SK: "PROFILE" }}
+    measures:
+      oldestOpen: {{ min: createdAt, where: {{ status: {{ S: [OPEN] }} }} }}
+      lastStatus: {{ latest: status, by: updatedAt }}
+      activeDays: {{ distinct: "{{date}}" }}
+"#
+    );
+    let path = dir.join("open-orders.yaml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Steps `steps` of one customer: order i opens (on day i / 8), order i - 1 closes, order
+/// i - 8 is deleted. Each step leaves zero-count helpers behind: the closed order's
+/// `createdAt` below the oldest open one, the replaced versions below the last status, and
+/// every eighth step a day.
+async fn open_and_close_orders(c: &aws_sdk_dynamodb::Client, table: &str, customer: usize, steps: std::ops::Range<usize>) {
+    use aws_sdk_dynamodb::types::AttributeValue as V;
+    let key = |i: usize| format!("ORDER#d{:05}#o{i:06}", i / 8);
+    let pk = format!("CUST#c{customer}");
+    let at = |i: usize, k: usize| V::N((i * 3 + k).to_string());
+    for i in steps {
+        let put = c.put_item().table_name(table).item("PK", V::S(pk.clone())).item("SK", V::S(key(i)));
+        put.item("status", V::S("OPEN".into())).item("createdAt", V::N(i.to_string())).item("updatedAt", at(i, 0)).send().await.unwrap();
+        if i >= 1 {
+            c.update_item()
+                .table_name(table)
+                .key("PK", V::S(pk.clone()))
+                .key("SK", V::S(key(i - 1)))
+                .update_expression("SET #s = :s, updatedAt = :u")
+                .expression_attribute_names("#s", "status")
+                .expression_attribute_values(":s", V::S("CLOSED".into()))
+                .expression_attribute_values(":u", at(i, 1))
+                .send()
+                .await
+                .unwrap();
+        }
+        if i >= 8 {
+            c.delete_item().table_name(table).key("PK", V::S(pk.clone())).key("SK", V::S(key(i - 8))).send().await.unwrap();
+        }
+        // A few steps a batch, so that derivations are many and each covers a few steps.
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+}
+
+/// oldestOpen, lastStatus and activeDays of every customer, from the source items (the
+/// truth) and from the profiles.
+fn open_orders_truth_and_stored(
+    orders: &[std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>],
+    profiles: &[std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>],
+) -> (BTreeMap<String, [String; 3]>, BTreeMap<String, [String; 3]>) {
+    let n = |i: &std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>, a: &str| -> u64 {
+        i[a].as_n().unwrap().parse().unwrap()
+    };
+    /// The oldest open order, the last (updatedAt, status), the days.
+    type Truth = (Option<u64>, (u64, String), std::collections::BTreeSet<String>);
+    let mut want: BTreeMap<String, Truth> = BTreeMap::new();
+    for o in orders.iter().filter(|i| i["SK"].as_s().unwrap().starts_with("ORDER#")) {
+        let e = want.entry(o["PK"].as_s().unwrap().clone()).or_insert((None, (0, String::new()), Default::default()));
+        let status = o["status"].as_s().unwrap().clone();
+        if status == "OPEN" {
+            e.0 = Some(e.0.map_or(n(o, "createdAt"), |m| m.min(n(o, "createdAt"))));
+        }
+        e.1 = e.1.clone().max((n(o, "updatedAt"), status));
+        e.2.insert(o["SK"].as_s().unwrap().split('#').nth(1).unwrap().to_string());
+    }
+    let want = want
+        .into_iter()
+        .map(|(pk, (open, (_, last), days))| (pk, [open.map(|o| o.to_string()).unwrap_or_default(), last, days.len().to_string()]))
+        .collect();
+    let text = |i: &std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>, a: &str| {
+        i.get(a).map(|v| v.as_n().or(v.as_s()).unwrap().clone()).unwrap_or_default()
+    };
+    let got = profiles
+        .iter()
+        .filter(|i| i["SK"].as_s().unwrap() == "PROFILE")
+        .map(|p| (p["PK"].as_s().unwrap().clone(), [text(p, "oldestOpen"), text(p, "lastStatus"), text(p, "activeDays")]))
+        .collect();
+    (want, got)
+}
+
+/// Items read per derivation query, by measure kind, from a metrics text.
+fn reads_per_query(m: &str) -> BTreeMap<&'static str, (f64, f64)> {
+    ["min", "latest", "distinct"]
+        .into_iter()
+        .map(|k| {
+            let q = metric(m, &format!("ddb_aggregator_derivation_queries_total{{kind=\"{k}\"}}"));
+            (k, (q, metric(m, &format!("ddb_aggregator_derivation_items_read_total{{kind=\"{k}\"}}"))))
+        })
+        .collect()
+}
+
+/// Orders open and close for ever on three customers, in two equal phases of writes. The
+/// oldest open order and the last status read as many helper items per derivation in the
+/// second phase as in the first, although the zero-count helpers behind them doubled; the
+/// values equal a scan's truth, and every zero-count helper carries an expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn derivation_reads_do_not_grow_with_history() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("open");
+    let aggregates = format!("{table}-agg");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let config = open_orders_config(dir.path(), &table, &aggregates);
+    let svc = Service::start(&config, dir.path(), "svc", &[]);
+    const STEPS: usize = 150;
+    let mut phases = Vec::new();
+    for phase in 0..2 {
+        let runs = (0..3).map(|customer| open_and_close_orders(&c, &table, customer, phase * STEPS..(phase + 1) * STEPS));
+        futures::future::join_all(runs).await;
+        let started = Instant::now();
+        loop {
+            let (want, got) = open_orders_truth_and_stored(&scan(&c, &table).await, &scan(&c, &aggregates).await);
+            if want == got {
+                break;
+            }
+            assert!(started.elapsed() < Duration::from_secs(180), "phase {phase}: {want:?}\nstored: {got:?}\n{}", svc.log_tail());
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        phases.push(reads_per_query(&svc.metrics()));
+    }
+    let per_query = |k: &str, p: usize| {
+        let (q, items) =
+            (phases[p][k].0 - if p > 0 { phases[p - 1][k].0 } else { 0.0 }, phases[p][k].1 - if p > 0 { phases[p - 1][k].1 } else { 0.0 });
+        (q, items / q.max(1.0))
+    };
+    for kind in ["min", "latest", "distinct"] {
+        let ((q1, r1), (q2, r2)) = (per_query(kind, 0), per_query(kind, 1));
+        println!("{kind}: phase 1 {q1} derivations, {r1:.2} items read each; phase 2 {q2} derivations, {r2:.2} items read each");
+        assert!(q1 > 0.0 && q2 > 0.0, "{kind}: derived in both phases");
+        if kind != "distinct" {
+            // Without the cursor the second phase reads about three times the first. With it
+            // a derivation reads the steps its batch covers, whatever the history.
+            assert!(r2 <= r1 * 1.5 + 1.0, "{kind}: {r1:.2} then {r2:.2} items read per derivation");
+        }
+    }
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let helpers = scan(&c, &aggregates).await;
+    let (mut zero, mut live) = (0, 0);
+    let is_helper = |i: &&std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>| {
+        i["SK"].as_s().unwrap().contains("#_agg#") && !i["PK"].as_s().unwrap().starts_with("#_agg#")
+    };
+    for item in helpers.iter().filter(is_helper) {
+        let refs: i64 = item.get("refs").map_or(0, |v| v.as_n().unwrap().parse().unwrap());
+        let at = item.get(EXPIRES_AT).map(|v| v.as_n().unwrap().parse::<u64>().unwrap());
+        if refs == 0 {
+            zero += 1;
+            assert!(at.is_some_and(|at| at > now_s + 30 * 3600 && at <= now_s + 48 * 3600), "{item:?}");
+        } else {
+            live += 1;
+            assert_eq!(at, None, "a live helper does not expire: {item:?}");
+        }
+    }
+    println!("helpers: {live} live, {zero} at zero, each with an expiry");
+    assert!(zero > 2 * STEPS, "{zero} at zero");
+    drop(svc);
+}
