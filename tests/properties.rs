@@ -411,8 +411,9 @@ fn helper_truth(table: &BTreeMap<usize, Order>) -> BTreeMap<(String, String, Str
 
 /// One batch as the worker applies it: coalesced, written through the ledger, then derived.
 /// `crash_after`: only that many target writes land and nothing is derived (a replica that
-/// died mid-batch).
-async fn apply_batch(engine: &Engine, store: &MemoryAggregates, records: &[Value], crash_after: Option<usize>) {
+/// died mid-batch). With `expiry`, helpers at zero are given an expiry in [`EXPIRES_AT`].
+async fn apply_batch_expiring(engine: &Engine, store: &MemoryAggregates, records: &[Value], crash_after: Option<usize>, expiry: bool) {
+    use ddb_aggregator::sink::expiry::{Expiry, EXPIRE_AFTER_MS};
     use ddb_aggregator::sink::{derive, ledger::Ledger, write_target, ShardContext};
     let mut batch = Coalescer::new();
     for r in records {
@@ -421,7 +422,11 @@ async fn apply_batch(engine: &Engine, store: &MemoryAggregates, records: &[Value
     }
     let targets = batch.into_targets();
     let ledger = Ledger::new("p");
-    let ctx = ShardContext::new(&ledger, "shardId-00000001700000000000-00000001");
+    let mut ctx = ShardContext::new(&ledger, "shardId-00000001700000000000-00000001");
+    if expiry {
+        ctx.expiry = Some(Expiry { attribute: EXPIRES_AT.into(), after_ms: EXPIRE_AFTER_MS, set: true });
+        ctx.oldest_ms = Some(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64);
+    }
     for (n, (key, delta)) in targets.iter().enumerate() {
         if crash_after == Some(n) {
             return;
@@ -472,39 +477,109 @@ proptest! {
         cuts in prop::collection::vec(any::<usize>(), 0..8),
         faults in prop::collection::vec((0u8..4, any::<usize>()), 0..8),
     ) {
-        let engine = Config::from_yaml(HELPER_RULES, Vec::<(String, String)>::new()).unwrap().engine;
-        let (per_item, table) = history(&ops);
-        let mut records = interleave(per_item, picks);
-        for (i, r) in records.iter_mut().enumerate() {
-            r["dynamodb"]["SequenceNumber"] = json!(format!("{:021}", i + 1));
-        }
-        let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (records.len() + 1)).collect();
-        bounds.push(records.len());
-        bounds.sort();
-        bounds.dedup();
-        let batches: Vec<(usize, usize)> = bounds.iter().scan(0, |start, end| { let b = (*start, *end); *start = *end; Some(b) }).collect();
-        let store = MemoryAggregates::new();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-        rt.block_on(async {
-            for (i, (start, end)) in batches.iter().enumerate() {
-                let (fault, arg) = faults.get(i).copied().unwrap_or((0, 0));
-                match fault {
-                    // A replica dies mid-batch; the next owner reads the batch again.
-                    1 => apply_batch(&engine, &store, &records[*start..*end], Some(arg % 4)).await,
-                    // A stalled replica replays batches already applied (up to 3 back).
-                    2 => {
-                        let from = batches[i.saturating_sub(arg % 4)].0;
-                        apply_batch(&engine, &store, &records[from..*start], None).await;
-                    }
-                    _ => {}
-                }
-                apply_batch(&engine, &store, &records[*start..*end], None).await;
-                if fault == 3 {
-                    apply_batch(&engine, &store, &records[*start..*end], None).await;
-                }
-            }
-        });
+        let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, None);
         prop_assert_eq!(derived_in(&store), helper_truth(&table));
+    }
+
+    /// The same with helpers that expire: after each batch a TTL sweep deletes every helper
+    /// that carried the same expiry since 4 batches before (replays reach 3 batches back, as
+    /// the stream's 24 hours lie within the 40 hours of an expiry). Values that come back
+    /// after their helper was deleted start a new one; nothing is counted twice.
+    #[test]
+    fn helper_measures_stay_exact_when_helpers_at_zero_expire(
+        ops in prop::collection::vec(op(), 1..100),
+        picks in prop::collection::vec(any::<u16>(), 0..300),
+        cuts in prop::collection::vec(any::<usize>(), 0..12),
+        faults in prop::collection::vec((0u8..4, any::<usize>()), 0..12),
+    ) {
+        let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, Some(4));
+        prop_assert_eq!(derived_in(&store), helper_truth(&table));
+    }
+}
+
+/// The TTL attribute of [`helper_measures_stay_exact_when_helpers_at_zero_expire`].
+const EXPIRES_AT: &str = "expiresAt";
+
+/// Runs `ops` interleaved by `picks`, cut into batches at `cuts`, with `faults` per batch
+/// (1: a replica dies mid-batch; 2: a stalled replica replays up to 3 batches back; 3: the
+/// batch is applied twice). `expire_after`: helpers expire, and a sweep after each batch
+/// deletes those whose expiry stood unchanged for that many batches.
+fn run_with_faults(
+    ops: &[Op],
+    picks: Vec<u16>,
+    cuts: &[usize],
+    faults: &[(u8, usize)],
+    expire_after: Option<usize>,
+) -> (MemoryAggregates, BTreeMap<usize, Order>) {
+    let engine = Config::from_yaml(HELPER_RULES, Vec::<(String, String)>::new()).unwrap().engine;
+    let (per_item, table) = history(ops);
+    let mut records = interleave(per_item, picks);
+    for (i, r) in records.iter_mut().enumerate() {
+        r["dynamodb"]["SequenceNumber"] = json!(format!("{:021}", i + 1));
+    }
+    let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (records.len() + 1)).collect();
+    bounds.push(records.len());
+    bounds.sort();
+    bounds.dedup();
+    let batches: Vec<(usize, usize)> = bounds
+        .iter()
+        .scan(0, |start, end| {
+            let b = (*start, *end);
+            *start = *end;
+            Some(b)
+        })
+        .collect();
+    let store = MemoryAggregates::new();
+    let expiry = expire_after.is_some();
+    let mut expiring = BTreeMap::new();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    rt.block_on(async {
+        for (i, (start, end)) in batches.iter().enumerate() {
+            let (fault, arg) = faults.get(i).copied().unwrap_or((0, 0));
+            match fault {
+                // A replica dies mid-batch; the next owner reads the batch again.
+                1 => apply_batch_expiring(&engine, &store, &records[*start..*end], Some(arg % 4), expiry).await,
+                // A stalled replica replays batches already applied (up to 3 back).
+                2 => {
+                    let from = batches[i.saturating_sub(arg % 4)].0;
+                    apply_batch_expiring(&engine, &store, &records[from..*start], None, expiry).await;
+                }
+                _ => {}
+            }
+            apply_batch_expiring(&engine, &store, &records[*start..*end], None, expiry).await;
+            if fault == 3 {
+                apply_batch_expiring(&engine, &store, &records[*start..*end], None, expiry).await;
+            }
+            if let Some(after) = expire_after {
+                ttl_sweep(&store, &mut expiring, i, after);
+            }
+        }
+    });
+    (store, table)
+}
+
+/// DynamoDB's TTL, counted in batches: deletes each helper whose expiry has stood, with no
+/// write in between (same write counter), since `after` batches before `batch`.
+fn ttl_sweep(store: &MemoryAggregates, expiring: &mut BTreeMap<Vec<String>, (Option<MemValue>, usize)>, batch: usize, after: usize) {
+    let version = "_aggv:p";
+    for key in store.keys().into_iter().filter(|k| k[1].contains(HELPER_MARK)) {
+        let parts: Vec<&str> = key.iter().map(String::as_str).collect();
+        let item = store.item(&parts).unwrap_or_default();
+        if !item.contains_key(EXPIRES_AT) {
+            expiring.remove(&key);
+            continue;
+        }
+        let seen = item.get(version).cloned();
+        let since = match expiring.get(&key) {
+            Some((v, since)) if *v == seen => *since,
+            _ => batch,
+        };
+        expiring.insert(key.clone(), (seen.clone(), since));
+        if batch >= since + after {
+            let Some(MemValue::Num(v)) = seen else { continue };
+            assert!(store.delete_if(&key, version, &v.to_string()), "nothing wrote {key:?} since its expiry");
+            expiring.remove(&key);
+        }
     }
 }
 
