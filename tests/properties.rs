@@ -475,7 +475,7 @@ proptest! {
         ops in prop::collection::vec(op(), 1..100),
         picks in prop::collection::vec(any::<u16>(), 0..300),
         cuts in prop::collection::vec(any::<usize>(), 0..8),
-        faults in prop::collection::vec((0u8..4, any::<usize>()), 0..8),
+        faults in prop::collection::vec((0u8..5, any::<usize>()), 0..8),
     ) {
         let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, None);
         prop_assert_eq!(derived_in(&store), helper_truth(&table));
@@ -490,7 +490,7 @@ proptest! {
         ops in prop::collection::vec(op(), 1..100),
         picks in prop::collection::vec(any::<u16>(), 0..300),
         cuts in prop::collection::vec(any::<usize>(), 0..12),
-        faults in prop::collection::vec((0u8..4, any::<usize>()), 0..12),
+        faults in prop::collection::vec((0u8..5, any::<usize>()), 0..12),
     ) {
         let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, Some(4));
         prop_assert_eq!(derived_in(&store), helper_truth(&table));
@@ -502,7 +502,8 @@ const EXPIRES_AT: &str = "expiresAt";
 
 /// Runs `ops` interleaved by `picks`, cut into batches at `cuts`, with `faults` per batch
 /// (1: a replica dies mid-batch; 2: a stalled replica replays up to 3 batches back; 3: the
-/// batch is applied twice). `expire_after`: helpers expire, and a sweep after each batch
+/// batch is applied twice; 4: a shorter batch is applied and derived, and the batch is then
+/// read again from the same checkpoint with more records). `expire_after`: helpers expire, and a sweep after each batch
 /// deletes those whose expiry stood unchanged for that many batches.
 fn run_with_faults(
     ops: &[Op],
@@ -543,6 +544,12 @@ fn run_with_faults(
                 2 => {
                     let from = batches[i.saturating_sub(arg % 4)].0;
                     apply_batch_expiring(&engine, &store, &records[from..*start], None, expiry).await;
+                }
+                // The first part was applied and derived, then the batch failed before its
+                // checkpoint, and the next read returned more records.
+                4 => {
+                    let part = *start + (end - start) * (arg % 4) / 4;
+                    apply_batch_expiring(&engine, &store, &records[*start..part], None, expiry).await;
                 }
                 _ => {}
             }

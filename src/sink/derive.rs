@@ -25,7 +25,8 @@
 //! whole range). A derivation queries from it and sets it to the first live helper (or the
 //! last one it read), on condition that it is unchanged too. The only way a live helper gets
 //! before the cursor is a write that raises it from zero; the derivation after that write
-//! ([`Raised`]) is responsible for it, and only ever moves the cursor back:
+//! ([`Raised`]: every helper some record of the batch adds to, since a batch read again may
+//! write only part of its records) is responsible for it, and only ever moves the cursor back:
 //! - if it reads the cursor beyond its raised helper, it queries from that helper instead;
 //!   once such a write lost, it moves the cursor back to the helper ([`AggregateStore::lower_cursor`],
 //!   conditioned on the cursor still lying beyond it) before querying again;
@@ -125,7 +126,10 @@ pub fn targets_to_derive(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) 
         let owner = TargetKey(owner.into_boxed_slice());
         let t = out.entry(owner.clone()).or_insert_with(|| DeriveTarget { key: owner, measures: BTreeMap::new(), raised: BTreeMap::new() });
         t.measures.insert(h.measure.to_string(), derive);
-        let raises = delta.attributes.get(helper::REFS).is_some_and(|n| *n > crate::decimal::Decimal::ZERO);
+        // Any record that adds to it, not the net: a batch read again after part of it was
+        // applied writes only the rest, which may raise the helper from zero on its own.
+        let raises =
+            delta.contributions.iter().any(|c| c.values.iter().any(|(a, v)| a == helper::REFS && *v > crate::decimal::Decimal::ZERO));
         if raises && derive.scan() != HelperScan::Count {
             let mine = Raised::Tail(h.tail.to_string());
             let raised = match t.raised.remove(h.measure) {
@@ -264,6 +268,9 @@ struct Progress<'a> {
     /// Attributes whose write lost a race: a cursor beyond their raised helper is now moved
     /// back before they query again.
     lost: BTreeSet<String>,
+    /// The target's [`Raised`], narrowed by each query from it: the raised helpers still live
+    /// when it read them lie at or after the first live one it found (none found: none is).
+    raised: BTreeMap<String, Raised>,
 }
 
 /// Derives `target`'s attributes from its live helpers until each one landed, was covered
@@ -287,6 +294,7 @@ pub async fn derive_target<S: AggregateStore>(
         first: BTreeMap::new(),
         alone: false,
         lost: BTreeSet::new(),
+        raised: target.raised.clone(),
     };
     let mut stats = DeriveStats::default();
     let (mut rounds, mut transient) = (0, 0);
@@ -321,7 +329,7 @@ async fn derive_round<S: AggregateStore>(
     for name in p.pending.clone() {
         let Some(derive) = p.target.measures.get(&name) else { continue };
         let cursor = counters.cursors.get(&name).map(String::as_str);
-        let raised = p.target.raised.get(&name).filter(|r| r.before(derive.scan(), cursor));
+        let raised = p.raised.get(&name).filter(|r| r.before(derive.scan(), cursor));
         if raised.is_some() {
             // Landings counted from here may have read that cursor and missed the helper:
             // the count for `covered` starts again at a read that saw the cursor before it.
@@ -332,20 +340,20 @@ async fn derive_round<S: AggregateStore>(
                 store.lower_cursor(&p.key, &format!("{}{name}", p.names.cursors), r.from(), derive.scan()).await?;
                 stats.lowered += 1;
             }
-            (Some(r), false) => due.push((name, *derive, r.from().map(str::to_string), cursor.map(str::to_string))),
+            (Some(r), false) => due.push((name, *derive, r.from().map(str::to_string), cursor.map(str::to_string), true)),
             (None, _) => {
                 let first = p.first.entry(name.clone()).or_insert_with(|| now.get(&name).cloned());
                 if covered(first.as_deref(), now.get(&name).map(String::as_str)) {
                     stats.covered += 1;
                     p.pending.remove(&name);
                 } else {
-                    due.push((name, *derive, cursor.map(str::to_string), cursor.map(str::to_string)));
+                    due.push((name, *derive, cursor.map(str::to_string), cursor.map(str::to_string), false));
                 }
             }
         }
     }
     let mut values = Vec::with_capacity(due.len());
-    for (name, derive, from, seen_cursor) in due {
+    for (name, derive, from, seen_cursor, own) in due {
         let prefix = helper::prefix(p.owner_sk, &name);
         let scan = derive.scan();
         let from = from.as_deref().filter(|_| scan != HelperScan::Count);
@@ -354,6 +362,12 @@ async fn derive_round<S: AggregateStore>(
         let reads = stats.reads.entry(derive.as_str()).or_default();
         (reads.0, reads.1) = (reads.0 + 1, reads.1 + live.read);
         stats.read_capacity += live.capacity;
+        if own {
+            match &live.first {
+                Some(first) => p.raised.insert(name.clone(), Raised::Tail(first.clone())),
+                None => p.raised.remove(&name),
+            };
+        }
         let value = derive.value(live.first.as_deref(), live.count);
         let cursor = (scan != HelperScan::Count).then(|| CursorWrite {
             attribute: format!("{}{name}", p.names.cursors),
