@@ -445,6 +445,7 @@ fn job_result(
         r.corrected = report.drifts.iter().filter(|d| d.corrected).count() as u64;
         r.uncorrected = report.uncorrected() as u64;
         r.shards_by_empty_pages = report.by_empty_pages.len() as u64;
+        r.helpers = report.helpers.iter().map(|(rule, c)| (rule.clone(), c.live, c.zero)).collect();
     }
     r
 }
@@ -474,6 +475,7 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                 "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet, "failed": failed,
                 "poison_items": report.poisons, "seconds": report.elapsed.as_secs_f64(), "dry_run": dry_run,
                 "shards_by_empty_pages": report.by_empty_pages,
+                "helper_items": report.helpers.iter().map(|(rule, c)| (rule.clone(), serde_json::json!({"live": c.live, "zero": c.zero}))).collect::<serde_json::Map<String, Value>>(),
             }});
             writeln!(out, "{summary}")?;
         }
@@ -517,6 +519,9 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                 report.not_quiet.len(),
                 if report.poisons > 0 { format!(", {} poison item(s) skipped", report.poisons) } else { String::new() },
             )?;
+            for (rule, c) in &report.helpers {
+                writeln!(out, "{rule}: {} helper item(s) live, {} at zero", c.live, c.zero)?;
+            }
             if !report.by_empty_pages.is_empty() {
                 writeln!(
                     out,

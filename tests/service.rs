@@ -800,5 +800,13 @@ async fn derivation_reads_do_not_grow_with_history() {
     }
     println!("helpers: {live} live, {zero} at zero, each with an expiry");
     assert!(zero > 2 * STEPS, "{zero} at zero");
+    // reconcile reports the same counts (it pushes them, and the service's scheduled run of
+    // everything sets `helper_items`), and finds nothing to correct.
+    let o = run_cli(&["reconcile", "--config", config.to_str().unwrap(), "--all", "--output", "json"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    let summary: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["summary"]["helper_items"]["open-orders"], serde_json::json!({"live": live, "zero": zero}), "{out}");
+    assert_eq!(summary["summary"]["drifts"], 0, "{out}");
     drop(svc);
 }

@@ -293,6 +293,9 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
     let mut pending = requested.map(|keys| keys.iter().map(truth::owner_of).collect::<BTreeSet<_>>());
     for round in 0..opts.attempts.max(1) {
         let before = snapshot(targets, rule, pending.as_ref()).await?;
+        if round == 0 {
+            count_helpers(&rule.name, &before, report);
+        }
         let truth = read_truth(sources, rule, pending.as_ref(), &BTreeSet::new(), opts).await?;
         let truth_done_at = now_ms();
         report.poisons += truth.poisons.len() as u64;
@@ -541,6 +544,21 @@ pub fn leftovers(old: &Rule, current: &[Rule], key: &TargetKey, item: &TargetIte
             _ => None,
         })
         .collect()
+}
+
+/// Counts the helper items among `items` by state into `report` (pure).
+pub fn count_helpers(rule: &str, items: &BTreeMap<TargetKey, TargetItem>, report: &mut Report) {
+    let mut count = crate::reconcile::report::HelperCount::default();
+    for (_, item) in items.iter().filter(|(k, _)| is_helper_key(k)) {
+        match item.values.get(helper::REFS) {
+            Some(Stored::Number(n)) if *n > Decimal::ZERO => count.live += 1,
+            _ => count.zero += 1,
+        }
+    }
+    if count != Default::default() {
+        let e = report.helpers.entry(rule.to_string()).or_default();
+        (e.live, e.zero) = (e.live + count.live, e.zero + count.zero);
+    }
 }
 
 /// (1) The targets as they are before the truth is read.
@@ -829,6 +847,28 @@ mod tests {
         assert_eq!(shape, [(None, 100), (Some("1"), 100), (Some("2"), 50)], "each write expects the counter the one before left");
         let seen = TargetItem { version: Some("41".into()), ..fresh };
         assert_eq!(corrections(&found, &seen, None)[2].seen_version.as_deref(), Some("43"));
+    }
+
+    #[test]
+    fn helper_items_are_counted_live_and_at_zero_per_rule() {
+        let key = |sk: &str| TargetKey(vec![Box::from("CUST#c1"), Box::from(sk)].into_boxed_slice());
+        let refs = |n: i64| TargetItem {
+            values: BTreeMap::from([(helper::REFS.to_string(), Stored::Number(Decimal::from_i64(n)))]),
+            ..TargetItem::default()
+        };
+        let items = BTreeMap::from([
+            (key("PROFILE"), refs(7)),
+            (key("PROFILE#_agg#largestOrder#N1"), refs(2)),
+            (key("PROFILE#_agg#largestOrder#N2"), refs(0)),
+            (key("PROFILE#_agg#largestOrder#N3"), refs(-1)),
+            (key("PROFILE#_agg#activeDays#S1"), TargetItem::default()),
+        ]);
+        let mut report = Report::default();
+        count_helpers("customer-orders", &items, &mut report);
+        count_helpers("customer-orders", &items, &mut report);
+        count_helpers("no-helpers", &BTreeMap::from([(key("PROFILE"), refs(1))]), &mut report);
+        let counts: Vec<(&str, u64, u64)> = report.helpers.iter().map(|(r, c)| (r.as_str(), c.live, c.zero)).collect();
+        assert_eq!(counts, [("customer-orders", 2, 6)], "the target item is not a helper; no count is zero");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! What a reconcile found and did.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::decimal::Decimal;
@@ -65,6 +65,16 @@ pub struct Report {
     pub by_empty_pages: BTreeSet<String>,
     /// Such judgements, a shard counted once per wait.
     pub empty_page_judgements: u64,
+    /// Per rule: the helper items (of max, min, latest, distinct) its first round read.
+    pub helpers: BTreeMap<String, HelperCount>,
+}
+
+/// Helper items by state: a count above zero, or at zero (expiring, where the table's TTL
+/// attribute is configured, or kept).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HelperCount {
+    pub live: u64,
+    pub zero: u64,
 }
 
 impl Report {

@@ -17,6 +17,8 @@ pub const DERIVATIONS: &str = "ddb_aggregator_derivations_total";
 pub const DERIVATION_QUERIES: &str = "ddb_aggregator_derivation_queries_total";
 pub const DERIVATION_ITEMS_READ: &str = "ddb_aggregator_derivation_items_read_total";
 pub const HELPER_EXPIRIES: &str = "ddb_aggregator_helper_expiries_total";
+/// Helper items by rule and state (live, zero), as the last scheduled reconcile of everything read them.
+pub const HELPER_ITEMS: &str = "ddb_aggregator_helper_items";
 pub const HELPER_WRITES_TOO_OLD: &str = "ddb_aggregator_helper_writes_too_old_total";
 pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
 /// 1 for the reason a replica holds no lease while its rule definitions differ from the
@@ -103,6 +105,10 @@ pub fn describe() {
     describe_counter!(
         DERIVATIONS,
         "Derivations of max, min, latest and distinct attributes from their helper items, by outcome (written; lost_race: another derivation of the target landed first, retried; error)."
+    );
+    describe_gauge!(
+        HELPER_ITEMS,
+        "Helper items of max, min, latest and distinct by rule and state (live: a count above zero; zero: expiring or kept), as the last scheduled reconcile of everything read them."
     );
     describe_counter!(DERIVATION_QUERIES, "Helper queries of derivations (one per attribute derived), by measure kind.");
     describe_counter!(

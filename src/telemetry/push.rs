@@ -32,6 +32,8 @@ pub struct JobResult {
     pub uncorrected: u64,
     /// Shards judged caught up by the empty-page rule alone.
     pub shards_by_empty_pages: u64,
+    /// Per rule: helper items live and at zero.
+    pub helpers: Vec<(String, u64, u64)>,
 }
 
 /// The Prometheus text of a run (pure). The last-success gauge only when it succeeded, so the
@@ -57,6 +59,14 @@ pub fn body(r: &JobResult) -> String {
         "Idle shards the last run judged caught up by the empty-page rule alone (reconcile.tip_evidence, an assumption).",
         r.shards_by_empty_pages as f64,
     );
+    if !r.helpers.is_empty() {
+        let name = "ddb_aggregator_reconcile_job_helper_items";
+        out.push_str(&format!("# HELP {name} Helper items of max, min, latest and distinct the last run read, by rule and state (live, zero).\n# TYPE {name} gauge\n"));
+        for (rule, live, zero) in &r.helpers {
+            let rule = rule.replace('\\', "\\\\").replace('"', "\\\"");
+            out.push_str(&format!("{name}{{rule=\"{rule}\",state=\"live\"}} {live}\n{name}{{rule=\"{rule}\",state=\"zero\"}} {zero}\n"));
+        }
+    }
     out
 }
 
@@ -121,5 +131,14 @@ mod tests {
         let failed = body(&JobResult { succeeded: false, finished_s: 1800.0, ..JobResult::default() });
         assert!(!failed.contains("last_success"), "{failed}");
         assert!(failed.contains("\nddb_aggregator_reconcile_job_succeeded 0\n"));
+    }
+
+    #[test]
+    fn helper_items_are_pushed_per_rule_and_state() {
+        let b = body(&JobResult { helpers: vec![("customer-orders".into(), 12, 30), ("a\"b".into(), 0, 1)], ..JobResult::default() });
+        assert!(b.contains("\nddb_aggregator_reconcile_job_helper_items{rule=\"customer-orders\",state=\"live\"} 12\n"), "{b}");
+        assert!(b.contains("\nddb_aggregator_reconcile_job_helper_items{rule=\"customer-orders\",state=\"zero\"} 30\n"), "{b}");
+        assert!(b.contains("{rule=\"a\\\"b\",state=\"zero\"} 1\n"), "a quote in a rule name is escaped: {b}");
+        assert!(!body(&JobResult::default()).contains("helper_items"), "no helper measures, no series");
     }
 }
