@@ -323,6 +323,8 @@ fn config_a() -> Config {
       "orders_{{status}}": count
       largestOrder: {{ max: total }}
       activeDays: {{ distinct: "{{date|day}}" }}
+      oldestPending: {{ min: createdAt, where: {{ status: {{ S: [PENDING] }} }} }}
+      lastTotal: {{ latest: total, by: updatedAt }}
     reconcile: {{ scan: true }}
   - name: customer-spend
     filter: {ORDERS}
@@ -366,6 +368,8 @@ struct Order {
     status: &'static str,
     /// Cents; None: a poison order (its total is a string).
     cents: Option<i64>,
+    /// Simulated epoch ms of the last change the application made (`updatedAt`).
+    updated: u64,
 }
 
 /// A shard that takes new records for a range of the key space.
@@ -1173,7 +1177,7 @@ impl World {
         if roll < 0.01 {
             let customer = self.customers(); // a customer of its own: its orders never change
             self.next_order += 1;
-            let order = Order { status: "PENDING", cents: None };
+            let order = Order { status: "PENDING", cents: None, updated: now };
             let key = (customer, day, self.next_order);
             let seq = self.emit("INSERT", &key, None, Some(&order));
             self.poison.push((seq, now));
@@ -1204,7 +1208,7 @@ impl World {
             None => {
                 let customer = self.rng.u32(..self.customers());
                 self.next_order += 1;
-                let order = Order { status: "PENDING", cents: Some(self.rng.i64(1..100_000)) };
+                let order = Order { status: "PENDING", cents: Some(self.rng.i64(1..100_000)), updated: now };
                 let key = (customer, day, self.next_order);
                 self.emit("INSERT", &key, None, Some(&order));
                 self.sources.put(source_item(&key, &order));
@@ -1218,7 +1222,8 @@ impl World {
                     self.sources.delete(&[format!("CUST#c{}", key.0), format!("ORDER#{}#o{}", key.1, key.2)]);
                     self.items.remove(&key);
                 } else if key.0 % 8 == REFUSING && old.cents.is_some() && self.rng.f64() < 0.1 {
-                    // The table refuses this record's write (`orders_HELD` holds a string).
+                    // The table refuses this record's write (`orders_HELD` holds a string). Its
+                    // `updatedAt` stays: lastTotal's helpers do not change.
                     let new = Order { status: "HELD", ..old.clone() };
                     let seq = self.emit("MODIFY", &key, Some(&old), Some(&new));
                     self.refused.push((seq, now_ms()));
@@ -1231,9 +1236,9 @@ impl World {
                     self.items.insert(key, new);
                 } else {
                     let new = if self.rng.bool() {
-                        Order { status: if old.status == "PENDING" { "PAID" } else { "SHIPPED" }, ..old.clone() }
+                        Order { status: if old.status == "PENDING" { "PAID" } else { "SHIPPED" }, updated: now, ..old.clone() }
                     } else {
-                        Order { cents: Some(self.rng.i64(1..100_000)), ..old.clone() }
+                        Order { cents: Some(self.rng.i64(1..100_000)), updated: now, ..old.clone() }
                     };
                     self.emit("MODIFY", &key, Some(&old), Some(&new));
                     self.sources.put(source_item(&key, &new));
@@ -1410,7 +1415,9 @@ impl World {
         let one = Decimal::from_i64(1);
         let mut largest: BTreeMap<String, Decimal> = BTreeMap::new();
         let mut days: BTreeMap<String, std::collections::BTreeSet<&str>> = BTreeMap::new();
-        for ((customer, day, _), o) in &self.items {
+        let mut oldest_pending: BTreeMap<String, u64> = BTreeMap::new();
+        let mut last: BTreeMap<String, (u64, Decimal)> = BTreeMap::new();
+        for ((customer, day, id), o) in &self.items {
             let pk = format!("CUST#c{customer}");
             add(pk.clone(), "PROFILE", "ordersB".into(), one);
             let Some(cents) = o.cents else { continue };
@@ -1421,9 +1428,17 @@ impl World {
             add(pk.clone(), "PROFILE", format!("orders_{}", o.status), one);
             let max = largest.entry(pk.clone()).or_insert(total);
             *max = (*max).max(total);
-            for measure in ["largestOrder", "activeDays"] {
+            for measure in ["largestOrder", "activeDays", "lastTotal"] {
                 add(pk.clone(), &format!("PROFILE{MARK}{measure}"), REFS.into(), one);
             }
+            if o.status == "PENDING" {
+                add(pk.clone(), &format!("PROFILE{MARK}oldestPending"), REFS.into(), one);
+                let e = oldest_pending.entry(pk.clone()).or_insert(*id);
+                *e = (*e).min(*id);
+            }
+            // latest: the greatest updatedAt, ties to the greater value.
+            let l = last.entry(pk.clone()).or_insert((o.updated, total));
+            *l = (*l).max((o.updated, total));
             days.entry(pk).or_default().insert(day);
             add(format!("SALES#{day}"), "TOTAL", "orders".into(), one);
             add(format!("SALES#{day}"), "TOTAL", "revenue".into(), total);
@@ -1434,6 +1449,12 @@ impl World {
         }
         for (pk, d) in days {
             t.insert((vec![pk, "PROFILE".to_string()], "activeDays".into()), Decimal::from_i64(d.len() as i64));
+        }
+        for (pk, id) in oldest_pending {
+            t.insert((vec![pk, "PROFILE".to_string()], "oldestPending".into()), Decimal::from_i64(i64::try_from(id).expect("an id")));
+        }
+        for (pk, (_, total)) in last {
+            t.insert((vec![pk, "PROFILE".to_string()], "lastTotal".into()), total);
         }
         t.retain(|_, v| !v.is_zero());
         t
@@ -1572,7 +1593,8 @@ fn source_item(key: &(u32, String, u64), o: &Order) -> serde_json::Map<String, V
         None => json!({"S": "n/a"}),
     };
     let mut item = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#{}#o{}", key.1, key.2)},
-                      "status": {"S": o.status}, "total": total});
+                      "status": {"S": o.status}, "total": total, "createdAt": {"N": key.2.to_string()},
+                      "updatedAt": {"N": o.updated.to_string()}});
     // Every fourth poison order holds what the simulated SQS refuses (scenario g): a U+FFFF,
     // which the letter escapes, and a text the queue refuses for good, so the letter goes
     // out with its images cut.
