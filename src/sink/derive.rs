@@ -805,6 +805,7 @@ rules:
         let early = open_and_close(&store, &e, 200..400).await;
         open_and_close(&store, &e, 400..2000).await;
         let late = open_and_close(&store, &e, 2000..2200).await;
+        println!("items read, queries: steps 200..400 {early:?}, steps 2000..2200 {late:?}");
         assert_eq!(early.1, late.1, "one query per measure and step");
         assert_eq!(early, late, "items read: {early:?} then {late:?}");
         assert!(late.0 <= 3 * late.1, "at most three items a query: {late:?}");
