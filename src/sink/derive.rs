@@ -550,6 +550,39 @@ mod tests {
     }
 
     #[test]
+    fn a_raised_helper_lies_before_a_cursor_in_its_measures_scan_order() {
+        let t = |s: &str| Raised::Tail(s.into());
+        assert!(t("N3").before(HelperScan::First, Some("N5")), "a new minimum");
+        assert!(!t("N5").before(HelperScan::First, Some("N5")), "at the cursor: seen");
+        assert!(t("N9").before(HelperScan::Last, Some("N5")), "a new maximum");
+        assert!(!t("N3").before(HelperScan::Last, Some("N5")));
+        assert!(!t("N3").before(HelperScan::First, None), "no cursor: the whole range");
+        assert!(Raised::Everything.before(HelperScan::Last, Some("N5")));
+        assert!(!Raised::Everything.before(HelperScan::First, None));
+        assert_eq!(t("N3").earlier(t("N1"), HelperScan::First), t("N1"));
+        assert_eq!(t("N3").earlier(t("N1"), HelperScan::Last), t("N3"));
+        assert_eq!(t("N3").earlier(Raised::Everything, HelperScan::First), Raised::Everything);
+    }
+
+    /// A batch that adds to a helper raises it, even when its net change is zero: read again
+    /// after its -1 was applied, it writes only the +1.
+    #[test]
+    fn a_helper_a_record_adds_to_is_raised_whatever_the_net() {
+        let e = engine();
+        let mut closed = order("c1", 1, "5", "PAID");
+        closed["eventName"] = "REMOVE".into();
+        closed["dynamodb"]["OldImage"] = closed["dynamodb"]["NewImage"].take();
+        closed["dynamodb"].as_object_mut().unwrap().remove("NewImage");
+        let mut again = order("c1", 1, "5", "PAID");
+        again["dynamodb"]["SequenceNumber"] = format!("{:021}", 2).into();
+        let targets = batch(&e, &[closed, again]);
+        let derive = targets_to_derive(&e, &targets);
+        let largest = Derive::Max.tail(&Scalar::N(Decimal::from_i64(5)), None);
+        assert_eq!(derive[0].raised.get("largestOrder"), Some(&Raised::Tail(largest)), "{:?}", derive[0].raised);
+        assert_eq!(derive[0].raised.get("activeDays"), None, "distinct keeps no cursor");
+    }
+
+    #[test]
     fn two_landings_after_the_first_read_cover_a_derivation_one_does_not() {
         assert!(!covered(None, None));
         assert!(!covered(None, Some("1")), "the one landing may have queried before our helper writes");

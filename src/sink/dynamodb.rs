@@ -176,7 +176,9 @@ impl AggregateStore for DynamoDbAggregates {
                     .condition_expression(beyond)
                     .expression_attribute_values(":to", AttributeValue::S(to.to_string()))
             }
-            _ => req.update_expression("REMOVE #k").condition_expression("attribute_exists(#k)"),
+            (None, _) => req.update_expression("REMOVE #k").condition_expression("attribute_exists(#k)"),
+            // distinct keeps no cursor.
+            (Some(_), HelperScan::Count) => return Ok(()),
         };
         for (name, value) in key {
             req = req.key(name, AttributeValue::S(value.clone()));
