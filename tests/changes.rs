@@ -462,3 +462,58 @@ async fn a_rebuild_finishes_beside_a_busy_target_and_a_users_string() {
     println!("busy rebuild: every target exact {:.1} s after the writes stopped", settled.elapsed().as_secs_f64());
     assert_eq!(get(&c, &aggregates, "CUST#c3", "PROFILE").await.get("spend"), Some(&user_text), "the user's string is never overwritten");
 }
+
+/// Helper items of `aggregates`: (live without an expiry, live with one, at zero without one,
+/// at zero with one).
+async fn helper_expiries(c: &aws_sdk_dynamodb::Client, aggregates: &str) -> [usize; 4] {
+    let mut out = [0; 4];
+    for item in scan(c, aggregates).await {
+        let (pk, sk) = (item["PK"].as_s().unwrap(), item["SK"].as_s().unwrap());
+        if !sk.contains("#_agg#") || pk.starts_with("#_agg#") {
+            continue;
+        }
+        let live = item.get("refs").is_some_and(|v| v.as_n().unwrap().parse::<i64>().unwrap() > 0);
+        out[usize::from(!live) * 2 + usize::from(item.contains_key(EXPIRES_AT))] += 1;
+    }
+    out
+}
+
+/// Adding `aggregates.helper_expiry_attribute` in a rolling deploy while TTL is already on:
+/// the replica that names it holds no lease while one that does not (and so would not remove
+/// expiries) runs, then commits it and expires helpers at zero; no live helper ever carries
+/// an expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adding_the_helper_expiry_attribute_waits_for_the_replicas_without_it() {
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let (dir, table, aggregates, new_config) = deployment(&c, "expiry", "config/commerce-measures.yaml").await;
+    let text = std::fs::read_to_string(&new_config).unwrap();
+    let line = format!("  helper_expiry_attribute: {EXPIRES_AT}\n");
+    assert!(text.contains(&line), "the example names the attribute");
+    let old_config = dir.path().join("old.yaml");
+    std::fs::write(&old_config, text.replace(&line, "")).unwrap();
+    let mut a = Service::start(&old_config, dir.path(), "a", &[]);
+    assert!(workload(&c, &table, 300, 10, 2, 43).await >= 300);
+    let b = Service::start(&new_config, dir.path(), "b", &[]);
+    orders_for(&c, &table, Duration::from_secs(20), 4).await;
+    let waiting = metric(&b.metrics(), "ddb_aggregator_definitions_waiting{reason=\"committed_replicas_live\"}");
+    assert_eq!(waiting, 1.0, "B holds no lease while A runs without the attribute\n{}", b.log_tail());
+    let [_, live_expiring, zero, zero_expiring] = helper_expiries(&c, &aggregates).await;
+    assert_eq!((live_expiring, zero_expiring), (0, 0), "A sets no expiry, B writes nothing");
+    assert!(zero > 0, "helpers at zero wait for B");
+    let (code, _) = a.terminate();
+    assert_eq!(code, Some(0), "{}", a.log_tail());
+    let switched = Instant::now();
+    loop {
+        orders_for(&c, &table, Duration::from_secs(3), 5).await;
+        let [live, live_expiring, _, zero_expiring] = helper_expiries(&c, &aggregates).await;
+        assert_eq!(live_expiring, 0, "a live helper never expires");
+        let generation = metric(&b.metrics(), "ddb_aggregator_definitions_generation");
+        if zero_expiring > 0 && generation == 2.0 {
+            println!("expiry attribute committed as generation 2; {zero_expiring} helpers at zero expiring, {live} live");
+            break;
+        }
+        assert!(switched.elapsed() < Duration::from_secs(90), "generation {generation}, {zero_expiring} expiring\n{}", b.log_tail());
+    }
+    drop(b);
+}

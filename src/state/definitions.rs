@@ -80,6 +80,11 @@ pub struct Committed {
     /// take no new lease (see [`Drain`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draining: Option<Drain>,
+    /// `aggregates.helper_expiry_attribute` of these definitions: every writer of helper
+    /// items must remove it ([`crate::sink::expiry`]), so replicas that differ in it never
+    /// write at once. Absent: none (and the digest is what releases before it computed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expiry: Option<String>,
 }
 
 /// The mark a committer stores before it checks a last time and commits. Without it, a
@@ -97,7 +102,7 @@ pub struct Drain {
 impl Committed {
     /// The digest replicas publish: definitions and protocol together.
     pub fn digest(&self) -> String {
-        digest(self.rules.iter().map(|(n, r)| (n.as_str(), r.definition.as_str())), self.protocol)
+        digest(self.rules.iter().map(|(n, r)| (n.as_str(), r.definition.as_str())), self.protocol, self.expiry.as_deref())
     }
 
     /// Whether a live drain mark of another replica than `me` is on it: no new lease.
@@ -137,33 +142,46 @@ impl Committed {
 pub struct Running {
     pub rules: BTreeMap<String, String>,
     pub protocol: u64,
+    /// The helper expiry attribute ([`Committed::expiry`]).
+    pub expiry: Option<String>,
 }
 
 impl Running {
     pub fn new(rules: impl IntoIterator<Item = (String, String)>) -> Running {
-        Running { rules: rules.into_iter().collect(), protocol: PROTOCOL }
+        Running { rules: rules.into_iter().collect(), protocol: PROTOCOL, expiry: None }
+    }
+
+    /// With the config's `aggregates.helper_expiry_attribute`.
+    pub fn with_expiry(self, expiry: Option<String>) -> Running {
+        Running { expiry, ..self }
     }
 
     pub fn digest(&self) -> String {
-        digest(self.rules.iter().map(|(n, d)| (n.as_str(), d.as_str())), self.protocol)
+        digest(self.rules.iter().map(|(n, d)| (n.as_str(), d.as_str())), self.protocol, self.expiry.as_deref())
     }
 
-    /// Whether these are the committed definitions (and protocol).
+    /// Whether these are the committed definitions (and protocol, and expiry attribute).
     pub fn runs(&self, c: &Committed) -> bool {
         self.protocol == c.protocol
+            && self.expiry == c.expiry
             && self.rules.len() == c.rules.len()
             && self.rules.iter().all(|(n, d)| c.rules.get(n).is_some_and(|r| r.definition == *d))
     }
 }
 
-/// A digest of a definition set: `p<protocol>:` and FNV-1a over the names and definitions.
-fn digest<'a>(rules: impl Iterator<Item = (&'a str, &'a str)>, protocol: u64) -> String {
+/// A digest of a definition set: `p<protocol>:` and FNV-1a over the names and definitions
+/// (and the expiry attribute, when there is one).
+fn digest<'a>(rules: impl Iterator<Item = (&'a str, &'a str)>, protocol: u64, expiry: Option<&str>) -> String {
     let mut text = String::new();
     for (n, d) in rules {
         text.push_str(n);
         text.push('\u{0}');
         text.push_str(d);
         text.push('\u{0}');
+    }
+    if let Some(attribute) = expiry {
+        text.push_str("\u{0}helper_expiry_attribute\u{0}");
+        text.push_str(attribute);
     }
     format!("p{protocol}:{:016x}", fingerprint::fnv1a(text.as_bytes()))
 }
@@ -290,7 +308,7 @@ pub fn decide(me: &str, mine: &Running, seen: Seen<'_>) -> Gate {
 /// retired, and what differs is rebuilt.
 fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
     let rules = mine.rules.iter().map(|(n, d)| (n.clone(), RuleDef { definition: d.clone(), since: 1 })).collect();
-    let mut first = Committed { generation: 1, protocol: mine.protocol, rules, ..Committed::default() };
+    let mut first = Committed { generation: 1, protocol: mine.protocol, rules, expiry: mine.expiry.clone(), ..Committed::default() };
     let Some(legacy) = seen.legacy else { return Gate::Commit(first) };
     let changed: BTreeSet<String> =
         mine.rules.iter().filter(|(n, d)| legacy.get(*n) != Some(&fingerprint::of_definition(d))).map(|(n, _)| n.clone()).collect();
@@ -351,7 +369,7 @@ pub fn next(c: &Committed, mine: &Running) -> Committed {
     retire.retain(|r| mine.rules.get(&r.name) != Some(&r.definition));
     let mut seen = BTreeSet::new();
     retire.retain(|r| seen.insert((r.name.clone(), r.definition.clone())));
-    Committed { generation, protocol: c.protocol.max(mine.protocol), rules, rebuild, retire, draining: None }
+    Committed { generation, protocol: c.protocol.max(mine.protocol), rules, rebuild, retire, draining: None, expiry: mine.expiry.clone() }
 }
 
 #[cfg(test)]
@@ -421,6 +439,35 @@ mod tests {
         assert_eq!(decide("new-2", &new, seen(Some(&next), &[], 0)), Gate::Run);
         assert_eq!(decide("old-2", &old, seen(Some(&next), &[], 2)), Gate::Wait(WaitReason::LeasesHeld));
         assert_eq!(decide("old-2", &old, seen(Some(&next), &[beat("new-1", &new, 5_000)], 0)), Gate::Wait(WaitReason::CommittedLive));
+    }
+
+    /// Naming the helper expiry attribute is a change like a rule's: the replicas that name it
+    /// write nothing until none of those that do not (and would not remove expiries) is live,
+    /// then commit it, with nothing to rebuild. Without one, the digest is what releases before
+    /// the attribute computed, so an upgrade with unchanged config is no change.
+    #[test]
+    fn the_helper_expiry_attribute_is_committed_like_a_rule() {
+        let old = running(&[("orders", "{A}")]);
+        let new = running(&[("orders", "{A}")]).with_expiry(Some("expiresAt".into()));
+        assert_eq!(old.digest(), digest([("orders", "{A}")].into_iter(), PROTOCOL, None));
+        assert_ne!(old.digest(), new.digest());
+        let c = committed(&old);
+        assert_eq!(c.expiry, None);
+        let beats = [beat("old-1", &old, 5_000), beat("new-1", &new, 5_000)];
+        assert_eq!(decide("new-1", &new, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::CommittedLive));
+        let gone = [beat("new-1", &new, 5_000)];
+        assert_eq!(decide("new-1", &new, seen(Some(&c), &gone, 0)), Gate::Drain);
+        let Gate::Commit(next) = decide("new-1", &new, seen(Some(&marked(&c, "new-1")), &gone, 0)) else { panic!() };
+        assert_eq!((next.generation, next.expiry.as_deref()), (2, Some("expiresAt")));
+        assert!(next.settled(), "nothing to rebuild or retire: {next:?}");
+        assert_eq!(decide("new-2", &new, seen(Some(&next), &[], 0)), Gate::Run);
+        assert_eq!(decide("old-2", &old, seen(Some(&next), &gone, 0)), Gate::Wait(WaitReason::CommittedLive));
+        // Stored and read back, with and without it.
+        for c in [&c, &next] {
+            let text = serde_json::to_string(c).unwrap();
+            assert_eq!(text.contains("expiry"), c.expiry.is_some(), "{text}");
+            assert_eq!(&serde_json::from_str::<Committed>(&text).unwrap(), c);
+        }
     }
 
     #[test]

@@ -47,6 +47,13 @@ impl DefinitionsGate {
         }
     }
 
+    /// With the config's helper expiry attribute: a replica whose attribute differs from the
+    /// committed one waits like one whose rules differ.
+    pub fn with_expiry(mut self, expiry: Option<String>) -> Self {
+        self.running = self.running.with_expiry(expiry);
+        self
+    }
+
     /// A gate that never commits (a command-line consumer's).
     pub fn never_committing(mut self) -> Self {
         self.commits = false;

@@ -286,7 +286,7 @@ pub struct Worker<S, L, A> {
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     pub fn new(shared: Shared<S, L, A>) -> Worker<S, L, A> {
-        let gate = gate::DefinitionsGate::new(&shared.engine.rules);
+        let gate = gate::DefinitionsGate::new(&shared.engine.rules).with_expiry(shared.expiry_attribute.clone());
         let gate = if shared.balance { gate } else { gate.never_committing() };
         Worker {
             gate,
