@@ -308,9 +308,14 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
         if let Some(p) = &pending {
             keys.retain(|k| p.contains(&truth::owner_of(k)));
         }
+        let keys_done = keys.clone();
+        if !opts.fence_all {
+            // A helper at zero that the truth does not hold cannot have drifted: it is not
+            // read again. A repair still compares (and fences) it.
+            keys.retain(|k| truth.values.contains_key(k) || !before.get(k).is_some_and(|item| is_helper_at_zero(k, item)));
+        }
         report.targets_checked += keys.len() as u64;
         let empty = BTreeMap::new();
-        let keys_done = keys.clone();
         let outcomes: Vec<(TargetKey, Result<Outcome, ReconcileError>)> = futures::stream::iter(keys)
             .map(|key| {
                 let seen = before.get(&key).cloned().unwrap_or_default();
@@ -544,6 +549,11 @@ pub fn leftovers(old: &Rule, current: &[Rule], key: &TargetKey, item: &TargetIte
             _ => None,
         })
         .collect()
+}
+
+/// Whether `item` is a helper item whose count is zero (or was never written).
+pub fn is_helper_at_zero(key: &TargetKey, item: &TargetItem) -> bool {
+    is_helper_key(key) && !matches!(item.values.get(helper::REFS), Some(Stored::Number(n)) if !n.is_zero())
 }
 
 /// Counts the helper items among `items` by state into `report` (pure).
@@ -943,6 +953,38 @@ mod tests {
         let floor = |c: &str| store.item(&[&format!("CUST#{c}"), "PROFILE"]).unwrap().get(&ledger.floor_attribute()).cloned();
         assert_eq!(floor("c3"), Some(MemValue::Str(floor_value(500))), "fenced though only a string drifted");
         assert_eq!(floor("c4"), None, "never written by this deployment: left alone");
+    }
+
+    /// A scheduled reconcile does not read again a helper at zero that the truth does not
+    /// hold (it cannot have drifted); a repair still compares it, and a helper below zero is
+    /// a drift either way.
+    #[tokio::test]
+    async fn helpers_at_zero_without_truth_are_compared_only_by_a_repair() {
+        use crate::sink::ledger::Ledger;
+        use crate::sink::memory::{MemValue, MemoryAggregates};
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
+        let rules = Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules;
+        let rule = rules.into_iter().find(|r| r.name.as_ref() == "customer-orders").unwrap();
+        let sources = super::super::memory::MemorySources::new(vec!["PK".into(), "SK".into()]);
+        let order = serde_json::json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "ORDER#2026-11-30#o1"}, "status": {"S": "PAID"}, "total": {"N": "5"}, "updatedAt": {"N": "1"}});
+        sources.put(order.as_object().unwrap().clone());
+        let store = MemoryAggregates::new();
+        let targets = super::super::memory::MemoryTargets { store: &store, ledger: Ledger::new("t"), expiry: None };
+        let all = Options { all: true, ..Options::default() };
+        reconcile_rule(&targets, &sources, &Quiet(None), &rule, None, &all, &mut Report::default()).await.unwrap();
+        let helper = |v: i64| format!("PROFILE#_agg#largestOrder#{}", Derive::Max.tail(&helper::Scalar::N(Decimal::from_i64(v)), None));
+        store.put(&["CUST#c1", &helper(9)], helper::REFS, MemValue::Num(Decimal::ZERO));
+        store.put(&["CUST#c1", &helper(7)], helper::REFS, MemValue::Num(Decimal::from_i64(-1)));
+        let mut checked = Vec::new();
+        for fence_all in [false, true] {
+            let mut report = Report::default();
+            let opts = Options { all: true, fence_all, dry_run: true, ..Options::default() };
+            reconcile_rule(&targets, &sources, &Quiet(None), &rule, None, &opts, &mut report).await.unwrap();
+            let drifted: Vec<String> = report.drifts.iter().map(|d| d.target.0[1].to_string()).collect();
+            assert_eq!(drifted, [helper(7)], "below zero: a drift (fence_all {fence_all})");
+            checked.push(report.targets_checked);
+        }
+        assert_eq!(checked[1], checked[0] + 1, "only the helper at zero is left out: {checked:?}");
     }
 
     /// The memory fakes, with one target whose corrections DynamoDB refuses (`refused`), and
