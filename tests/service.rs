@@ -781,6 +781,34 @@ async fn derivation_reads_do_not_grow_with_history() {
             assert!(r2 <= r1 * 1.5 + 1.0, "{kind}: {r1:.2} then {r2:.2} items read per derivation");
         }
     }
+    // Someone overwrites a cursor with a number: it reads as absent and is rewritten.
+    let profile = get(&c, &aggregates, "CUST#c0", "PROFILE").await;
+    let cursor = profile.keys().find(|a| a.starts_with("_aggk:") && a.ends_with(":oldestOpen")).expect("a cursor").clone();
+    c.update_item()
+        .table_name(&aggregates)
+        .key("PK", aws_sdk_dynamodb::types::AttributeValue::S("CUST#c0".into()))
+        .key("SK", aws_sdk_dynamodb::types::AttributeValue::S("PROFILE".into()))
+        .update_expression("SET #k = :n")
+        .expression_attribute_names("#k", cursor.clone())
+        .expression_attribute_values(":n", aws_sdk_dynamodb::types::AttributeValue::N("5".into()))
+        .send()
+        .await
+        .unwrap();
+    open_and_close_orders(&c, &table, 0, 2 * STEPS..2 * STEPS + 10).await;
+    let started = Instant::now();
+    loop {
+        let (want, got) = open_orders_truth_and_stored(&scan(&c, &table).await, &scan(&c, &aggregates).await);
+        let rewritten = get(&c, &aggregates, "CUST#c0", "PROFILE").await[&cursor].as_s().is_ok();
+        if want == got && rewritten {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "after the cursor was overwritten: {want:?}\nstored: {got:?}\n{}",
+            svc.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     let helpers = scan(&c, &aggregates).await;
     let (mut zero, mut live) = (0, 0);

@@ -216,11 +216,14 @@ pub struct DerivedExpressions {
     pub condition: String,
     /// Whether `:zero` is used (a counter this write creates).
     pub uses_zero: bool,
+    /// Whether `:string` (the type name `S`) is used (a cursor read as absent).
+    pub uses_string: bool,
 }
 
 pub fn derived_expressions(values: &[Derived]) -> DerivedExpressions {
     let (mut sets, mut removes, mut conditions) = (Vec::new(), Vec::new(), Vec::new());
     let mut uses_zero = false;
+    let uses_string = values.iter().any(|d| d.cursor.as_ref().is_some_and(|c| c.seen.is_none()));
     for (i, d) in values.iter().enumerate() {
         if d.seen.is_some() {
             sets.push(format!("#g{i} = #g{i} + :one"));
@@ -235,9 +238,11 @@ pub fn derived_expressions(values: &[Derived]) -> DerivedExpressions {
             None => removes.push(format!("#d{i}")),
         }
         if let Some(c) = &d.cursor {
+            // A cursor that is not a string (someone else wrote it) reads as absent, and is
+            // overwritten rather than refused round after round.
             conditions.push(match c.seen {
                 Some(_) => format!("#k{i} = :ks{i}"),
-                None => format!("attribute_not_exists(#k{i})"),
+                None => format!("(attribute_not_exists(#k{i}) OR NOT attribute_type(#k{i}, :string))"),
             });
             match c.to {
                 Some(_) => sets.push(format!("#k{i} = :kt{i}")),
@@ -250,7 +255,7 @@ pub fn derived_expressions(values: &[Derived]) -> DerivedExpressions {
     if !removes.is_empty() {
         update.push_str(&format!(" REMOVE {}", removes.join(", ")));
     }
-    DerivedExpressions { update, condition: conditions.join(" AND "), uses_zero }
+    DerivedExpressions { update, condition: conditions.join(" AND "), uses_zero, uses_string }
 }
 
 /// One target's derivation as it goes: the attributes still to derive and what each
@@ -603,7 +608,11 @@ mod tests {
                 counter: format!("_aggd:t:m{i}"),
                 seen: None,
                 value: (i % 2 == 0).then(|| Scalar::S("x".into())),
-                cursor: Some(CursorWrite { attribute: format!("_aggk:t:m{i}"), seen: Some("x".repeat(8)), to: Some("y".repeat(8)) }),
+                cursor: Some(CursorWrite {
+                    attribute: format!("_aggk:t:m{i}"),
+                    seen: (i % 2 == 1).then(|| "x".repeat(8)),
+                    to: Some("y".repeat(8)),
+                }),
             })
             .collect();
         let e = derived_expressions(&values);

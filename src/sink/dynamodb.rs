@@ -223,6 +223,9 @@ impl AggregateStore for DynamoDbAggregates {
                 req = req.expression_attribute_values(format!(":d{i}"), v);
             }
         }
+        if e.uses_string {
+            req = req.expression_attribute_values(":string", AttributeValue::S("S".into()));
+        }
         if e.uses_zero {
             req = req.expression_attribute_values(":zero", AttributeValue::N("0".into()));
         }
