@@ -467,11 +467,7 @@ async fn a_rebuild_finishes_beside_a_busy_target_and_a_users_string() {
 /// at zero with one).
 async fn helper_expiries(c: &aws_sdk_dynamodb::Client, aggregates: &str) -> [usize; 4] {
     let mut out = [0; 4];
-    for item in scan(c, aggregates).await {
-        let (pk, sk) = (item["PK"].as_s().unwrap(), item["SK"].as_s().unwrap());
-        if !sk.contains("#_agg#") || pk.starts_with("#_agg#") {
-            continue;
-        }
+    for item in helper_items(c, aggregates).await {
         let live = item.get("refs").is_some_and(|v| v.as_n().unwrap().parse::<i64>().unwrap() > 0);
         out[usize::from(!live) * 2 + usize::from(item.contains_key(EXPIRES_AT))] += 1;
     }

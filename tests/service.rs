@@ -562,6 +562,26 @@ fn helper_truth_and_stored(
     (want, got)
 }
 
+/// Asserts that every helper item of `aggregates` at zero carries an expiry within 48 hours in
+/// the table's TTL attribute, and that no live one carries one: (live, at zero).
+async fn helpers_expire_at_zero(c: &aws_sdk_dynamodb::Client, aggregates: &str) -> (usize, usize) {
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (mut zero, mut live) = (0, 0);
+    for item in helper_items(c, aggregates).await {
+        // No `refs`: the item's writes added nothing (a value that came and went in one batch).
+        let refs: i64 = item.get("refs").map_or(0, |v| v.as_n().unwrap().parse().unwrap());
+        let at = item.get(EXPIRES_AT).map(|v| v.as_n().unwrap().parse::<u64>().unwrap());
+        if refs == 0 {
+            zero += 1;
+            assert!(at.is_some_and(|at| at > now_s + 30 * 3600 && at <= now_s + 48 * 3600), "{item:?}");
+        } else {
+            live += 1;
+            assert_eq!(at, None, "a live helper does not expire: {item:?}");
+        }
+    }
+    (live, zero)
+}
+
 /// max, min, latest and distinct through the commerce workload and SIGKILLs, then every
 /// customer's largest order deleted (another SIGKILL among the deletes): largestOrder falls
 /// back to the next largest order exactly, and firstOrderDay, lastStatus, activeDays and the
@@ -609,23 +629,7 @@ async fn max_min_latest_and_distinct_survive_sigkills_and_deleted_maxima() {
     assert!(metric(&metrics, "ddb_aggregator_helper_expiries_total{rule=\"customer-orders\"}") > 0.0, "{metrics}");
     // Every helper at zero carries an expiry within 48 hours in the table's TTL attribute, and
     // no live helper carries one.
-    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let (mut zero, mut live) = (0, 0);
-    let is_helper = |i: &&std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>| {
-        i["SK"].as_s().unwrap().contains("#_agg#") && !i["PK"].as_s().unwrap().starts_with("#_agg#")
-    };
-    for item in scan(&c, &aggregates).await.iter().filter(is_helper) {
-        // No `refs`: the item's writes added nothing (a value that came and went in one batch).
-        let refs: i64 = item.get("refs").map_or(0, |v| v.as_n().unwrap().parse().unwrap());
-        let at = item.get(EXPIRES_AT).map(|v| v.as_n().unwrap().parse::<u64>().unwrap());
-        if refs == 0 {
-            zero += 1;
-            assert!(at.is_some_and(|at| at > now_s + 30 * 3600 && at <= now_s + 48 * 3600), "{item:?}");
-        } else {
-            live += 1;
-            assert_eq!(at, None, "a live helper does not expire: {item:?}");
-        }
-    }
+    let (live, zero) = helpers_expire_at_zero(&c, &aggregates).await;
     println!("helpers: {live} live, {zero} at zero, each with an expiry");
     assert!(zero > 0 && live > 0, "{zero} at zero, {live} live");
     drop(svc);
@@ -809,23 +813,7 @@ async fn derivation_reads_do_not_grow_with_history() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let helpers = scan(&c, &aggregates).await;
-    let (mut zero, mut live) = (0, 0);
-    let is_helper = |i: &&std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>| {
-        i["SK"].as_s().unwrap().contains("#_agg#") && !i["PK"].as_s().unwrap().starts_with("#_agg#")
-    };
-    for item in helpers.iter().filter(is_helper) {
-        let refs: i64 = item.get("refs").map_or(0, |v| v.as_n().unwrap().parse().unwrap());
-        let at = item.get(EXPIRES_AT).map(|v| v.as_n().unwrap().parse::<u64>().unwrap());
-        if refs == 0 {
-            zero += 1;
-            assert!(at.is_some_and(|at| at > now_s + 30 * 3600 && at <= now_s + 48 * 3600), "{item:?}");
-        } else {
-            live += 1;
-            assert_eq!(at, None, "a live helper does not expire: {item:?}");
-        }
-    }
+    let (live, zero) = helpers_expire_at_zero(&c, &aggregates).await;
     println!("helpers: {live} live, {zero} at zero, each with an expiry");
     assert!(zero > 2 * STEPS, "{zero} at zero");
     // reconcile reports the same counts (it pushes them, and the service's scheduled run of

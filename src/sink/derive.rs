@@ -916,25 +916,37 @@ rules:
         }
     }
 
+    /// Runs a derivation whose batch raised order 3, over `helpers` (value, count) and the
+    /// target's (counter, value, cursor) `before`; right after its first read, two other
+    /// derivations land, leaving `landings`. Returns its stats and the target's item.
+    async fn raised_three(
+        helpers: [(i64, i64); 3],
+        before: (i64, i64, i64),
+        landings: [(i64, i64, i64); 2],
+    ) -> (DeriveStats, BTreeMap<String, MemValue>) {
+        let store = AfterFirstRead { inner: MemoryAggregates::new(), step: std::sync::Mutex::new(None) };
+        for (v, refs) in helpers {
+            min_helper(&store.inner, v, refs);
+        }
+        min_state(&store.inner, before.0, before.1, before.2);
+        *store.step.lock().unwrap() = Some(Box::new(move |inner: &MemoryAggregates| {
+            for (counter, value, cursor) in landings {
+                min_state(inner, counter, value, cursor);
+            }
+        }));
+        let key_names = ["PK".to_string(), "SK".to_string()];
+        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        (stats, store.inner.item(&["CUST#c1", "PROFILE"]).unwrap())
+    }
+
     /// Our write raised order 3 below the cursor (5). A derivation that queried before that
     /// write lands after our first read (cursor 9, it saw 5 closed), and one more lands from
     /// that cursor: two landings after our first read, neither of which saw 3. We must not
     /// count ourselves covered: we move the cursor back and land 3 ourselves.
     #[tokio::test]
     async fn landings_from_a_cursor_beyond_a_raised_helper_do_not_cover_it() {
-        let store = AfterFirstRead { inner: MemoryAggregates::new(), step: std::sync::Mutex::new(None) };
-        for (v, refs) in [(3, 1), (5, 0), (9, 1)] {
-            min_helper(&store.inner, v, refs);
-        }
-        min_state(&store.inner, 0, 5, 5);
-        *store.step.lock().unwrap() = Some(Box::new(|inner: &MemoryAggregates| {
-            min_state(inner, 1, 9, 9);
-            min_state(inner, 2, 9, 9);
-        }));
-        let key_names = ["PK".to_string(), "SK".to_string()];
-        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        let (stats, profile) = raised_three([(3, 1), (5, 0), (9, 1)], (0, 5, 5), [(1, 9, 9), (2, 9, 9)]).await;
         assert_eq!((stats.covered, stats.lowered, stats.lost, stats.landed), (0, 1, 1, 1), "{stats:?}");
-        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
         assert_eq!(profile.get("oldestOpen"), Some(&MemValue::Num(Decimal::from_i64(3))));
         let cursor = Derive::Min.tail(&Scalar::N(Decimal::from_i64(3)), None);
         assert_eq!(profile.get("_aggk:t:oldestOpen"), Some(&MemValue::Str(cursor)));
@@ -945,19 +957,8 @@ rules:
     /// We move the cursor back, and the landings counted before that cannot cover us.
     #[tokio::test]
     async fn a_cursor_moved_past_a_raised_helper_after_our_first_read_restarts_the_count() {
-        let store = AfterFirstRead { inner: MemoryAggregates::new(), step: std::sync::Mutex::new(None) };
-        for (v, refs) in [(3, 1), (5, 0), (9, 1)] {
-            min_helper(&store.inner, v, refs);
-        }
-        min_state(&store.inner, 0, 9, 3);
-        *store.step.lock().unwrap() = Some(Box::new(|inner: &MemoryAggregates| {
-            min_state(inner, 1, 9, 9);
-            min_state(inner, 2, 9, 9);
-        }));
-        let key_names = ["PK".to_string(), "SK".to_string()];
-        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        let (stats, profile) = raised_three([(3, 1), (5, 0), (9, 1)], (0, 9, 3), [(1, 9, 9), (2, 9, 9)]).await;
         assert_eq!((stats.covered, stats.lowered, stats.landed), (0, 1, 1), "{stats:?}");
-        let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
         assert_eq!(profile.get("oldestOpen"), Some(&MemValue::Num(Decimal::from_i64(3))));
     }
 
@@ -965,17 +966,7 @@ rules:
     /// it, and we are covered without landing.
     #[tokio::test]
     async fn landings_that_read_a_cursor_before_a_raised_helper_cover_it() {
-        let store = AfterFirstRead { inner: MemoryAggregates::new(), step: std::sync::Mutex::new(None) };
-        for (v, refs) in [(2, 1), (3, 1), (9, 1)] {
-            min_helper(&store.inner, v, refs);
-        }
-        min_state(&store.inner, 0, 2, 2);
-        *store.step.lock().unwrap() = Some(Box::new(|inner: &MemoryAggregates| {
-            min_state(inner, 1, 2, 2);
-            min_state(inner, 2, 2, 2);
-        }));
-        let key_names = ["PK".to_string(), "SK".to_string()];
-        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        let (stats, _) = raised_three([(2, 1), (3, 1), (9, 1)], (0, 2, 2), [(1, 2, 2), (2, 2, 2)]).await;
         // Our one write read before they landed, and lost; the next read finds us covered.
         assert_eq!((stats.covered, stats.lost, stats.landed, stats.lowered), (1, 1, 0, 0), "{stats:?}");
     }

@@ -511,6 +511,13 @@ pub async fn change_order(
     sent.map_err(|e| format!("{e:?}"))
 }
 
+/// The helper items of max, min, latest and distinct in `table` (not the registry item).
+pub async fn helper_items(c: &Client, table: &str) -> Vec<std::collections::HashMap<String, AttributeValue>> {
+    let mut items = scan(c, table).await;
+    items.retain(|i| i["SK"].as_s().is_ok_and(|sk| sk.contains("#_agg#")) && !i["PK"].as_s().is_ok_and(|pk| pk.starts_with("#_agg#")));
+    items
+}
+
 /// One item by key, read strongly consistently (empty when absent).
 pub async fn get(c: &Client, table: &str, pk: &str, sk: &str) -> std::collections::HashMap<String, AttributeValue> {
     c.get_item()
