@@ -437,7 +437,7 @@ async fn apply_batch_expiring(engine: &Engine, store: &MemoryAggregates, records
         return;
     }
     for t in derive::targets_to_derive(engine, &targets) {
-        derive::derive_target(store, &engine.key_names, &ledger, &t).await.unwrap();
+        derive::derive_target(store, &engine.key_names, &ledger, &t, ctx.expiry.as_ref()).await.unwrap();
     }
 }
 

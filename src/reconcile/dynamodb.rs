@@ -631,7 +631,7 @@ impl TargetStore for Reconciler {
 
     async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
         let store = DynamoDbAggregates::new(self.ddb.clone(), self.config.aggregates_table.clone());
-        let stats = crate::sink::derive::derive_target(&store, key_names, &self.ledger, target).await;
+        let stats = crate::sink::derive::derive_target(&store, key_names, &self.ledger, target, self.expiry.as_ref()).await;
         if let Ok(s) = &stats {
             // Its counter reads and helper queries come out of the same read budget.
             self.budget.spend(s.read_capacity).await;

@@ -135,7 +135,7 @@ impl TargetStore for MemoryTargets<'_> {
     }
 
     async fn derive(&self, key_names: &[String], target: &DeriveTarget) -> Result<(), ReconcileError> {
-        crate::sink::derive::derive_target(self.store, key_names, &self.ledger, target)
+        crate::sink::derive::derive_target(self.store, key_names, &self.ledger, target, self.expiry.as_ref())
             .await
             .and_then(crate::sink::derive::DeriveStats::refused_as_error)
             .map_err(|e| ReconcileError::Aws(format!("deriving {:?}: {e}", target.key.0)))

@@ -150,11 +150,12 @@ pub fn derivations(rule: &Rule, keys: &BTreeSet<TargetKey>) -> Vec<DeriveTarget>
         }
     }
     // A correction may raise any helper from zero: each derivation reads the whole range,
-    // and moves the cursor back to its start if another derivation lands first.
+    // and moves the cursor back to its start if another derivation lands first; `distinct`
+    // (no `touched` helpers) walks every helper.
     let everything = |measures: &BTreeMap<String, Derive>| {
         measures.iter().filter(|(_, d)| d.scan() != HelperScan::Count).map(|(m, _)| (m.clone(), Raised::Everything)).collect()
     };
-    out.into_iter().map(|(key, measures)| DeriveTarget { key, raised: everything(&measures), measures }).collect()
+    out.into_iter().map(|(key, measures)| DeriveTarget { key, raised: everything(&measures), measures, touched: BTreeMap::new() }).collect()
 }
 
 /// The source table.

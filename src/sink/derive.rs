@@ -41,6 +41,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::distinct::{derive_distinct, DistinctStats, DistinctTarget, Touched};
+use super::expiry::Expiry;
 use super::{AggregateStore, CursorWrite, DerivationNames, Derived, DerivedWrite, HelperQuery, SinkError};
 use crate::rules::helper::{self, Derive, HelperScan, Scalar};
 use crate::rules::{Engine, MeasureKind, TargetDelta, TargetKey};
@@ -65,6 +67,8 @@ pub struct DeriveTarget {
     /// Of `max`, `min` and `latest`: the helpers the writes before this derivation may have
     /// raised from zero, which the cursor must not lie beyond ([`Raised`]).
     pub raised: BTreeMap<String, Raised>,
+    /// Of `distinct`: the helpers whose flags the derivation reads ([`Touched`]).
+    pub touched: BTreeMap<String, Touched>,
 }
 
 /// The helpers a derivation's own writes may have made live.
@@ -124,10 +128,20 @@ pub fn targets_to_derive(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) 
             *last = Box::from(h.owner_sk);
         }
         let owner = TargetKey(owner.into_boxed_slice());
-        let t = out.entry(owner.clone()).or_insert_with(|| DeriveTarget { key: owner, measures: BTreeMap::new(), raised: BTreeMap::new() });
+        let t = out.entry(owner.clone()).or_insert_with(|| DeriveTarget {
+            key: owner,
+            measures: BTreeMap::new(),
+            raised: BTreeMap::new(),
+            touched: BTreeMap::new(),
+        });
         t.measures.insert(h.measure.to_string(), derive);
         // Any record that adds to it, not the net: a batch read again after part of it was
         // applied writes only the rest, which may raise the helper from zero on its own.
+        if derive == Derive::Distinct {
+            if let Touched::Helpers(tails) = t.touched.entry(h.measure.to_string()).or_insert_with(|| Touched::Helpers(BTreeSet::new())) {
+                tails.insert(h.tail.to_string());
+            }
+        }
         let raises =
             delta.contributions.iter().any(|c| c.values.iter().any(|(a, v)| a == helper::REFS && *v > crate::decimal::Decimal::ZERO));
         if raises && derive.scan() != HelperScan::Count {
@@ -285,23 +299,37 @@ pub async fn derive_target<S: AggregateStore>(
     key_names: &[String],
     ledger: &Ledger,
     target: &DeriveTarget,
+    expiry: Option<&Expiry>,
 ) -> Result<DeriveStats, SinkError> {
     let (Some(pk), Some(owner_sk)) = (target.key.0.first(), target.key.0.last().filter(|_| target.key.0.len() > 1)) else {
         return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
     };
+    let mut stats = DeriveStats::default();
+    let key: Vec<(String, String)> = key_names.iter().cloned().zip(target.key.0.iter().map(|v| v.to_string())).collect();
+    let names = ledger.derivation_names();
+    for (name, derive) in &target.measures {
+        if *derive != Derive::Distinct {
+            continue;
+        }
+        let touched = target.touched.get(name).unwrap_or(&Touched::Everything);
+        let t = DistinctTarget { key_names, key: &key, pk, owner_sk, names: &names, name, touched, expiry };
+        distinct_with_retries(store, &t, &mut stats).await?;
+    }
     let mut p = Progress {
         target,
         key: key_names.iter().cloned().zip(target.key.0.iter().map(|v| v.to_string())).collect(),
         pk,
         owner_sk,
         names: ledger.derivation_names(),
-        pending: target.measures.keys().cloned().collect(),
+        pending: target.measures.iter().filter(|(_, d)| **d != Derive::Distinct).map(|(m, _)| m.clone()).collect(),
         first: BTreeMap::new(),
         alone: false,
         lost: BTreeSet::new(),
         raised: target.raised.clone(),
     };
-    let mut stats = DeriveStats::default();
+    if p.pending.is_empty() {
+        return Ok(stats);
+    }
     let (mut rounds, mut transient) = (0, 0);
     while rounds < ROUNDS {
         match derive_round(store, key_names, &mut p, &mut stats).await {
@@ -315,6 +343,36 @@ pub async fn derive_target<S: AggregateStore>(
         }
     }
     Err(SinkError::Transient(format!("deriving {:?}: other derivations kept landing first", target.key.0)))
+}
+
+/// One `distinct` attribute ([`derive_distinct`]), transient failures retried; one the table
+/// refuses is counted in `refused`.
+async fn distinct_with_retries<S: AggregateStore>(store: &S, t: &DistinctTarget<'_>, stats: &mut DeriveStats) -> Result<(), SinkError> {
+    let mut transient = 0;
+    loop {
+        let mut d = DistinctStats::default();
+        let result = derive_distinct(store, t, &mut d).await;
+        let reads = stats.reads.entry(Derive::Distinct.as_str()).or_default();
+        (reads.0, reads.1) = (reads.0 + 1, reads.1 + d.read);
+        stats.queries += 1;
+        stats.read_capacity += d.read_capacity;
+        stats.write_capacity += d.write_capacity;
+        stats.writes += d.landed + d.lost;
+        stats.landed += d.landed;
+        stats.lost += d.lost;
+        match result {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_retriable() && transient < TRANSIENT_RETRIES => {
+                transient += 1;
+                tokio::time::sleep(super::backoff(transient)).await;
+            }
+            Err(e @ SinkError::Invalid(_)) => {
+                stats.refused.push((vec![t.name.to_string()], e));
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// One round: read the counters and cursors, drop the covered attributes, query the helpers
@@ -493,7 +551,7 @@ mod tests {
             crate::sink::write_target(store, &e.key_names, k, d, &ctx).await.unwrap();
         }
         for t in targets_to_derive(e, targets) {
-            derive_target(store, &e.key_names, &Ledger::new("t"), &t).await.unwrap();
+            derive_target(store, &e.key_names, &Ledger::new("t"), &t, None).await.unwrap();
         }
     }
 
@@ -669,7 +727,8 @@ mod tests {
                 // each time.
                 let n = self.raced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let d = &w.values[n % w.values.len()];
-                let names = DerivationNames { counters: String::new(), cursors: "\u{0}".into() };
+                let names =
+                    DerivationNames { counters: String::new(), cursors: "\u{0}".into(), counts: "\u{1}".into(), walked: "\u{2}".into() };
                 let seen = self.inner.derivation_counters(w.key, &names).await?.values.remove(&d.counter);
                 let other = Derived { seen, ..d.clone() };
                 assert!(self.inner.set_derived(&DerivedWrite { key: w.key, values: &[other] }).await?.is_some());
@@ -685,6 +744,22 @@ mod tests {
         ) -> Result<bool, SinkError> {
             self.inner.expire_helper(key, attribute, at, version).await
         }
+        async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<crate::sink::HelperState>, f64), SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.helper_state(key).await
+        }
+        async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<crate::sink::HelperStates, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.helper_states(q).await
+        }
+        async fn count_transitions(&self, w: &crate::sink::TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.count_transitions(w).await
+        }
+        async fn settle_count(&self, w: &crate::sink::SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.settle_count(w).await
+        }
     }
 
     /// `n` helpers of `measure` (a max) under the profile, valued 1..=n.
@@ -697,7 +772,44 @@ mod tests {
 
     fn target_of(measures: impl IntoIterator<Item = String>) -> DeriveTarget {
         let key = TargetKey(vec![Box::from("CUST#c1"), Box::from("PROFILE")].into_boxed_slice());
-        DeriveTarget { key, measures: measures.into_iter().map(|m| (m, Derive::Max)).collect(), raised: BTreeMap::new() }
+        DeriveTarget {
+            key,
+            measures: measures.into_iter().map(|m| (m, Derive::Max)).collect(),
+            raised: BTreeMap::new(),
+            touched: BTreeMap::new(),
+        }
+    }
+
+    /// Sixteen shards raise a day each and derive at once, beside two reconciles that walk
+    /// every helper; then half the days close, derived as concurrently. Each time the days
+    /// equal the live helpers.
+    #[tokio::test]
+    async fn concurrent_transitions_and_walks_of_one_distinct_count_stay_exact() {
+        let store = Interleaved::default();
+        let (key_names, ledger) = (["PK".to_string(), "SK".to_string()], Ledger::new("t"));
+        let day = |d: i64| Derive::Distinct.tail(&Scalar::N(Decimal::from_i64(d)), None);
+        let set = |d: i64, refs: i64| {
+            let sk = format!("{}{}", helper::prefix("PROFILE", "activeDays"), day(d));
+            store.inner.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::from_i64(refs)));
+        };
+        let target = |days: Option<i64>| {
+            let mut t = target_of([]);
+            t.measures.insert("activeDays".into(), Derive::Distinct);
+            if let Some(d) = days {
+                t.touched.insert("activeDays".into(), Touched::Helpers([day(d)].into()));
+            }
+            t
+        };
+        for (round, live) in [(0, 16), (1, 8)] {
+            for d in 0..16 {
+                set(d, i64::from(d < live));
+            }
+            let targets: Vec<DeriveTarget> = (0..16).map(|d| target(Some(d))).chain([target(None), target(None)]).collect();
+            let results = futures::future::join_all(targets.iter().map(|t| derive_target(&store, &key_names, &ledger, t, None))).await;
+            assert!(results.iter().all(Result::is_ok), "round {round}: {results:?}");
+            let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+            assert_eq!(profile.get("activeDays"), Some(&MemValue::Num(Decimal::from_i64(live))), "round {round}");
+        }
     }
 
     /// A hot target: 64 shards derive it at once. Each writes at most twice (it lands, or two
@@ -710,7 +822,7 @@ mod tests {
         let target = target_of(["largestOrder".to_string()]);
         let key_names = ["PK".to_string(), "SK".to_string()];
         let ledger = Ledger::new("t");
-        let runs = (0..64).map(|_| derive_target(&store, &key_names, &ledger, &target));
+        let runs = (0..64).map(|_| derive_target(&store, &key_names, &ledger, &target, None));
         let results = futures::future::join_all(runs).await;
         let mut covered = 0;
         for r in results {
@@ -733,7 +845,7 @@ mod tests {
         for (i, n) in names.iter().enumerate() {
             put_helpers(&store.inner, n, 1 + i as i64);
         }
-        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target_of(names.clone()))
+        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target_of(names.clone()), None)
             .await
             .expect("a refused chunk does not fail the derivation");
         let last_chunk = 70 - 2 * MEASURES_PER_WRITE;
@@ -757,7 +869,7 @@ mod tests {
         for (i, n) in names.iter().enumerate() {
             put_helpers(&store.inner, n, 1 + i as i64);
         }
-        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target_of(names.clone()))
+        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target_of(names.clone()), None)
             .await
             .expect("no batch fails on a busy target");
         assert_eq!((stats.writes, stats.lost, stats.landed), (7, 1, 6), "{stats:?}");
@@ -775,7 +887,7 @@ mod tests {
         put_helpers(&store, "largestOrder", 3);
         store.put(&["CUST#c1", "PROFILE"], "_aggd:t:largestOrder", MemValue::Str("x".into()));
         let target = target_of(["largestOrder".to_string()]);
-        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target).await.unwrap();
+        let stats = derive_target(&store, &["PK".to_string(), "SK".to_string()], &Ledger::new("t"), &target, None).await.unwrap();
         assert_eq!((stats.writes, stats.lost), (1, 0), "{stats:?}");
         assert_eq!(stats.refused.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), [vec!["largestOrder".to_string()]]);
     }
@@ -825,7 +937,7 @@ rules:
                 crate::sink::write_target(store, &e.key_names, k, d, &ctx).await.unwrap();
             }
             for t in targets_to_derive(e, &targets) {
-                let stats = derive_target(store, &e.key_names, &Ledger::new("t"), &t).await.unwrap();
+                let stats = derive_target(store, &e.key_names, &Ledger::new("t"), &t, None).await.unwrap();
                 let items: u64 = stats.reads.values().map(|r| r.1).sum();
                 (read, queries) = (read + items, queries + stats.queries);
             }
@@ -904,6 +1016,22 @@ rules:
         async fn expire_helper(&self, k: &[(String, String)], a: &str, at: u64, v: (&str, Option<&str>)) -> Result<bool, SinkError> {
             self.inner.expire_helper(k, a, at, v).await
         }
+        async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<crate::sink::HelperState>, f64), SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.helper_state(key).await
+        }
+        async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<crate::sink::HelperStates, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.helper_states(q).await
+        }
+        async fn count_transitions(&self, w: &crate::sink::TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.count_transitions(w).await
+        }
+        async fn settle_count(&self, w: &crate::sink::SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
+            tokio::task::yield_now().await;
+            self.inner.settle_count(w).await
+        }
     }
 
     fn min_target(raised: i64) -> DeriveTarget {
@@ -913,6 +1041,7 @@ rules:
             key,
             measures: BTreeMap::from([("oldestOpen".to_string(), Derive::Min)]),
             raised: BTreeMap::from([("oldestOpen".to_string(), Raised::Tail(tail))]),
+            touched: BTreeMap::new(),
         }
     }
 
@@ -935,7 +1064,7 @@ rules:
             }
         }));
         let key_names = ["PK".to_string(), "SK".to_string()];
-        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3)).await.unwrap();
+        let stats = derive_target(&store, &key_names, &Ledger::new("t"), &min_target(3), None).await.unwrap();
         (stats, store.inner.item(&["CUST#c1", "PROFILE"]).unwrap())
     }
 
@@ -979,7 +1108,7 @@ rules:
         put_helpers(&store.inner, "largestOrder", 5);
         let key_names = ["PK".to_string(), "SK".to_string()];
         let ledger = Ledger::new("t");
-        derive_target(&store, &key_names, &ledger, &target_of(["largestOrder".to_string()])).await.unwrap();
+        derive_target(&store, &key_names, &ledger, &target_of(["largestOrder".to_string()]), None).await.unwrap();
         let targets: Vec<DeriveTarget> = (6..70)
             .map(|v| {
                 let tail = Derive::Max.tail(&Scalar::N(Decimal::from_i64(v)), None);
@@ -990,7 +1119,7 @@ rules:
                 t
             })
             .collect();
-        let results = futures::future::join_all(targets.iter().map(|t| derive_target(&store, &key_names, &ledger, t))).await;
+        let results = futures::future::join_all(targets.iter().map(|t| derive_target(&store, &key_names, &ledger, t, None))).await;
         for r in results {
             let stats = r.expect("every derivation finishes");
             assert!(stats.writes <= 3, "{stats:?}");

@@ -1,15 +1,20 @@
 //! The aggregate table in DynamoDB: the ledger-guarded write as one UpdateItem.
 
 use aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder;
+use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
-use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure, TimeToLiveStatus};
+use aws_sdk_dynamodb::types::{
+    AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure, TimeToLiveStatus, TransactWriteItem, Update,
+};
 use aws_sdk_dynamodb::Client;
 use std::collections::HashMap;
 use tracing::{info, warn};
 
+use super::distinct::COUNTED;
 use super::expiry::Described;
 use super::{
-    AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError, WriteOutcome,
+    AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite, LiveHelpers,
+    SettleWrite, SinkError, TransitionWrite, WriteOutcome,
 };
 use crate::aws::{classify, FailureKind};
 use crate::decimal::Decimal;
@@ -162,9 +167,141 @@ impl AggregateStore for DynamoDbAggregates {
                 counters.values.insert(measure.to_string(), value);
             } else if let (Some(measure), Ok(tail)) = (name.strip_prefix(&names.cursors), value.as_s()) {
                 counters.cursors.insert(measure.to_string(), tail.clone());
+            } else if let Some(measure) = name.strip_prefix(&names.counts) {
+                let value = value.as_n().cloned().unwrap_or_else(|_| format!("not a number: {value:?}"));
+                counters.counts.insert(measure.to_string(), value);
+            } else if let Some(measure) = name.strip_prefix(&names.walked) {
+                counters.walked.insert(measure.to_string());
+            } else if let Ok(n) = value.as_n() {
+                counters.numbers.insert(name.clone(), n.clone());
             }
         }
         Ok(counters)
+    }
+
+    async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<HelperState>, f64), SinkError> {
+        let mut req = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .consistent_read(true)
+            .return_consumed_capacity(ReturnConsumedCapacity::Total)
+            .projection_expression("#refs, #c")
+            .expression_attribute_names("#refs", REFS)
+            .expression_attribute_names("#c", COUNTED);
+        for (name, value) in key {
+            req = req.key(name, AttributeValue::S(value.clone()));
+        }
+        let out = req.send().await.map_err(|e| self.error(classify(&e)))?;
+        let capacity = out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0);
+        // An item with neither (a value that came and went in one batch) is neither live nor counted.
+        Ok((out.item().map(helper_state), capacity))
+    }
+
+    async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<HelperStates, SinkError> {
+        let [pk_name, sk_name, ..] = q.key_names else {
+            return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
+        };
+        let mut out = HelperStates::default();
+        let mut start = None;
+        for _ in 0..100_000 {
+            let page = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .key_condition_expression("#pk = :pk AND begins_with(#sk, :prefix)")
+                .projection_expression("#sk, #refs, #c")
+                .expression_attribute_names("#pk", pk_name)
+                .expression_attribute_names("#sk", sk_name)
+                .expression_attribute_names("#refs", REFS)
+                .expression_attribute_names("#c", COUNTED)
+                .expression_attribute_values(":pk", AttributeValue::S(q.pk.to_string()))
+                .expression_attribute_values(":prefix", AttributeValue::S(q.prefix.to_string()))
+                .return_consumed_capacity(ReturnConsumedCapacity::Total)
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await
+                .map_err(|e| self.error(classify(&e)))?;
+            out.capacity += page.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0);
+            for item in page.items() {
+                if let Some(tail) = item.get(sk_name).and_then(|v| v.as_s().ok()).and_then(|sk| sk.strip_prefix(q.prefix)) {
+                    out.helpers.insert(tail.to_string(), helper_state(item));
+                }
+            }
+            match page.last_evaluated_key().filter(|k| !k.is_empty()) {
+                Some(k) => start = Some(k.clone()),
+                None => return Ok(out),
+            }
+        }
+        Err(SinkError::Fatal(format!("querying helper items under {} did not end", q.prefix)))
+    }
+
+    async fn count_transitions(&self, w: &TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
+        let items = transition_items(&self.table, w).map_err(|e| SinkError::Invalid(e.to_string()))?;
+        let out = self
+            .client
+            .transact_write_items()
+            .set_transact_items(Some(items))
+            .return_consumed_capacity(ReturnConsumedCapacity::Total)
+            .send()
+            .await;
+        match out {
+            Ok(out) => Ok(Some(out.consumed_capacity().iter().filter_map(|c| c.capacity_units()).sum())),
+            Err(e) => {
+                if let Some(TransactWriteItemsError::TransactionCanceledException(c)) = e.as_service_error() {
+                    let codes: Vec<&str> = c.cancellation_reasons().iter().filter_map(|r| r.code()).collect();
+                    if codes.contains(&"ConditionalCheckFailed") {
+                        return Ok(None);
+                    }
+                    let message = format!("transaction cancelled: {}", codes.join(", "));
+                    return Err(if codes.iter().any(|c| c.contains("Validation")) {
+                        SinkError::Invalid(message)
+                    } else if codes.iter().any(|c| c.contains("Throttl") || c.contains("Capacity")) {
+                        SinkError::Throttled(message)
+                    } else {
+                        SinkError::Transient(message)
+                    });
+                }
+                Err(self.error(classify(&e)))
+            }
+        }
+    }
+
+    async fn settle_count(&self, w: &SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
+        let value = AttributeValue::N(w.value.to_string());
+        let walked = if w.walked.is_some() { ", #w = :one" } else { "" };
+        let update = match w.value {
+            0 => format!("SET #n = :v{walked}, #g = if_not_exists(#g, :zero) + :one REMOVE #d"),
+            _ => format!("SET #n = :v, #d = :v{walked}, #g = if_not_exists(#g, :zero) + :one"),
+        };
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .return_consumed_capacity(ReturnConsumedCapacity::Total)
+            .update_expression(update)
+            .expression_attribute_names("#n", w.count)
+            .expression_attribute_names("#d", w.attribute)
+            .expression_attribute_names("#g", w.counter)
+            .expression_attribute_values(":v", value)
+            .expression_attribute_values(":one", AttributeValue::N("1".into()))
+            .expression_attribute_values(":zero", AttributeValue::N("0".into()));
+        if let Some(walked) = w.walked {
+            req = req.expression_attribute_names("#w", walked);
+        }
+        req = match w.seen {
+            Some(seen) => req.condition_expression("#g = :seen").expression_attribute_values(":seen", AttributeValue::N(seen.to_string())),
+            None => req.condition_expression("attribute_not_exists(#g)"),
+        };
+        for (name, value) in w.key {
+            req = req.key(name, AttributeValue::S(value.clone()));
+        }
+        match req.send().await {
+            Ok(out) => Ok(Some(out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0))),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(None),
+            Err(e) => Err(self.error(classify(&e))),
+        }
     }
 
     async fn lower_cursor(&self, key: &[(String, String)], attribute: &str, to: Option<&str>, scan: HelperScan) -> Result<(), SinkError> {
@@ -254,6 +391,7 @@ impl AggregateStore for DynamoDbAggregates {
             .expression_attribute_names("#pk", key.first().map_or("", |(name, _)| name.as_str()))
             .expression_attribute_names("#x", attribute)
             .expression_attribute_names("#refs", REFS)
+            .expression_attribute_names("#c", COUNTED)
             .expression_attribute_names("#v", version.0)
             .expression_attribute_values(":at", AttributeValue::N(at.to_string()))
             .expression_attribute_values(":zero", AttributeValue::N("0".into()));
@@ -267,7 +405,7 @@ impl AggregateStore for DynamoDbAggregates {
             None => "attribute_not_exists(#v)",
         };
         req = req.condition_expression(format!(
-            "attribute_exists(#pk) AND (attribute_not_exists(#refs) OR #refs = :zero) AND attribute_not_exists(#x) AND {unchanged}"
+            "attribute_exists(#pk) AND (attribute_not_exists(#refs) OR #refs = :zero) AND attribute_not_exists(#x) AND attribute_not_exists(#c) AND {unchanged}"
         ));
         for (name, value) in key {
             req = req.key(name, AttributeValue::S(value.clone()));
@@ -278,6 +416,72 @@ impl AggregateStore for DynamoDbAggregates {
             Err(e) => Err(self.error(classify(&e))),
         }
     }
+}
+
+/// A helper item's count and `distinct` flag.
+fn helper_state(item: &HashMap<String, AttributeValue>) -> HelperState {
+    let live = item.get(REFS).and_then(|v| v.as_n().ok()).and_then(|n| n.parse::<Decimal>().ok()).is_some_and(|n| n > Decimal::ZERO);
+    HelperState { live, counted: item.contains_key(COUNTED) }
+}
+
+/// A `distinct` transition's items: the target's count (and attribute, once walked) moved,
+/// each helper's flag inverted on condition that its flag and the sign of its count are as read.
+fn transition_items(table: &str, w: &TransitionWrite<'_>) -> Result<Vec<TransactWriteItem>, aws_sdk_dynamodb::error::BuildError> {
+    let delta = super::distinct::delta(&w.helpers.iter().map(|(k, s)| (k.clone(), *s)).collect::<Vec<_>>());
+    let key = |sk: Option<&str>| -> HashMap<String, AttributeValue> {
+        let last = w.key.len().saturating_sub(1);
+        w.key
+            .iter()
+            .enumerate()
+            .map(|(i, (n, v))| (n.clone(), AttributeValue::S(sk.filter(|_| i == last).unwrap_or(v).to_string())))
+            .collect()
+    };
+    let update = match w.attribute {
+        Some(_) => {
+            "SET #n = if_not_exists(#n, :zero) + :delta, #d = if_not_exists(#n, :zero) + :delta, #g = if_not_exists(#g, :zero) + :one"
+        }
+        None => "SET #n = if_not_exists(#n, :zero) + :delta, #g = if_not_exists(#g, :zero) + :one",
+    };
+    let mut target = Update::builder()
+        .table_name(table)
+        .set_key(Some(key(None)))
+        .update_expression(update)
+        .expression_attribute_names("#n", w.count)
+        .expression_attribute_names("#g", w.counter)
+        .expression_attribute_values(":delta", AttributeValue::N(delta.to_string()))
+        .expression_attribute_values(":zero", AttributeValue::N("0".into()))
+        .expression_attribute_values(":one", AttributeValue::N("1".into()));
+    if let Some(a) = w.attribute {
+        target = target.expression_attribute_names("#d", a);
+    }
+    let mut items = vec![TransactWriteItem::builder().update(target.build()?).build()];
+    let pk = w.key_names.first().map_or("", String::as_str);
+    for (sk, seen) in w.helpers {
+        let mut u = Update::builder()
+            .table_name(table)
+            .set_key(Some(key(Some(sk))))
+            .expression_attribute_names("#pk", pk)
+            .expression_attribute_names("#refs", REFS)
+            .expression_attribute_names("#c", COUNTED)
+            .expression_attribute_values(":zero", AttributeValue::N("0".into()));
+        u = if seen.counted {
+            let clear = match w.expiry {
+                Some((attribute, at)) => {
+                    u = u.expression_attribute_names("#x", attribute).expression_attribute_values(":at", AttributeValue::N(at.to_string()));
+                    "REMOVE #c SET #x = :at"
+                }
+                None => "REMOVE #c",
+            };
+            u.update_expression(clear)
+                .condition_expression("attribute_exists(#pk) AND attribute_exists(#c) AND (attribute_not_exists(#refs) OR #refs <= :zero)")
+        } else {
+            u.update_expression("SET #c = :one")
+                .expression_attribute_values(":one", AttributeValue::N("1".into()))
+                .condition_expression("attribute_exists(#pk) AND attribute_not_exists(#c) AND #refs > :zero")
+        };
+        items.push(TransactWriteItem::builder().update(u.build()?).build());
+    }
+    Ok(items)
 }
 
 /// What a helper write saw of the item's count and expiry (None: the write carries no expiry).

@@ -134,7 +134,12 @@ impl Ledger {
     }
 
     pub fn derivation_names(&self) -> crate::sink::DerivationNames {
-        crate::sink::DerivationNames { counters: self.derived_prefix(), cursors: self.cursor_prefix() }
+        crate::sink::DerivationNames {
+            counters: self.derived_prefix(),
+            cursors: self.cursor_prefix(),
+            counts: format!("_aggn:{}:", self.namespace),
+            walked: format!("_aggw:{}:", self.namespace),
+        }
     }
 
     /// `_aggm:<namespace>`: the set of measure attributes this deployment wrote on the item;
@@ -165,6 +170,8 @@ impl Ledger {
         self.is_entry(attribute)
             || attribute.starts_with(&self.derived_prefix())
             || attribute.starts_with(&self.cursor_prefix())
+            || attribute.starts_with(&format!("_aggn:{}:", self.namespace))
+            || attribute.starts_with(&format!("_aggw:{}:", self.namespace))
             || attribute.starts_with(&self.log_prefix())
             || exact.iter().any(|a| a == attribute)
     }

@@ -3,10 +3,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
+use super::distinct::COUNTED;
 use super::hold::{HoldSeen, HoldWrite};
 use super::{
-    AggregateStore, Counters, DerivationNames, Derived, DerivedWrite, HelperQuery, HelperSeen, LedgerWrite, LiveHelpers, SinkError,
-    WriteOutcome,
+    AggregateStore, Counters, DerivationNames, Derived, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite,
+    LiveHelpers, SettleWrite, SinkError, TransitionWrite, WriteOutcome,
 };
 use crate::decimal::Decimal;
 use crate::rules::helper::{self, HelperScan, Scalar, REFS};
@@ -376,6 +377,11 @@ fn helper_seen(w: &LedgerWrite, item: &BTreeMap<String, MemValue>) -> Option<Hel
     Some(HelperSeen { refs, expiring: item.contains_key(&e.attribute), version })
 }
 
+/// A helper item's count and `distinct` flag, as [`AggregateStore::helper_state`] reads them.
+fn helper_state(item: &BTreeMap<String, MemValue>) -> HelperState {
+    HelperState { live: matches!(item.get(REFS), Some(MemValue::Num(n)) if *n > Decimal::ZERO), counted: item.contains_key(COUNTED) }
+}
+
 /// DynamoDB's largest item.
 pub const MAX_ITEM_BYTES: usize = 400 * 1024;
 
@@ -538,6 +544,7 @@ impl AggregateStore for MemoryAggregates {
                 if !item.is_empty()
                     && item.get(REFS).is_none_or(|v| matches!(v, MemValue::Num(n) if n.is_zero()))
                     && !item.contains_key(attribute)
+                    && !item.contains_key(COUNTED)
                     && unchanged(item) =>
             {
                 item.insert(attribute.to_string(), MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
@@ -598,9 +605,121 @@ impl AggregateStore for MemoryAggregates {
                 out.values.insert(measure.to_string(), value);
             } else if let (Some(measure), MemValue::Str(tail)) = (name.strip_prefix(&names.cursors), value) {
                 out.cursors.insert(measure.to_string(), tail.clone());
+            } else if let Some(measure) = name.strip_prefix(&names.counts) {
+                let value = match value {
+                    MemValue::Num(n) => n.to_string(),
+                    other => format!("not a number: {other:?}"),
+                };
+                out.counts.insert(measure.to_string(), value);
+            } else if let Some(measure) = name.strip_prefix(&names.walked) {
+                out.walked.insert(measure.to_string());
+            } else if let MemValue::Num(n) = value {
+                out.numbers.insert(name.clone(), n.to_string());
             }
         }
         Ok(out)
+    }
+
+    async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<HelperState>, f64), SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        let key: Vec<String> = key.iter().map(|(_, v)| v.clone()).collect();
+        Ok((s.items.get(&key).filter(|i| !i.is_empty()).map(helper_state), 0.5))
+    }
+
+    async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<HelperStates, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        let all = vec![q.pk.to_string(), q.prefix.to_string()]..vec![q.pk.to_string(), helper::successor(q.prefix)];
+        let helpers = s
+            .items
+            .range(all)
+            .filter(|(k, i)| k.len() == 2 && k[1].starts_with(q.prefix) && !i.is_empty())
+            .map(|(k, i)| (k[1][q.prefix.len()..].to_string(), helper_state(i)))
+            .collect();
+        Ok(HelperStates { helpers, capacity: 0.5 })
+    }
+
+    async fn count_transitions(&self, w: &TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        if s.fail_next > 0 {
+            s.fail_next -= 1;
+            return Err(SinkError::Throttled("simulated throttling".into()));
+        }
+        let key = |sk: Option<&str>| -> Vec<String> {
+            let mut k: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
+            if let (Some(last), Some(sk)) = (k.last_mut(), sk) {
+                *last = sk.to_string();
+            }
+            k
+        };
+        let unchanged =
+            w.helpers.iter().all(|(sk, seen)| s.items.get(&key(Some(sk))).is_some_and(|i| !i.is_empty() && helper_state(i) == *seen));
+        if !unchanged {
+            return Ok(None);
+        }
+        let target = s.items.entry(key(None)).or_default();
+        let count = match target.get(w.count) {
+            None => Decimal::ZERO,
+            Some(MemValue::Num(n)) => *n,
+            Some(_) => return Err(SinkError::Invalid(format!("ValidationException: {} is not a number", w.count))),
+        };
+        let delta = Decimal::from_i64(super::distinct::delta(&w.helpers.iter().map(|(k, s)| (k.clone(), *s)).collect::<Vec<_>>()));
+        let next = count.checked_add(delta).map_err(|e| SinkError::Invalid(e.to_string()))?;
+        target.insert(w.count.to_string(), MemValue::Num(next));
+        if let Some(a) = w.attribute {
+            target.insert(a.to_string(), MemValue::Num(next));
+        }
+        let version = match target.get(w.counter) {
+            Some(MemValue::Num(n)) => *n,
+            _ => Decimal::ZERO,
+        };
+        target.insert(w.counter.to_string(), MemValue::Num(version.checked_add(Decimal::ONE).unwrap_or(version)));
+        for (sk, seen) in w.helpers {
+            let Some(item) = s.items.get_mut(&key(Some(sk))) else { continue };
+            if seen.counted {
+                item.remove(COUNTED);
+                if let Some((attribute, at)) = w.expiry {
+                    item.insert(attribute.to_string(), MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
+                }
+            } else {
+                item.insert(COUNTED.to_string(), MemValue::Num(Decimal::ONE));
+            }
+        }
+        Ok(Some(2.0 * (w.helpers.len() + 1) as f64))
+    }
+
+    async fn settle_count(&self, w: &SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        if s.fail_next > 0 {
+            s.fail_next -= 1;
+            return Err(SinkError::Throttled("simulated throttling".into()));
+        }
+        let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
+        let item = s.items.entry(key).or_default();
+        let counter = match item.get(w.counter) {
+            Some(MemValue::Num(n)) => Some(*n),
+            _ => None,
+        };
+        if counter.map(|n| n.to_string()).as_deref() != w.seen {
+            return Ok(None);
+        }
+        let value = Decimal::from_i64(i64::try_from(w.value).unwrap_or(i64::MAX));
+        item.insert(w.count.to_string(), MemValue::Num(value));
+        if let Some(walked) = w.walked {
+            item.insert(walked.to_string(), MemValue::Num(Decimal::ONE));
+        }
+        match w.value {
+            0 => item.remove(w.attribute),
+            _ => item.insert(w.attribute.to_string(), MemValue::Num(value)),
+        };
+        item.insert(
+            w.counter.to_string(),
+            MemValue::Num(counter.unwrap_or(Decimal::ZERO).checked_add(Decimal::ONE).unwrap_or(Decimal::ZERO)),
+        );
+        Ok(Some(1.0))
     }
 
     async fn lower_cursor(&self, key: &[(String, String)], attribute: &str, to: Option<&str>, scan: HelperScan) -> Result<(), SinkError> {

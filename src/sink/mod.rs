@@ -3,6 +3,7 @@
 
 pub mod dead_letter;
 pub mod derive;
+pub mod distinct;
 pub mod dynamodb;
 pub mod expiry;
 pub mod hold;
@@ -141,6 +142,73 @@ pub trait AggregateStore: Send + Sync + 'static {
         at: u64,
         version: (&str, Option<&str>),
     ) -> impl Future<Output = Result<bool, SinkError>> + Send;
+
+    /// One helper item's count and `distinct` flag, strongly consistent (None: no such item),
+    /// and the read capacity it consumed.
+    fn helper_state(&self, key: &[(String, String)]) -> impl Future<Output = Result<(Option<HelperState>, f64), SinkError>> + Send;
+
+    /// Every helper item of partition `pk` whose sort key begins with `prefix`, strongly
+    /// consistent, by tail.
+    fn helper_states(&self, q: &HelperQuery<'_>) -> impl Future<Output = Result<HelperStates, SinkError>> + Send;
+
+    /// A `distinct` transition, all or nothing ([`distinct`]): each helper's flag set as
+    /// asked if its flag and count are still as read, and the target's count moved by how
+    /// many flags were set less how many were cleared. The write capacity it consumed; None
+    /// when a helper changed first.
+    fn count_transitions(&self, w: &TransitionWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
+
+    /// Sets a `distinct` attribute's count (and the attribute: removed at zero), marks it
+    /// walked (if asked), and advances its derivation counter, if that counter is still as `seen`: the
+    /// write capacity it consumed; None when it moved first.
+    fn settle_count(&self, w: &SettleWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
+}
+
+/// What a `distinct` derivation reads of one helper item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HelperState {
+    /// Its count is above zero.
+    pub live: bool,
+    /// It is counted in its target's `distinct` count ([`distinct::COUNTED`]).
+    pub counted: bool,
+}
+
+/// A measure's helper items, by tail, and what reading them cost.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HelperStates {
+    pub helpers: BTreeMap<String, HelperState>,
+    pub capacity: f64,
+}
+
+/// One all-or-nothing `distinct` transition on a target and some of its helpers.
+#[derive(Debug, Clone)]
+pub struct TransitionWrite<'a> {
+    pub key_names: &'a [String],
+    /// The target's key values, partition key first.
+    pub key: &'a [(String, String)],
+    /// The attribute's count (`_aggn:<namespace>:<name>`) and derivation counter.
+    pub count: &'a str,
+    pub counter: &'a str,
+    /// The derived attribute, set to the new count (removed at zero) once the count is
+    /// walked; None while it is not.
+    pub attribute: Option<&'a str>,
+    /// The helpers' sort keys, each with its state as read: its flag is inverted.
+    pub helpers: &'a [(String, HelperState)],
+    /// The TTL attribute and expiry to set on a helper whose flag is cleared.
+    pub expiry: Option<(&'a str, u64)>,
+}
+
+/// The count of a `distinct` attribute, set after a walk of every helper.
+#[derive(Debug, Clone)]
+pub struct SettleWrite<'a> {
+    pub key: &'a [(String, String)],
+    pub attribute: &'a str,
+    pub count: &'a str,
+    /// The walked mark, set by a settle after a walk whose flags all agreed with the counts;
+    /// None: left as it is (a count that was not a number, set before flags are flipped).
+    pub walked: Option<&'a str>,
+    pub counter: &'a str,
+    pub seen: Option<&'a str>,
+    pub value: u64,
 }
 
 /// One Query for a target measure's helpers.
@@ -174,6 +242,10 @@ pub struct LiveHelpers {
 pub struct DerivationNames {
     pub counters: String,
     pub cursors: String,
+    /// `distinct`: its count of helpers flagged counted, and whether a walk of every helper
+    /// has set their flags ([`distinct`]).
+    pub counts: String,
+    pub walked: String,
 }
 
 /// A target's derivation counters and cursors, by the name after their prefix, and the read
@@ -182,6 +254,11 @@ pub struct DerivationNames {
 pub struct Counters {
     pub values: BTreeMap<String, String>,
     pub cursors: BTreeMap<String, String>,
+    /// `distinct`: the counts (numbers as stored), the walked marks, and every other number
+    /// on the item by name (the derived attributes among them).
+    pub counts: BTreeMap<String, String>,
+    pub walked: std::collections::BTreeSet<String>,
+    pub numbers: BTreeMap<String, String>,
     pub capacity: f64,
 }
 

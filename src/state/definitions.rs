@@ -29,10 +29,12 @@ use crate::rules::fingerprint;
 /// raises a helper item's count removes its expiry ([`crate::sink::expiry`]), so expiries are
 /// written only where no replica of 3 or older writes. 5: derivations of `max`, `min` and
 /// `latest` read from a cursor that the writers of their helpers move back
-/// ([`crate::sink::derive`]), which a replica of 4 would not. A replica never runs once a newer
+/// ([`crate::sink::derive`]), which a replica of 4 would not. 6: `distinct` is a count of
+/// helpers flagged counted, moved with the flags ([`crate::sink::distinct`]); a replica of 5
+/// would set it to the live helpers it counts and leave the flags behind. A replica never runs once a newer
 /// protocol is committed, and a newer one commits its own only when no replica of the
 /// committed one holds a lease.
-pub const PROTOCOL: u64 = 5;
+pub const PROTOCOL: u64 = 6;
 
 /// One committed rule: its canonical definition and the generation since which it holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -239,9 +239,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             return Ok(());
         }
         let (store, key_names, ledger) = (shared.sink.as_ref(), &shared.engine.key_names, &shared.ledger);
+        let expiry = shared.expiry();
+        let expiry = expiry.as_ref();
         let mut runs = Vec::with_capacity(derive.len());
         for t in &derive {
-            runs.push(async move { (&t.key, crate::sink::derive::derive_target(store, key_names, ledger, t).await) });
+            runs.push(async move { (&t.key, crate::sink::derive::derive_target(store, key_names, ledger, t, expiry).await) });
         }
         let in_flight = self.window.in_flight(runs.len());
         let results: Vec<_> = stream::iter(runs).buffer_unordered(in_flight).collect().await;

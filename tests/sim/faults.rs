@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use ddb_aggregator::rules::helper::HelperScan;
 use ddb_aggregator::sink::{
-    AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, LedgerWrite, LiveHelpers, SinkError, WriteOutcome,
+    AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperState, HelperStates, LedgerWrite, LiveHelpers, SettleWrite,
+    SinkError, TransitionWrite, WriteOutcome,
 };
 use ddb_aggregator::state::definitions::{Beat, Committed};
 use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
@@ -249,5 +250,23 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
     ) -> Result<bool, SinkError> {
         let t = || SinkError::Transient("simulated".into());
         call(&self.fate, &self.faults, self.inner.expire_helper(key, attribute, at, version), t, t).await
+    }
+
+    async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<HelperState>, f64), SinkError> {
+        self.inner.helper_state(key).await
+    }
+
+    async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<HelperStates, SinkError> {
+        self.inner.helper_states(q).await
+    }
+
+    async fn count_transitions(&self, w: &TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.count_transitions(w), t, t).await
+    }
+
+    async fn settle_count(&self, w: &SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.settle_count(w), t, t).await
     }
 }
