@@ -243,6 +243,9 @@ async fn correct_held<T: TargetStore>(
         let want = held_values(&logged, truth).map_err(|e| ReconcileError::Data(format!("held target {:?}: {e}", key.0)))?;
         let fence = fence_for(&item, fence_ms);
         let (mut found, writes) = held_corrections(rule, key, &want, &item, hold, fence.as_deref());
+        if !writes.is_empty() {
+            super::protocol::unwalk_owner(targets, rule, key).await?;
+        }
         for w in &writes {
             if !targets.correct(key, w).await? {
                 continue 'attempt;

@@ -24,6 +24,7 @@ use crate::decimal::Decimal;
 use crate::rules::helper::{self, Derive, HelperScan};
 use crate::rules::{MeasureKind, ReconcileSource, Rule, TargetKey};
 use crate::sink::derive::{DeriveTarget, Raised};
+use crate::sink::distinct::Touched;
 use crate::state::now_ms;
 use crate::telemetry::names;
 
@@ -503,7 +504,10 @@ pub fn removal(old: &Rule, current: &[Rule], key: &TargetKey, item: &TargetItem)
     }
     let zero = |v: &Stored| matches!(v, Stored::Number(n) if n.is_zero());
     let gone: Vec<String> = old_only(old, current, key, item).filter(|(_, v)| zero(v)).map(|(a, _)| a.clone()).collect();
-    if !targeted && !item.shared && gone.len() == item.values.len() {
+    // A helper's `distinct` flag goes with it: the owner's count of a removed measure is set
+    // again by the walk of a rebuild that brings the measure back.
+    let kept = item.values.keys().filter(|a| !(is_helper && *a == crate::sink::distinct::COUNTED)).count();
+    if !targeted && !item.shared && gone.len() == kept {
         return Some(Removal::Item { seen_version });
     }
     (!gone.is_empty() && !is_helper).then_some(Removal::Attributes(gone))
@@ -666,6 +670,25 @@ pub(super) async fn read_truth<S: SourceItems>(
     Ok(truth)
 }
 
+/// Before a correction of a `distinct` helper: its owner's walked mark is removed, so every
+/// derivation of it walks and flips the helper's flag, even if this run ends before it derives
+/// ([`crate::sink::distinct`]).
+pub(super) async fn unwalk_owner<T: TargetStore>(targets: &T, rule: &Rule, key: &TargetKey) -> Result<(), ReconcileError> {
+    let Some(h) = key.0.last().filter(|_| key.0.len() > 1).and_then(|sk| helper::parse(sk)) else { return Ok(()) };
+    if truth::helper_measure(rule, h.measure) != Some(Derive::Distinct) {
+        return Ok(());
+    }
+    let key_names: Vec<String> = rule.target.iter().map(|(k, _)| k.clone()).collect();
+    let measure = h.measure.to_string();
+    let owner = DeriveTarget {
+        key: truth::owner_of(key),
+        measures: BTreeMap::from([(measure.clone(), Derive::Distinct)]),
+        raised: BTreeMap::new(),
+        touched: BTreeMap::from([(measure, Touched::Unwalk)]),
+    };
+    targets.derive(&key_names, &owner).await
+}
+
 /// (4) One target: read again, compare, correct.
 async fn compare_and_correct<T: TargetStore>(
     targets: &T,
@@ -704,6 +727,7 @@ async fn compare_and_correct<T: TargetStore>(
     if opts.dry_run {
         return Ok(Outcome::Done(found));
     }
+    unwalk_owner(targets, rule, key).await?;
     for write in &writes {
         // A record applied in between: the attributes set so far are right (the comparison
         // held when they were written); the rest are compared again next round.
@@ -782,6 +806,21 @@ mod tests {
         let foreign = TargetItem { version: None, ..zeroed.clone() };
         assert_eq!(removal(daily, &new, &k, &foreign), None, "not this deployment's");
         assert_eq!(removal(daily, &old, &k, &zeroed), None, "a current rule still writes it");
+    }
+
+    #[test]
+    fn a_helper_at_zero_of_a_removed_measure_goes_with_its_distinct_flag() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
+        let old = Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules;
+        let new =
+            Config::from_yaml(&text.replace("      activeDays:", "      keptDays:"), Vec::<(String, String)>::new()).unwrap().engine.rules;
+        let rule = old.iter().find(|r| r.measures.iter().any(|m| m.name.text() == "activeDays")).unwrap();
+        let k = key(&["CUST#c1", &format!("{}S2026-11-02", helper::prefix("PROFILE", "activeDays"))]);
+        let item = |values| TargetItem { exists: true, values, version: Some("4".into()), ..Default::default() };
+        let flagged = item(numbers(&[(helper::REFS, "0"), (crate::sink::distinct::COUNTED, "1")]));
+        assert_eq!(removal(rule, &new, &k, &flagged), Some(Removal::Item { seen_version: "4".into() }));
+        let live = item(numbers(&[(helper::REFS, "1"), (crate::sink::distinct::COUNTED, "1")]));
+        assert_eq!(removal(rule, &new, &k, &live), None, "a count above zero is never removed");
     }
 
     #[test]

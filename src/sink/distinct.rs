@@ -29,7 +29,9 @@
 use std::collections::BTreeSet;
 
 use super::expiry::Expiry;
-use super::{AggregateStore, Counters, DerivationNames, HelperQuery, HelperScan, HelperState, SettleWrite, SinkError, TransitionWrite};
+use super::{
+    AggregateStore, Counters, DerivationNames, HelperQuery, HelperScan, HelperState, Settle, SettleWrite, SinkError, TransitionWrite,
+};
 use crate::rules::helper;
 
 /// The helper item's flag: it is counted in its target's `distinct` count (a number, 1; absent:
@@ -47,6 +49,10 @@ pub enum Touched {
     Helpers(BTreeSet<String>),
     /// Every helper (reconcile: a correction may change any of them).
     Everything,
+    /// None: the walked mark is removed, before reconcile corrects a helper. A correction
+    /// changes a helper's count without its flag; until a walk flips it, every derivation
+    /// walks, whether or not reconcile gets to derive.
+    Unwalk,
 }
 
 /// The helpers whose flag disagrees with their count, each with its state as read.
@@ -102,6 +108,12 @@ pub struct DistinctStats {
 /// until the attribute is walked) that disagree with their counts, then settles the attribute
 /// where it must.
 pub async fn derive_distinct<S: AggregateStore>(store: &S, t: &DistinctTarget<'_>, stats: &mut DistinctStats) -> Result<(), SinkError> {
+    if *t.touched == Touched::Unwalk {
+        let counters = store.derivation_counters(t.key, t.names).await?;
+        stats.read_capacity += counters.capacity;
+        settle(store, t, &counters, Settle::Unwalk, stats).await?;
+        return Ok(());
+    }
     // Every helper, whatever was touched: a count that is not a whole number (someone else
     // wrote it) is set from the flags.
     let mut everything = false;
@@ -121,7 +133,9 @@ pub async fn derive_distinct<S: AggregateStore>(store: &S, t: &DistinctTarget<'_
             _ => None,
         };
         if let (Some(_), Some(count), true) = (fast, stored, lowered) {
-            if !needs_settle(&counters, t.name, count) || settle(store, t, &counters, count, true, stats).await? {
+            if !needs_settle(&counters, t.name, count)
+                || settle(store, t, &counters, Settle::Count { value: count, mark: true }, stats).await?
+            {
                 return Ok(());
             }
             continue;
@@ -146,15 +160,15 @@ pub async fn derive_distinct<S: AggregateStore>(store: &S, t: &DistinctTarget<'_
         if stored.is_none() {
             // A count that is not a whole number (someone else wrote it) takes no transaction:
             // it is set to the flags read, and the walk flips them in the next round.
-            settle(store, t, &counters, flagged, flips.is_empty(), stats).await?;
+            settle(store, t, &counters, Settle::Count { value: flagged, mark: flips.is_empty() }, stats).await?;
             continue;
         }
         if !flips.is_empty() {
             match flip(store, t, walked, &flips, stats).await? {
-                Flipped::Landed if fast.is_some() && delta(&flips) >= 0 => return Ok(()),
+                Flipped::Landed { lowered: false } if fast.is_some() => return Ok(()),
                 // A count that went down may have reached zero: read it again.
-                Flipped::Landed if fast.is_some() => lowered = true,
-                Flipped::Landed | Flipped::Lost => {}
+                Flipped::Landed { lowered: true } if fast.is_some() => lowered = true,
+                Flipped::Landed { .. } | Flipped::Lost => {}
             }
             continue;
         }
@@ -165,7 +179,8 @@ pub async fn derive_distinct<S: AggregateStore>(store: &S, t: &DistinctTarget<'_
             (Some(_), Some(c)) => c,
             _ => flagged,
         };
-        if !needs_settle(&counters, t.name, count) || settle(store, t, &counters, count, true, stats).await? {
+        if !needs_settle(&counters, t.name, count) || settle(store, t, &counters, Settle::Count { value: count, mark: true }, stats).await?
+        {
             return Ok(());
         }
     }
@@ -197,7 +212,11 @@ async fn touched_states<S: AggregateStore>(
 }
 
 enum Flipped {
-    Landed,
+    /// `lowered`: a transaction moved the count down (with several, the count may have
+    /// reached zero in any of them).
+    Landed {
+        lowered: bool,
+    },
     Lost,
 }
 
@@ -213,6 +232,7 @@ async fn flip<S: AggregateStore>(
     let expiry = t.expiry.filter(|e| e.set).map(|e| (e.attribute.as_str(), e.at(crate::state::now_ms())));
     let count = format!("{}{}", t.names.counts, t.name);
     let counter = format!("{}{}", t.names.counters, t.name);
+    let mut lowered = false;
     for chunk in flips.chunks(HELPERS_PER_TRANSACTION) {
         let helpers: Vec<(String, HelperState)> = chunk.iter().map(|(tail, s)| (format!("{prefix}{tail}"), *s)).collect();
         let w = TransitionWrite {
@@ -228,6 +248,7 @@ async fn flip<S: AggregateStore>(
             Some(capacity) => {
                 stats.landed += 1;
                 stats.write_capacity += capacity;
+                lowered |= delta(chunk) < 0;
             }
             None => {
                 stats.lost += 1;
@@ -235,17 +256,16 @@ async fn flip<S: AggregateStore>(
             }
         }
     }
-    Ok(Flipped::Landed)
+    Ok(Flipped::Landed { lowered })
 }
 
-/// Sets the count and the attribute to `count`, on condition that the derivation counter is as
-/// read: whether it landed.
+/// Sets the count and the attribute, on condition that the derivation counter is as read, or
+/// removes the walked mark ([`Settle`]): whether it landed.
 async fn settle<S: AggregateStore>(
     store: &S,
     t: &DistinctTarget<'_>,
     counters: &Counters,
-    count: u64,
-    mark_walked: bool,
+    kind: Settle,
     stats: &mut DistinctStats,
 ) -> Result<bool, SinkError> {
     let (count_attr, walked, counter) =
@@ -254,10 +274,10 @@ async fn settle<S: AggregateStore>(
         key: t.key,
         attribute: t.name,
         count: &count_attr,
-        walked: mark_walked.then_some(walked.as_str()),
+        walked: &walked,
         counter: &counter,
         seen: counters.values.get(t.name).map(String::as_str),
-        value: count,
+        kind,
     };
     match store.settle_count(&w).await? {
         Some(capacity) => {
@@ -292,12 +312,16 @@ mod tests {
 
     /// Derives the days after a batch that touched `touched` (None: reconcile, every helper).
     async fn derive(store: &MemoryAggregates, touched: Option<&[u32]>) -> DistinctStats {
-        let names = Ledger::new("t").derivation_names();
-        let key = [("PK".to_string(), "CUST#c1".to_string()), ("SK".to_string(), "PROFILE".to_string())];
         let touched = match touched {
             Some(days) => Touched::Helpers(days.iter().map(|d| day(*d)).collect()),
             None => Touched::Everything,
         };
+        derive_as(store, touched).await
+    }
+
+    async fn derive_as(store: &MemoryAggregates, touched: Touched) -> DistinctStats {
+        let names = Ledger::new("t").derivation_names();
+        let key = [("PK".to_string(), "CUST#c1".to_string()), ("SK".to_string(), "PROFILE".to_string())];
         let key_names = ["PK".to_string(), "SK".to_string()];
         let t = DistinctTarget {
             key_names: &key_names,
@@ -375,6 +399,28 @@ mod tests {
         assert_eq!((walk.read, walk.landed), (3, 0));
     }
 
+    /// Reconcile removes the walked mark before it corrects a helper's count (which leaves
+    /// the flag): if it stops before it derives, the next batch's derivation walks and flips it.
+    #[tokio::test]
+    async fn a_helper_reconcile_corrected_is_flipped_by_the_next_walk() {
+        let store = MemoryAggregates::new();
+        set_refs(&store, 1, 1);
+        derive(&store, Some(&[1])).await;
+        derive_as(&store, Touched::Unwalk).await;
+        set_refs(&store, 1, 0);
+        set_refs(&store, 2, 1);
+        let next = derive(&store, Some(&[2])).await;
+        assert_eq!(next.read, 4, "every helper, twice");
+        assert_eq!(shown(&store), n(1), "day 2 only");
+        let profile = store.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert!(profile.contains_key("_aggw:t:activeDays"), "walked again");
+        assert_eq!(derive(&store, Some(&[2])).await.read, 1, "and read as before");
+        // No item, nothing to mark: the unwalk creates none.
+        let empty = MemoryAggregates::new();
+        derive_as(&empty, Touched::Unwalk).await;
+        assert_eq!(empty.item(&["CUST#c1", "PROFILE"]), None);
+    }
+
     /// Someone overwrote the count or the attribute: reconcile's walk sets both from the flags.
     #[tokio::test]
     async fn reconcile_sets_an_overwritten_count_and_attribute_from_the_flags() {
@@ -396,7 +442,7 @@ mod tests {
     }
 
     fn s(live: bool, counted: bool) -> HelperState {
-        HelperState { live, counted }
+        HelperState { live, counted, below_zero: false }
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::distinct::COUNTED;
 use super::expiry::Described;
 use super::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite, LiveHelpers,
-    SettleWrite, SinkError, TransitionWrite, WriteOutcome,
+    Settle, SettleWrite, SinkError, TransitionWrite, WriteOutcome,
 };
 use crate::aws::{classify, FailureKind};
 use crate::decimal::Decimal;
@@ -255,7 +255,7 @@ impl AggregateStore for DynamoDbAggregates {
                         return Ok(None);
                     }
                     let message = format!("transaction cancelled: {}", codes.join(", "));
-                    return Err(if codes.iter().any(|c| c.contains("Validation")) {
+                    return Err(if codes.iter().any(|c| c.contains("Validation") || c.contains("ItemCollectionSizeLimit")) {
                         SinkError::Invalid(message)
                     } else if codes.iter().any(|c| c.contains("Throttl") || c.contains("Capacity")) {
                         SinkError::Throttled(message)
@@ -269,30 +269,38 @@ impl AggregateStore for DynamoDbAggregates {
     }
 
     async fn settle_count(&self, w: &SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
-        let value = AttributeValue::N(w.value.to_string());
-        let walked = if w.walked.is_some() { ", #w = :one" } else { "" };
-        let update = match w.value {
-            0 => format!("SET #n = :v{walked}, #g = if_not_exists(#g, :zero) + :one REMOVE #d"),
-            _ => format!("SET #n = :v, #d = :v{walked}, #g = if_not_exists(#g, :zero) + :one"),
-        };
         let mut req = self
             .client
             .update_item()
             .table_name(&self.table)
             .return_consumed_capacity(ReturnConsumedCapacity::Total)
-            .update_expression(update)
-            .expression_attribute_names("#n", w.count)
-            .expression_attribute_names("#d", w.attribute)
+            .expression_attribute_names("#w", w.walked)
             .expression_attribute_names("#g", w.counter)
-            .expression_attribute_values(":v", value)
             .expression_attribute_values(":one", AttributeValue::N("1".into()))
             .expression_attribute_values(":zero", AttributeValue::N("0".into()));
-        if let Some(walked) = w.walked {
-            req = req.expression_attribute_names("#w", walked);
-        }
-        req = match w.seen {
-            Some(seen) => req.condition_expression("#g = :seen").expression_attribute_values(":seen", AttributeValue::N(seen.to_string())),
-            None => req.condition_expression("attribute_not_exists(#g)"),
+        req = match w.kind {
+            Settle::Count { value, mark } => {
+                let walked = if mark { ", #w = :one" } else { "" };
+                let update = match value {
+                    0 => format!("SET #n = :v{walked}, #g = if_not_exists(#g, :zero) + :one REMOVE #d"),
+                    _ => format!("SET #n = :v, #d = :v{walked}, #g = if_not_exists(#g, :zero) + :one"),
+                };
+                let req = req
+                    .update_expression(update)
+                    .expression_attribute_names("#n", w.count)
+                    .expression_attribute_names("#d", w.attribute)
+                    .expression_attribute_values(":v", AttributeValue::N(value.to_string()));
+                match w.seen {
+                    Some(seen) => {
+                        req.condition_expression("#g = :seen").expression_attribute_values(":seen", AttributeValue::N(seen.to_string()))
+                    }
+                    None => req.condition_expression("attribute_not_exists(#g)"),
+                }
+            }
+            Settle::Unwalk => req
+                .update_expression("SET #g = if_not_exists(#g, :zero) + :one REMOVE #w")
+                .condition_expression("attribute_exists(#pk)")
+                .expression_attribute_names("#pk", w.key.first().map_or("", |(name, _)| name.as_str())),
         };
         for (name, value) in w.key {
             req = req.key(name, AttributeValue::S(value.clone()));
@@ -420,8 +428,12 @@ impl AggregateStore for DynamoDbAggregates {
 
 /// A helper item's count and `distinct` flag.
 fn helper_state(item: &HashMap<String, AttributeValue>) -> HelperState {
-    let live = item.get(REFS).and_then(|v| v.as_n().ok()).and_then(|n| n.parse::<Decimal>().ok()).is_some_and(|n| n > Decimal::ZERO);
-    HelperState { live, counted: item.contains_key(COUNTED) }
+    let refs = item.get(REFS).and_then(|v| v.as_n().ok()).and_then(|n| n.parse::<Decimal>().ok());
+    HelperState {
+        live: refs.is_some_and(|n| n > Decimal::ZERO),
+        counted: item.contains_key(COUNTED),
+        below_zero: refs.is_some_and(|n| n < Decimal::ZERO),
+    }
 }
 
 /// A `distinct` transition's items: the target's count (and attribute, once walked) moved,
@@ -465,15 +477,17 @@ fn transition_items(table: &str, w: &TransitionWrite<'_>) -> Result<Vec<Transact
             .expression_attribute_names("#c", COUNTED)
             .expression_attribute_values(":zero", AttributeValue::N("0".into()));
         u = if seen.counted {
-            let clear = match w.expiry {
-                Some((attribute, at)) => {
+            // At zero it expires as any helper at zero does ([`super::expiry`]); below zero
+            // (a drift for reconcile) it gets no expiry.
+            let (clear, refs) = match (w.expiry, seen.below_zero) {
+                (_, true) => ("REMOVE #c", "#refs < :zero"),
+                (Some((attribute, at)), false) => {
                     u = u.expression_attribute_names("#x", attribute).expression_attribute_values(":at", AttributeValue::N(at.to_string()));
-                    "REMOVE #c SET #x = :at"
+                    ("REMOVE #c SET #x = :at", "(attribute_not_exists(#refs) OR #refs = :zero)")
                 }
-                None => "REMOVE #c",
+                (None, false) => ("REMOVE #c", "(attribute_not_exists(#refs) OR #refs = :zero)"),
             };
-            u.update_expression(clear)
-                .condition_expression("attribute_exists(#pk) AND attribute_exists(#c) AND (attribute_not_exists(#refs) OR #refs <= :zero)")
+            u.update_expression(clear).condition_expression(format!("attribute_exists(#pk) AND attribute_exists(#c) AND {refs}"))
         } else {
             u.update_expression("SET #c = :one")
                 .expression_attribute_values(":one", AttributeValue::N("1".into()))

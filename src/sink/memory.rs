@@ -7,7 +7,7 @@ use super::distinct::COUNTED;
 use super::hold::{HoldSeen, HoldWrite};
 use super::{
     AggregateStore, Counters, DerivationNames, Derived, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite,
-    LiveHelpers, SettleWrite, SinkError, TransitionWrite, WriteOutcome,
+    LiveHelpers, Settle, SettleWrite, SinkError, TransitionWrite, WriteOutcome,
 };
 use crate::decimal::Decimal;
 use crate::rules::helper::{self, HelperScan, Scalar, REFS};
@@ -379,7 +379,15 @@ fn helper_seen(w: &LedgerWrite, item: &BTreeMap<String, MemValue>) -> Option<Hel
 
 /// A helper item's count and `distinct` flag, as [`AggregateStore::helper_state`] reads them.
 fn helper_state(item: &BTreeMap<String, MemValue>) -> HelperState {
-    HelperState { live: matches!(item.get(REFS), Some(MemValue::Num(n)) if *n > Decimal::ZERO), counted: item.contains_key(COUNTED) }
+    let refs = match item.get(REFS) {
+        Some(MemValue::Num(n)) => Some(*n),
+        _ => None,
+    };
+    HelperState {
+        live: refs.is_some_and(|n| n > Decimal::ZERO),
+        counted: item.contains_key(COUNTED),
+        below_zero: refs.is_some_and(|n| n < Decimal::ZERO),
+    }
 }
 
 /// DynamoDB's largest item.
@@ -680,7 +688,7 @@ impl AggregateStore for MemoryAggregates {
             let Some(item) = s.items.get_mut(&key(Some(sk))) else { continue };
             if seen.counted {
                 item.remove(COUNTED);
-                if let Some((attribute, at)) = w.expiry {
+                if let Some((attribute, at)) = w.expiry.filter(|_| !seen.below_zero) {
                     item.insert(attribute.to_string(), MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
                 }
             } else {
@@ -698,23 +706,32 @@ impl AggregateStore for MemoryAggregates {
             return Err(SinkError::Throttled("simulated throttling".into()));
         }
         let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
+        if w.kind == Settle::Unwalk && s.items.get(&key).is_none_or(|i| i.is_empty()) {
+            return Ok(None);
+        }
         let item = s.items.entry(key).or_default();
         let counter = match item.get(w.counter) {
             Some(MemValue::Num(n)) => Some(*n),
+            Some(other) => return Err(SinkError::Invalid(format!("ValidationException: {} is not a number: {other:?}", w.counter))),
             _ => None,
         };
-        if counter.map(|n| n.to_string()).as_deref() != w.seen {
-            return Ok(None);
+        match w.kind {
+            Settle::Unwalk => {
+                item.remove(w.walked);
+            }
+            Settle::Count { .. } if counter.map(|n| n.to_string()).as_deref() != w.seen => return Ok(None),
+            Settle::Count { value, mark } => {
+                let value = Decimal::from_i64(i64::try_from(value).unwrap_or(i64::MAX));
+                item.insert(w.count.to_string(), MemValue::Num(value));
+                if mark {
+                    item.insert(w.walked.to_string(), MemValue::Num(Decimal::ONE));
+                }
+                match value.is_zero() {
+                    true => item.remove(w.attribute),
+                    false => item.insert(w.attribute.to_string(), MemValue::Num(value)),
+                };
+            }
         }
-        let value = Decimal::from_i64(i64::try_from(w.value).unwrap_or(i64::MAX));
-        item.insert(w.count.to_string(), MemValue::Num(value));
-        if let Some(walked) = w.walked {
-            item.insert(walked.to_string(), MemValue::Num(Decimal::ONE));
-        }
-        match w.value {
-            0 => item.remove(w.attribute),
-            _ => item.insert(w.attribute.to_string(), MemValue::Num(value)),
-        };
         item.insert(
             w.counter.to_string(),
             MemValue::Num(counter.unwrap_or(Decimal::ZERO).checked_add(Decimal::ONE).unwrap_or(Decimal::ZERO)),

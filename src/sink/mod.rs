@@ -157,9 +157,10 @@ pub trait AggregateStore: Send + Sync + 'static {
     /// when a helper changed first.
     fn count_transitions(&self, w: &TransitionWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
 
-    /// Sets a `distinct` attribute's count (and the attribute: removed at zero), marks it
-    /// walked (if asked), and advances its derivation counter, if that counter is still as `seen`: the
-    /// write capacity it consumed; None when it moved first.
+    /// Sets a `distinct` attribute's count (and the attribute: removed at zero) and marks it
+    /// walked, or removes the mark ([`Settle`]), advancing its derivation counter: the write
+    /// capacity it consumed; None when the counter moved first (`Count`) or the item is gone
+    /// (`Unwalk`).
     fn settle_count(&self, w: &SettleWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
 }
 
@@ -170,6 +171,8 @@ pub struct HelperState {
     pub live: bool,
     /// It is counted in its target's `distinct` count ([`distinct::COUNTED`]).
     pub counted: bool,
+    /// Its count is below zero (a drift for reconcile): no expiry is set on it.
+    pub below_zero: bool,
 }
 
 /// A measure's helper items, by tail, and what reading them cost.
@@ -203,12 +206,23 @@ pub struct SettleWrite<'a> {
     pub key: &'a [(String, String)],
     pub attribute: &'a str,
     pub count: &'a str,
-    /// The walked mark, set by a settle after a walk whose flags all agreed with the counts;
-    /// None: left as it is (a count that was not a number, set before flags are flipped).
-    pub walked: Option<&'a str>,
+    pub walked: &'a str,
     pub counter: &'a str,
+    /// The derivation counter as read (None: absent): `Count` is conditioned on it.
     pub seen: Option<&'a str>,
-    pub value: u64,
+    pub kind: Settle,
+}
+
+/// What a [`SettleWrite`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    /// Sets the count and the attribute (removed at zero), and the walked mark if `mark` (a
+    /// walk whose flags all agreed; not for a count that was not a number, set before flags
+    /// are flipped).
+    Count { value: u64, mark: bool },
+    /// Removes the walked mark of an existing item, whatever its counter (before reconcile
+    /// corrects a helper): every derivation walks again until one settles.
+    Unwalk,
 }
 
 /// One Query for a target measure's helpers.
