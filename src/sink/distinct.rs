@@ -133,12 +133,10 @@ pub async fn derive_distinct<S: AggregateStore>(store: &S, t: &DistinctTarget<'_
             _ => None,
         };
         if let (Some(_), Some(count), true) = (fast, stored, lowered) {
-            if !needs_settle(&counters, t.name, count)
-                || settle(store, t, &counters, Settle::Count { value: count, mark: true }, stats).await?
-            {
-                return Ok(());
+            match settle_if_needed(store, t, &counters, count, stats).await? {
+                true => return Ok(()),
+                false => continue,
             }
-            continue;
         }
         if fast.is_some() && stored.is_none() {
             everything = true;
@@ -146,14 +144,7 @@ pub async fn derive_distinct<S: AggregateStore>(store: &S, t: &DistinctTarget<'_
         }
         let states = match fast {
             Some(tails) => touched_states(store, t, tails, stats).await?,
-            _ => {
-                let prefix = helper::prefix(t.owner_sk, t.name);
-                let q = HelperQuery { key_names: t.key_names, pk: t.pk, prefix: &prefix, scan: HelperScan::Count, from: None };
-                let all = store.helper_states(&q).await?;
-                stats.read += all.helpers.len() as u64;
-                stats.read_capacity += all.capacity;
-                all.helpers.into_iter().collect()
-            }
+            None => every_state(store, t, stats).await?,
         };
         let flips = mismatched(&states);
         let flagged = states.values().filter(|s| s.counted).count() as u64;
@@ -179,12 +170,25 @@ pub async fn derive_distinct<S: AggregateStore>(store: &S, t: &DistinctTarget<'_
             (Some(_), Some(c)) => c,
             _ => flagged,
         };
-        if !needs_settle(&counters, t.name, count) || settle(store, t, &counters, Settle::Count { value: count, mark: true }, stats).await?
-        {
+        if settle_if_needed(store, t, &counters, count, stats).await? {
             return Ok(());
         }
     }
     Err(SinkError::Transient(format!("deriving {} on {:?}: its helpers kept changing", t.name, t.key)))
+}
+
+/// The states of every helper of the attribute (a walk).
+async fn every_state<S: AggregateStore>(
+    store: &S,
+    t: &DistinctTarget<'_>,
+    stats: &mut DistinctStats,
+) -> Result<std::collections::BTreeMap<String, HelperState>, SinkError> {
+    let prefix = helper::prefix(t.owner_sk, t.name);
+    let q = HelperQuery { key_names: t.key_names, pk: t.pk, prefix: &prefix, scan: HelperScan::Count, from: None };
+    let all = store.helper_states(&q).await?;
+    stats.read += all.helpers.len() as u64;
+    stats.read_capacity += all.capacity;
+    Ok(all.helpers)
 }
 
 /// The states of the touched helpers (one that is gone is neither live nor counted).
@@ -257,6 +261,21 @@ async fn flip<S: AggregateStore>(
         }
     }
     Ok(Flipped::Landed { lowered })
+}
+
+/// Settles the count at `count` and marks it walked where [`needs_settle`]: whether it is
+/// settled (false: the derivation counter moved first).
+async fn settle_if_needed<S: AggregateStore>(
+    store: &S,
+    t: &DistinctTarget<'_>,
+    counters: &Counters,
+    count: u64,
+    stats: &mut DistinctStats,
+) -> Result<bool, SinkError> {
+    if !needs_settle(counters, t.name, count) {
+        return Ok(true);
+    }
+    settle(store, t, counters, Settle::Count { value: count, mark: true }, stats).await
 }
 
 /// Sets the count and the attribute, on condition that the derivation counter is as read, or
