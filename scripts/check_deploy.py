@@ -387,6 +387,9 @@ DDB_CALLS = {
     "batch_write_item",
     "transact_write_items",
 }
+# Calls that IAM authorizes per item action: TransactWriteItems has no action of its own, each
+# Update in it needs dynamodb:UpdateItem (src/ sends only Updates in transactions).
+AUTHORIZED_AS = {"dynamodb:TransactWriteItems": "dynamodb:UpdateItem"}
 # Called only with `state.create_table: true`; the CloudFormation template creates the table.
 NOT_GRANTED = {"dynamodb:CreateTable"}
 # Called only by `dlq replay`, which runs with the operator role.
@@ -402,7 +405,8 @@ def sdk_calls():
                 for m in re.findall(r"\.([a-z_]+)\(\)", open(os.path.join(d, f)).read()):
                     prefix = "sqs" if m in SQS_CALLS else "dynamodb" if m in DDB_CALLS else None
                     if prefix:
-                        calls.add(f"{prefix}:" + "".join(w.capitalize() for w in m.split("_")))
+                        action = f"{prefix}:" + "".join(w.capitalize() for w in m.split("_"))
+                        calls.add(AUTHORIZED_AS.get(action, action))
     return calls
 
 

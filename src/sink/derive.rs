@@ -683,6 +683,29 @@ mod tests {
         assert!(!seen.uses_zero);
     }
 
+    /// A test store's `distinct` calls: each yields first (so concurrent derivations
+    /// interleave), then asks the memory store in `inner`.
+    macro_rules! distinct_calls {
+        () => {
+            async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<crate::sink::HelperState>, f64), SinkError> {
+                tokio::task::yield_now().await;
+                self.inner.helper_state(key).await
+            }
+            async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<crate::sink::HelperStates, SinkError> {
+                tokio::task::yield_now().await;
+                self.inner.helper_states(q).await
+            }
+            async fn count_transitions(&self, w: &crate::sink::TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
+                tokio::task::yield_now().await;
+                self.inner.count_transitions(w).await
+            }
+            async fn settle_count(&self, w: &crate::sink::SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
+                tokio::task::yield_now().await;
+                self.inner.settle_count(w).await
+            }
+        };
+    }
+
     /// A store whose every call yields first, so concurrent derivations interleave call by
     /// call (the memory store answers at once), and which refuses writes of one attribute.
     #[derive(Default)]
@@ -744,22 +767,7 @@ mod tests {
         ) -> Result<bool, SinkError> {
             self.inner.expire_helper(key, attribute, at, version).await
         }
-        async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<crate::sink::HelperState>, f64), SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.helper_state(key).await
-        }
-        async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<crate::sink::HelperStates, SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.helper_states(q).await
-        }
-        async fn count_transitions(&self, w: &crate::sink::TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.count_transitions(w).await
-        }
-        async fn settle_count(&self, w: &crate::sink::SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.settle_count(w).await
-        }
+        distinct_calls!();
     }
 
     /// `n` helpers of `measure` (a max) under the profile, valued 1..=n.
@@ -1016,22 +1024,7 @@ rules:
         async fn expire_helper(&self, k: &[(String, String)], a: &str, at: u64, v: (&str, Option<&str>)) -> Result<bool, SinkError> {
             self.inner.expire_helper(k, a, at, v).await
         }
-        async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<crate::sink::HelperState>, f64), SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.helper_state(key).await
-        }
-        async fn helper_states(&self, q: &HelperQuery<'_>) -> Result<crate::sink::HelperStates, SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.helper_states(q).await
-        }
-        async fn count_transitions(&self, w: &crate::sink::TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.count_transitions(w).await
-        }
-        async fn settle_count(&self, w: &crate::sink::SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
-            tokio::task::yield_now().await;
-            self.inner.settle_count(w).await
-        }
+        distinct_calls!();
     }
 
     fn min_target(raised: i64) -> DeriveTarget {
