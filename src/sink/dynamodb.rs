@@ -115,16 +115,7 @@ impl AggregateStore for DynamoDbAggregates {
         let mut start = None;
         // Each page reads up to 1 MB; the bound only stops a table that never ends.
         for _ in 0..100_000 {
-            let req = self
-                .client
-                .query()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .expression_attribute_names("#pk", pk_name)
-                .expression_attribute_names("#sk", sk_name)
-                .expression_attribute_values(":pk", AttributeValue::S(q.pk.to_string()))
-                .return_consumed_capacity(ReturnConsumedCapacity::Total)
-                .set_exclusive_start_key(start.take());
+            let req = self.partition_query(pk_name, sk_name, q.pk).set_exclusive_start_key(start.take());
             // From the cursor the first live helper is usually among the first few read.
             let limit = if out.read == 0 { 5 } else { 50 };
             let page = match q.scan {
@@ -206,19 +197,12 @@ impl AggregateStore for DynamoDbAggregates {
         let mut start = None;
         for _ in 0..100_000 {
             let page = self
-                .client
-                .query()
-                .table_name(&self.table)
-                .consistent_read(true)
+                .partition_query(pk_name, sk_name, q.pk)
                 .key_condition_expression("#pk = :pk AND begins_with(#sk, :prefix)")
                 .projection_expression("#sk, #refs, #c")
-                .expression_attribute_names("#pk", pk_name)
-                .expression_attribute_names("#sk", sk_name)
                 .expression_attribute_names("#refs", REFS)
                 .expression_attribute_names("#c", COUNTED)
-                .expression_attribute_values(":pk", AttributeValue::S(q.pk.to_string()))
                 .expression_attribute_values(":prefix", AttributeValue::S(q.prefix.to_string()))
-                .return_consumed_capacity(ReturnConsumedCapacity::Total)
                 .set_exclusive_start_key(start.take())
                 .send()
                 .await
@@ -558,6 +542,19 @@ pub fn log_ttl(table: &str, configured: &str, described: &Described, failure: Op
 }
 
 impl DynamoDbAggregates {
+    /// A strongly consistent Query of partition `pk` (`#pk = :pk`, `#sk` named), with its
+    /// consumed capacity: the base of every helper query.
+    fn partition_query(&self, pk_name: &str, sk_name: &str, pk: &str) -> QueryFluentBuilder {
+        self.client
+            .query()
+            .table_name(&self.table)
+            .consistent_read(true)
+            .expression_attribute_names("#pk", pk_name)
+            .expression_attribute_names("#sk", sk_name)
+            .expression_attribute_values(":pk", AttributeValue::S(pk.to_string()))
+            .return_consumed_capacity(ReturnConsumedCapacity::Total)
+    }
+
     fn error(&self, f: crate::aws::Failure) -> SinkError {
         match f.kind {
             FailureKind::Throttled => SinkError::Throttled(f.to_string()),
