@@ -279,7 +279,8 @@ async fn run_stream(
         .with_dead_letters(dead_letters, stream_arn.to_string());
     let worker = Worker::new(shared);
     if let Some(attribute) = config.helper_expiry_attribute.clone().filter(|_| crate::sink::dynamodb::keeps_helpers(&config)) {
-        tokio::spawn(watch_ttl(worker.shared().clone(), ddb.clone(), (config.aggregates_table.clone(), attribute), stop.clone()));
+        tokio::spawn(watch_ttl(worker.shared().clone(), ddb.clone(), (config.aggregates_table.clone(), attribute.clone()), stop.clone()));
+        tokio::spawn(sweep_expired_helpers(worker.shared().clone(), attribute, stop.clone()));
     }
     // Also with the schedule off: a persisted request to reconcile everything (data lost)
     // is still carried out.
@@ -300,18 +301,60 @@ async fn watch_ttl<S, L, A>(
     (table, attribute): (String, String),
     stop: CancellationToken,
 ) {
-    let mut last: Option<bool> = None;
+    let mut last: Option<Described> = None;
     loop {
         let (described, failure) = crate::sink::dynamodb::describe_ttl(&ddb, &table).await;
-        let on = matches!(&described, Described::On { attribute: a, enabled: true } if *a == attribute);
-        if last != Some(on) {
+        if last.as_ref() != Some(&described) {
             crate::sink::dynamodb::log_ttl(&table, &attribute, &described, failure.as_ref());
         }
-        last = Some(on);
-        shared.expiry_on.store(on, std::sync::atomic::Ordering::Relaxed);
+        if let Some(own) = crate::sink::expiry::setting(&described, &attribute) {
+            shared.expiry_own.store(own, std::sync::atomic::Ordering::Relaxed);
+            shared.expiry_on.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        last = Some(described);
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_millis(crate::sink::expiry::REFRESH_MS)) => {}
+        }
+    }
+}
+
+/// Deletes the helpers whose expiry the service recorded as its own to delete, every
+/// [`crate::sink::expiry::SWEEP_MS`] (at once again while more are due), on the replica that
+/// holds the sweep's lease, until `stop`. Also while TTL is on: expiries recorded before it
+/// was turned on are still swept.
+async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>(
+    shared: Arc<Shared<S, L, A>>,
+    attribute: String,
+    stop: CancellationToken,
+) {
+    let Some(key_names) = shared.engine.rules.first().map(|r| r.target.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()) else {
+        return;
+    };
+    let period = Duration::from_millis(crate::sink::expiry::SWEEP_MS);
+    let mut wait = Duration::from_secs(5);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = period;
+        let now = crate::state::now_ms();
+        let hold = now.saturating_add(crate::sink::expiry::SWEEP_MS);
+        if !shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await.unwrap_or(false) {
+            continue;
+        }
+        match crate::sink::expiry::sweep(shared.sink.as_ref(), &key_names, &attribute, now / 1000).await {
+            Ok(swept) => {
+                telemetry::helper_deletes(&swept);
+                if swept.deleted + swept.kept > 0 {
+                    info!(deleted = swept.deleted, kept = swept.kept, "swept expired helper items");
+                }
+                if swept.more {
+                    wait = Duration::from_secs(1);
+                }
+            }
+            Err(e) => warn!(error = %e, "sweeping expired helper items failed: retried at the next sweep"),
         }
     }
 }

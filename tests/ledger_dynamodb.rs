@@ -290,3 +290,72 @@ async fn reconcile_places_reads_and_ends_a_hold_on_dynamodb_local() {
     assert!(!item.contains_key("_agghold:dep1"));
     assert_eq!(item["_aggfloor:dep1"].as_s().unwrap(), &floor_value(1_700_000_000_000));
 }
+
+/// Without TTL on the table the service deletes expired helpers itself, on DynamoDB Local:
+/// each expiry is recorded as a pending item first; the sweep deletes a helper that still
+/// carries its expiry at zero and keeps one written since or never given it, and leaves no
+/// pending item behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_deletes_expired_helpers_itself_on_dynamodb_local() {
+    use ddb_aggregator::rules::helper::REFS;
+    use ddb_aggregator::sink::expiry::{self, Expiry};
+    let c = client().await;
+    let table = unique("own-expiry");
+    create_source_table(&c, &table).await;
+    let store = DynamoDbAggregates::new(c.clone(), table.clone());
+    let names = vec!["PK".to_string(), "SK".to_string()];
+    let sk = |v: &str| format!("PROFILE#_agg#largest#N{v}");
+    let helper = |v: &str| TargetKey(vec![Box::from("CUST#c1"), Box::from(sk(v))].into_boxed_slice());
+    let refs = |seq: u64, d: i64| TargetDelta {
+        contributions: vec![Contribution {
+            sequence: Some(format!("{seq:021}")),
+            values: vec![(REFS.to_string(), Decimal::from_i64(d))],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    // Expiring at once, so that the sweep below finds them due.
+    let ctx = ShardContext {
+        expiry: Some(Expiry { after_ms: 0, own: true, ..Expiry::new(EXPIRES_AT) }),
+        ..ShardContext::new(&Ledger::new("dep1"), "shardId-00000001700000000001-aaaaaaaa")
+    };
+    for (v, seq) in [("5", 1), ("6", 3), ("7", 5)] {
+        write_target(&store, &names, &helper(v), &refs(seq, 1), &ctx).await.unwrap();
+        let s = write_target(&store, &names, &helper(v), &refs(seq + 1, -1), &ctx).await.unwrap();
+        assert_eq!(s.expiries_set, 1, "{v}");
+    }
+    let pending = || async {
+        scan(&c, &table).await.into_iter().filter(|i| i["PK"].as_s().unwrap().starts_with(expiry::PENDING_PREFIX)).collect::<Vec<_>>()
+    };
+    let recorded = pending().await;
+    assert_eq!(recorded.len(), 3, "{recorded:?}");
+    for item in &recorded {
+        let key = item[expiry::PENDING_HELPER].as_l().unwrap();
+        let helper = get(&c, &table, key[0].as_s().unwrap(), key[1].as_s().unwrap()).await;
+        let at = expiry::pending_at(item["SK"].as_s().unwrap()).unwrap();
+        assert_eq!(helper[EXPIRES_AT].as_n().unwrap(), &at.to_string(), "the pending item names the helper's expiry");
+    }
+    // N6 is written again (its expiry removed); N7 loses its expiry as if the process died
+    // between recording and setting it.
+    write_target(&store, &names, &helper("6"), &refs(7, 1), &ctx).await.unwrap();
+    c.update_item()
+        .table_name(&table)
+        .key("PK", AttributeValue::S("CUST#c1".into()))
+        .key("SK", AttributeValue::S(sk("7")))
+        .update_expression("REMOVE #x")
+        .expression_attribute_names("#x", EXPIRES_AT)
+        .send()
+        .await
+        .unwrap();
+    let before = expiry::sweep(&store, &names, EXPIRES_AT, 1_700_000_000).await.unwrap();
+    assert_eq!(before, expiry::Swept::default(), "nothing is due before its expiry");
+    let swept = expiry::sweep(&store, &names, EXPIRES_AT, now_ms() / 1000 + 1).await.unwrap();
+    assert_eq!((swept.deleted, swept.kept), (1, 2), "{swept:?}");
+    assert!(get(&c, &table, "CUST#c1", &sk("5")).await.is_empty(), "N5 expired at zero and is deleted");
+    assert_eq!(get(&c, &table, "CUST#c1", &sk("6")).await[REFS].as_n().unwrap(), "1", "N6 is live again");
+    assert_eq!(get(&c, &table, "CUST#c1", &sk("7")).await[REFS].as_n().unwrap(), "0", "N7 never got its expiry");
+    assert!(pending().await.is_empty(), "every pending item is gone");
+    // A record of N5 after its deletion starts a new helper.
+    write_target(&store, &names, &helper("5"), &refs(9, 1), &ctx).await.unwrap();
+    assert_eq!(get(&c, &table, "CUST#c1", &sk("5")).await[REFS].as_n().unwrap(), "1");
+}

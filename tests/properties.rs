@@ -8,6 +8,7 @@ use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::pattern::{Pattern, PatternOptions, PatternSet};
 use ddb_aggregator::rules::template::{Template, VarValue};
 use ddb_aggregator::rules::{Coalescer, Engine};
+use ddb_aggregator::sink::expiry::Expiry;
 use ddb_aggregator::sink::memory::{MemValue, MemoryAggregates};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
@@ -412,8 +413,13 @@ fn helper_truth(table: &BTreeMap<usize, Order>) -> BTreeMap<(String, String, Str
 /// One batch as the worker applies it: coalesced, written through the ledger, then derived.
 /// `crash_after`: only that many target writes land and nothing is derived (a replica that
 /// died mid-batch). With `expiry`, helpers at zero are given an expiry in [`EXPIRES_AT`].
-async fn apply_batch_expiring(engine: &Engine, store: &MemoryAggregates, records: &[Value], crash_after: Option<usize>, expiry: bool) {
-    use ddb_aggregator::sink::expiry::{Expiry, EXPIRE_AFTER_MS};
+async fn apply_batch_expiring(
+    engine: &Engine,
+    store: &MemoryAggregates,
+    records: &[Value],
+    crash_after: Option<usize>,
+    expiry: Option<&Expiry>,
+) {
     use ddb_aggregator::sink::{derive, ledger::Ledger, write_target, ShardContext};
     let mut batch = Coalescer::new();
     for r in records {
@@ -423,9 +429,9 @@ async fn apply_batch_expiring(engine: &Engine, store: &MemoryAggregates, records
     let targets = batch.into_targets();
     let ledger = Ledger::new("p");
     let mut ctx = ShardContext::new(&ledger, "shardId-00000001700000000000-00000001");
-    if expiry {
-        ctx.expiry = Some(Expiry { attribute: EXPIRES_AT.into(), after_ms: EXPIRE_AFTER_MS, set: true });
-        ctx.oldest_ms = Some(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64);
+    if let Some(e) = expiry {
+        ctx.expiry = Some(e.clone());
+        ctx.oldest_ms = Some(ddb_aggregator::state::now_ms());
     }
     for (n, (key, delta)) in targets.iter().enumerate() {
         if crash_after == Some(n) {
@@ -477,7 +483,7 @@ proptest! {
         cuts in prop::collection::vec(any::<usize>(), 0..8),
         faults in prop::collection::vec((0u8..5, any::<usize>()), 0..8),
     ) {
-        let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, None);
+        let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, Expiring::Never);
         prop_assert_eq!(derived_in(&store), helper_truth(&table));
     }
 
@@ -492,10 +498,49 @@ proptest! {
         cuts in prop::collection::vec(any::<usize>(), 0..12),
         faults in prop::collection::vec((0u8..5, any::<usize>()), 0..12),
     ) {
-        let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, Some(4));
+        let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, Expiring::Ttl(4));
         prop_assert_eq!(derived_in(&store), helper_truth(&table));
     }
+
+    /// The same where the table has no TTL and the service deletes expired helpers itself:
+    /// each batch takes 10 minutes, a helper expires 35 minutes after it reached zero (so
+    /// replays reach 3 batches back, as above), and the service's sweep runs after each batch.
+    #[test]
+    fn helper_measures_stay_exact_when_the_service_deletes_expired_helpers(
+        ops in prop::collection::vec(op(), 1..100),
+        picks in prop::collection::vec(any::<u16>(), 0..300),
+        cuts in prop::collection::vec(any::<usize>(), 0..12),
+        faults in prop::collection::vec((0u8..5, any::<usize>()), 0..12),
+    ) {
+        let (store, table) = run_with_faults(&ops, picks, &cuts, &faults, Expiring::Own);
+        prop_assert_eq!(derived_in(&store), helper_truth(&table));
+        // Every expiry set was recorded: a sweep long after deletes every helper carrying
+        // one, and leaves no pending item behind.
+        let names = ["PK".to_string(), "SK".to_string()];
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let later = u64::MAX / 2000;
+        while rt.block_on(ddb_aggregator::sink::expiry::sweep(&store, &names, EXPIRES_AT, later)).unwrap().more {}
+        let expiring = store.keys().into_iter().filter(|k| {
+            let parts: Vec<&str> = k.iter().map(String::as_str).collect();
+            store.item(&parts).is_some_and(|i| i.contains_key(EXPIRES_AT))
+        });
+        prop_assert_eq!((expiring.count(), store.pending_expiries()), (0, 0));
+    }
 }
+
+/// How helpers at zero leave the store in [`run_with_faults`].
+#[derive(Clone, Copy)]
+enum Expiring {
+    Never,
+    /// The table's TTL: a helper whose expiry stood unchanged for that many batches.
+    Ttl(usize),
+    /// The service's own sweep, on a clock that moves 10 minutes a batch.
+    Own,
+}
+
+/// A batch's length on the clock of [`Expiring::Own`], and how long after zero a helper expires.
+const BATCH_MS: u64 = 600_000;
+const OWN_EXPIRE_AFTER_MS: u64 = 3 * BATCH_MS + BATCH_MS / 2;
 
 /// The TTL attribute of [`helper_measures_stay_exact_when_helpers_at_zero_expire`].
 const EXPIRES_AT: &str = "expiresAt";
@@ -503,14 +548,14 @@ const EXPIRES_AT: &str = "expiresAt";
 /// Runs `ops` interleaved by `picks`, cut into batches at `cuts`, with `faults` per batch
 /// (1: a replica dies mid-batch; 2: a stalled replica replays up to 3 batches back; 3: the
 /// batch is applied twice; 4: a shorter batch is applied and derived, and the batch is then
-/// read again from the same checkpoint with more records). `expire_after`: helpers expire, and a sweep after each batch
+/// read again from the same checkpoint with more records). `expiring`: helpers expire, and a sweep after each batch
 /// deletes those whose expiry stood unchanged for that many batches.
 fn run_with_faults(
     ops: &[Op],
     picks: Vec<u16>,
     cuts: &[usize],
     faults: &[(u8, usize)],
-    expire_after: Option<usize>,
+    expiring: Expiring,
 ) -> (MemoryAggregates, BTreeMap<usize, Order>) {
     let engine = Config::from_yaml(HELPER_RULES, Vec::<(String, String)>::new()).unwrap().engine;
     let (per_item, table) = history(ops);
@@ -531,10 +576,16 @@ fn run_with_faults(
         })
         .collect();
     let store = MemoryAggregates::new();
-    let expiry = expire_after.is_some();
-    let mut expiring = BTreeMap::new();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let expiry = match expiring {
+        Expiring::Never => None,
+        Expiring::Ttl(_) => Some(Expiry::new(EXPIRES_AT)),
+        Expiring::Own => Some(Expiry { own: true, after_ms: OWN_EXPIRE_AFTER_MS, ..Expiry::new(EXPIRES_AT) }),
+    };
+    let expiry = expiry.as_ref();
+    let mut seen_expiring = BTreeMap::new();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
     rt.block_on(async {
+        ddb_aggregator::state::simulate_clock(Some(1_764_547_200_000));
         for (i, (start, end)) in batches.iter().enumerate() {
             let (fault, arg) = faults.get(i).copied().unwrap_or((0, 0));
             match fault {
@@ -557,8 +608,15 @@ fn run_with_faults(
             if fault == 3 {
                 apply_batch_expiring(&engine, &store, &records[*start..*end], None, expiry).await;
             }
-            if let Some(after) = expire_after {
-                ttl_sweep(&store, &mut expiring, i, after);
+            match expiring {
+                Expiring::Never => {}
+                Expiring::Ttl(after) => ttl_sweep(&store, &mut seen_expiring, i, after),
+                Expiring::Own => {
+                    tokio::time::advance(std::time::Duration::from_millis(BATCH_MS)).await;
+                    let names = ["PK".to_string(), "SK".to_string()];
+                    let now_s = ddb_aggregator::state::now_ms() / 1000;
+                    ddb_aggregator::sink::expiry::sweep(&store, &names, EXPIRES_AT, now_s).await.unwrap();
+                }
             }
         }
     });

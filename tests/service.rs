@@ -582,6 +582,30 @@ async fn helpers_expire_at_zero(c: &aws_sdk_dynamodb::Client, aggregates: &str) 
     (live, zero)
 }
 
+/// The helpers at zero whose expiry (key, expiry) a pending item records, as the service's
+/// own delete will find them ([`ddb_aggregator::sink::expiry`]).
+async fn expiries_recorded(c: &aws_sdk_dynamodb::Client, aggregates: &str) -> std::collections::BTreeSet<(String, String)> {
+    use ddb_aggregator::sink::expiry::{pending_at, PENDING_HELPER, PENDING_PREFIX};
+    let items = scan(c, aggregates).await;
+    let pending: std::collections::BTreeSet<(String, String, u64)> = items
+        .iter()
+        .filter(|i| i["PK"].as_s().unwrap().starts_with(PENDING_PREFIX))
+        .map(|i| {
+            let key = i[PENDING_HELPER].as_l().unwrap();
+            (key[0].as_s().unwrap().clone(), key[1].as_s().unwrap().clone(), pending_at(i["SK"].as_s().unwrap()).unwrap())
+        })
+        .collect();
+    let mut out = std::collections::BTreeSet::new();
+    for item in helper_items(c, aggregates).await {
+        let Some(at) = item.get(EXPIRES_AT).map(|v| v.as_n().unwrap().parse::<u64>().unwrap()) else { continue };
+        let (pk, sk) = (item["PK"].as_s().unwrap().clone(), item["SK"].as_s().unwrap().clone());
+        if pending.contains(&(pk.clone(), sk.clone(), at)) {
+            out.insert((pk, sk));
+        }
+    }
+    out
+}
+
 /// max, min, latest and distinct through the commerce workload and SIGKILLs, then every
 /// customer's largest order deleted (another SIGKILL among the deletes): largestOrder falls
 /// back to the next largest order exactly, and firstOrderDay, lastStatus, activeDays and the
@@ -742,7 +766,8 @@ fn reads_per_query(m: &str) -> BTreeMap<&'static str, (f64, f64)> {
 /// Orders open and close for ever on three customers, in two equal phases of writes. The
 /// oldest open order, the last status and the days read as many helper items per derivation
 /// in the second phase as in the first, although the zero-count helpers behind them doubled; the
-/// values equal a scan's truth, and every zero-count helper carries an expiry.
+/// values equal a scan's truth, and every zero-count helper carries an expiry. The aggregates
+/// table has no TTL, so each expiry is also recorded for the service's own delete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn derivation_reads_do_not_grow_with_history() {
     let _serial = SERIAL.lock().await;
@@ -751,7 +776,7 @@ async fn derivation_reads_do_not_grow_with_history() {
     let table = unique("open");
     let aggregates = format!("{table}-agg");
     create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
+    create_aggregates_table_without_ttl(&c, &aggregates).await;
     let config = open_orders_config(dir.path(), &table, &aggregates);
     let svc = Service::start(&config, dir.path(), "svc", &[]);
     const STEPS: usize = 150;
@@ -815,6 +840,13 @@ async fn derivation_reads_do_not_grow_with_history() {
     let (live, zero) = helpers_expire_at_zero(&c, &aggregates).await;
     println!("helpers: {live} live, {zero} at zero, each with an expiry");
     assert!(zero > 2 * STEPS, "{zero} at zero");
+    let recorded = expiries_recorded(&c, &aggregates).await;
+    println!("pending expiries: {} recorded", recorded.len());
+    assert_eq!(recorded.len(), zero, "each helper at zero has its expiry recorded, for the service to delete it");
+    // The sweep ran (5 s after start) and found none due: they expire in 40 hours.
+    let metrics = svc.metrics();
+    assert_eq!(metric(&metrics, "ddb_aggregator_helper_deletes_total{outcome=\"deleted\"}"), 0.0, "{metrics}");
+    assert!(metrics.contains("ddb_aggregator_helper_deletes_total{outcome=\"kept\"} 0"), "the sweep ran: {metrics}");
     // reconcile reports the same counts (it pushes them, and the service's scheduled run of
     // everything sets `helper_items`), and finds nothing to correct.
     let o = run_cli(&["reconcile", "--config", config.to_str().unwrap(), "--all", "--output", "json"]);

@@ -35,7 +35,7 @@ impl Truth {
     /// `key_names` are the source table's key attributes (for `dynamodb.Keys`).
     pub fn add_item(&mut self, rule: &Rule, key_names: &[String], item: &Map<String, Value>) {
         // The ledger registry's own item, when the aggregates live in the source table.
-        if crate::registry::is_registry_key(key_names.iter().filter_map(|k| item.get(k)?.get("S")?.as_str())) {
+        if crate::registry::is_reserved_key(key_names.iter().filter_map(|k| item.get(k)?.get("S")?.as_str())) {
             return;
         }
         self.items += 1;
@@ -87,7 +87,7 @@ pub fn target_for(rule: &Rule, vars: &BTreeMap<String, String>) -> Option<Target
 /// or one of their helper items (of a `max`, `min`, `latest` or `distinct` of the rule); never
 /// the ledger registry item.
 pub fn is_target(rule: &Rule, key: &[&str]) -> bool {
-    if crate::registry::is_registry_key(key.iter().copied()) {
+    if crate::registry::is_reserved_key(key.iter().copied()) {
         return false;
     }
     let owner = |key: &[&str]| rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v));

@@ -18,9 +18,11 @@ use std::fmt;
 /// The value of every key attribute of the registry item.
 pub const KEY: &str = "#_agg#registry";
 
-/// Whether a key (its values, in any order) is the registry item's.
-pub fn is_registry_key<'a>(parts: impl IntoIterator<Item = &'a str>) -> bool {
-    parts.into_iter().any(|p| p == KEY)
+/// Whether a key (its values, in any order) is one of the service's own items in the
+/// aggregates table: the registry item's, or a pending helper expiry's
+/// ([`crate::sink::expiry::PENDING_PREFIX`]). Never a target's.
+pub fn is_reserved_key<'a>(parts: impl IntoIterator<Item = &'a str>) -> bool {
+    parts.into_iter().any(|p| p == KEY || p.starts_with(crate::sink::expiry::PENDING_PREFIX))
 }
 
 /// One deployment as the registry keeps it.
@@ -235,9 +237,9 @@ mod tests {
 
     #[test]
     fn the_key_is_recognised() {
-        assert!(is_registry_key([KEY]));
-        assert!(is_registry_key(["x", KEY]));
-        assert!(!is_registry_key(["CUST#1", "PROFILE"]));
+        assert!(is_reserved_key([KEY]));
+        assert!(is_reserved_key(["x", KEY]));
+        assert!(!is_reserved_key(["CUST#1", "PROFILE"]));
         assert!(KEY.starts_with(crate::rules::helper::MARK), "in the helpers' reserved space");
         assert_eq!(crate::rules::helper::parse(KEY), None, "never a helper's sort key");
         assert_eq!(entry_attribute("aaaaaa", "orders"), "ns:aaaaaa:orders");

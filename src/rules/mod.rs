@@ -286,10 +286,10 @@ impl Rule {
                     &captures,
                 ));
             }
-            if value == crate::registry::KEY {
+            if crate::registry::is_reserved_key([value.as_str()]) {
                 return Err(self.poison(
                     PoisonCode::ReservedAttribute,
-                    format!("target.{attr}: expands to {value:?}, the key of the service's ledger registry item"),
+                    format!("target.{attr}: expands to {value:?}, a key of the service's own items (its ledger registry, pending helper expiries)"),
                     &captures,
                 ));
             }
@@ -535,7 +535,7 @@ impl Engine {
             }
         };
         // The ledger registry's own item, when the aggregates live in the source table.
-        if crate::registry::is_registry_key(decoded.keys.values().filter_map(|v| v.get("S").and_then(Value::as_str))) {
+        if crate::registry::is_reserved_key(decoded.keys.values().filter_map(|v| v.get("S").and_then(Value::as_str))) {
             return report;
         }
         // Filter results per rule, reused by later rules with the same filter.

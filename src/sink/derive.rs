@@ -684,7 +684,7 @@ mod tests {
     }
 
     /// A test store's `distinct` calls: each yields first (so concurrent derivations
-    /// interleave), then asks the memory store in `inner`.
+    /// interleave), then asks the memory store in `inner`; and its expiry calls, passed on.
     macro_rules! distinct_calls {
         () => {
             async fn helper_state(&self, key: &[(String, String)]) -> Result<(Option<crate::sink::HelperState>, f64), SinkError> {
@@ -702,6 +702,21 @@ mod tests {
             async fn settle_count(&self, w: &crate::sink::SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
                 tokio::task::yield_now().await;
                 self.inner.settle_count(w).await
+            }
+            async fn register_expiry(&self, p: &crate::sink::expiry::Pending) -> Result<f64, SinkError> {
+                self.inner.register_expiry(p).await
+            }
+            async fn due_expiries(
+                &self,
+                names: &[String],
+                partition: u8,
+                now_s: u64,
+                limit: usize,
+            ) -> Result<Vec<crate::sink::expiry::Pending>, SinkError> {
+                self.inner.due_expiries(names, partition, now_s, limit).await
+            }
+            async fn remove_expired(&self, p: &crate::sink::expiry::Pending, attribute: &str) -> Result<bool, SinkError> {
+                self.inner.remove_expired(p, attribute).await
             }
         };
     }

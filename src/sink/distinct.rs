@@ -28,7 +28,7 @@
 
 use std::collections::BTreeSet;
 
-use super::expiry::Expiry;
+use super::expiry::{Expiry, Pending};
 use super::{
     AggregateStore, Counters, DerivationNames, HelperQuery, HelperScan, HelperState, Settle, SettleWrite, SinkError, TransitionWrite,
 };
@@ -233,12 +233,18 @@ async fn flip<S: AggregateStore>(
     stats: &mut DistinctStats,
 ) -> Result<Flipped, SinkError> {
     let prefix = helper::prefix(t.owner_sk, t.name);
-    let expiry = t.expiry.filter(|e| e.set).map(|e| (e.attribute.as_str(), e.at(crate::state::now_ms())));
+    let expiring = t.expiry.filter(|e| e.set);
+    let expiry = expiring.map(|e| (e.attribute.as_str(), e.at(crate::state::now_ms())));
     let count = format!("{}{}", t.names.counts, t.name);
     let counter = format!("{}{}", t.names.counters, t.name);
     let mut lowered = false;
     for chunk in flips.chunks(HELPERS_PER_TRANSACTION) {
         let helpers: Vec<(String, HelperState)> = chunk.iter().map(|(tail, s)| (format!("{prefix}{tail}"), *s)).collect();
+        // Where the service deletes helpers itself, no expiry without its record.
+        let recorded = match expiry.filter(|_| expiring.is_some_and(|e| e.own)) {
+            Some((_, at)) => record_expiries(store, t, &helpers, at, stats).await?,
+            None => true,
+        };
         let w = TransitionWrite {
             key_names: t.key_names,
             key: t.key,
@@ -246,7 +252,7 @@ async fn flip<S: AggregateStore>(
             counter: &counter,
             attribute: walked.then_some(t.name),
             helpers: &helpers,
-            expiry,
+            expiry: expiry.filter(|_| recorded),
         };
         match store.count_transitions(&w).await? {
             Some(capacity) => {
@@ -261,6 +267,29 @@ async fn flip<S: AggregateStore>(
         }
     }
     Ok(Flipped::Landed { lowered })
+}
+
+/// Records the expiries a transition of `helpers` sets (on each it stops counting, at zero),
+/// where the service deletes expired helpers itself ([`super::expiry`]): before the transition.
+/// False when the table refused a record for good: the transition then sets no expiry.
+async fn record_expiries<S: AggregateStore>(
+    store: &S,
+    t: &DistinctTarget<'_>,
+    helpers: &[(String, HelperState)],
+    at: u64,
+    stats: &mut DistinctStats,
+) -> Result<bool, SinkError> {
+    for (sk, _) in helpers.iter().filter(|(_, s)| s.counted && !s.below_zero) {
+        let mut helper = t.key.to_vec();
+        if let Some(last) = helper.last_mut() {
+            last.1.clone_from(sk);
+        }
+        match super::expiry::record(store, &Pending { helper, at }).await? {
+            Some(capacity) => stats.write_capacity += capacity,
+            None => return Ok(false),
+        }
+    }
+    Ok(true)
 }
 
 /// Settles the count at `count` and marks it walked where [`needs_settle`]: whether it is

@@ -1,5 +1,6 @@
 //! The aggregate table in DynamoDB: the ledger-guarded write as one UpdateItem.
 
+use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
@@ -11,7 +12,7 @@ use std::collections::HashMap;
 use tracing::{info, warn};
 
 use super::distinct::COUNTED;
-use super::expiry::Described;
+use super::expiry::{due_before, pending_at, pending_key, Described, Pending, PENDING_HELPER, PENDING_PREFIX};
 use super::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite, LiveHelpers,
     Settle, SettleWrite, SinkError, TransitionWrite, WriteOutcome,
@@ -407,6 +408,101 @@ impl AggregateStore for DynamoDbAggregates {
             Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
             Err(e) => Err(self.error(classify(&e))),
         }
+    }
+
+    async fn register_expiry(&self, p: &Pending) -> Result<f64, SinkError> {
+        self.put_pending(p).await
+    }
+
+    async fn due_expiries(&self, key_names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
+        self.due_pending(key_names, partition, now_s, limit).await
+    }
+
+    async fn remove_expired(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
+        let deleted = self.delete_expired_helper(p, attribute).await?;
+        self.delete_pending(p).await?;
+        Ok(deleted)
+    }
+}
+
+impl DynamoDbAggregates {
+    async fn put_pending(&self, p: &Pending) -> Result<f64, SinkError> {
+        let [(pk_name, _), (sk_name, _), ..] = p.helper.as_slice() else {
+            return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
+        };
+        let (pk, sk) = pending_key(p);
+        let helper = p.helper.iter().map(|(_, v)| AttributeValue::S(v.clone())).collect();
+        let out = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .item(pk_name, AttributeValue::S(pk))
+            .item(sk_name, AttributeValue::S(sk))
+            .item(PENDING_HELPER, AttributeValue::L(helper))
+            .return_consumed_capacity(ReturnConsumedCapacity::Total)
+            .send()
+            .await
+            .map_err(|e| self.error(classify(&e)))?;
+        Ok(out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0))
+    }
+
+    async fn due_pending(&self, key_names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
+        let [pk_name, sk_name, ..] = key_names else {
+            return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
+        };
+        let page = self
+            .partition_query(pk_name, sk_name, &format!("{PENDING_PREFIX}{partition}"))
+            .key_condition_expression("#pk = :pk AND #sk < :due")
+            .expression_attribute_values(":due", AttributeValue::S(due_before(now_s)))
+            .limit(i32::try_from(limit).unwrap_or(i32::MAX))
+            .send()
+            .await
+            .map_err(|e| self.error(classify(&e)))?;
+        let mut out = Vec::new();
+        for item in page.items() {
+            // A malformed one (written by hand) is skipped, never deleted blindly.
+            let at = item.get(sk_name).and_then(|v| v.as_s().ok()).and_then(|sk| pending_at(sk));
+            let values = item.get(PENDING_HELPER).and_then(|v| v.as_l().ok());
+            let values: Option<Vec<String>> = values.map(|l| l.iter().filter_map(|v| v.as_s().ok().cloned()).collect());
+            match (at, values) {
+                (Some(at), Some(values)) if values.len() == key_names.len() => {
+                    out.push(Pending { helper: key_names.iter().cloned().zip(values).collect(), at });
+                }
+                _ => warn!(table = %self.table, item = ?item, "a pending helper expiry item is malformed: skipped (delete it by hand)"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes the helper of `p` if it still carries the expiry `p.at`, at zero, uncounted.
+    async fn delete_expired_helper(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
+        let mut req = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .condition_expression("#x = :at AND (attribute_not_exists(#refs) OR #refs = :zero) AND attribute_not_exists(#c)")
+            .expression_attribute_names("#x", attribute)
+            .expression_attribute_names("#refs", REFS)
+            .expression_attribute_names("#c", COUNTED)
+            .expression_attribute_values(":at", AttributeValue::N(p.at.to_string()))
+            .expression_attribute_values(":zero", AttributeValue::N("0".into()));
+        for (name, value) in &p.helper {
+            req = req.key(name, AttributeValue::S(value.clone()));
+        }
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.as_service_error(), Some(DeleteItemError::ConditionalCheckFailedException(_))) => Ok(false),
+            Err(e) => Err(self.error(classify(&e))),
+        }
+    }
+
+    async fn delete_pending(&self, p: &Pending) -> Result<(), SinkError> {
+        let (pk, sk) = pending_key(p);
+        let mut req = self.client.delete_item().table_name(&self.table);
+        for ((name, _), value) in p.helper.iter().zip([pk, sk]) {
+            req = req.key(name, AttributeValue::S(value));
+        }
+        req.send().await.map(|_| ()).map_err(|e| self.error(classify(&e)))
     }
 }
 

@@ -25,6 +25,20 @@
 //!   configured (`aggregates.helper_expiry_attribute`), so every process that writes helpers
 //!   (the service, reconcile and its own consumer) removes it on every helper write, whether
 //!   or not it may set expiries (only while DescribeTimeToLive says TTL is enabled on it).
+//!
+//! Where the table's TTL is not on that attribute, the service deletes expired helpers itself
+//! ([`Expiry::own`]), and the argument above holds as it stands, since its delete is narrower
+//! than TTL's:
+//! - Before an expiry `at` is set, a pending item ([`pending_key`]) naming the helper and `at`
+//!   is put in the aggregates table, under a reserved partition key. Put first: a crash
+//!   between the two leaves a pending item whose helper has no such expiry, which the sweep
+//!   drops; never an expiry nobody will act on.
+//! - The sweep ([`sweep`]) reads the pending items whose `at` has passed and deletes each
+//!   helper only if it still carries that same `at`, its count is zero and no `distinct`
+//!   target counts it. Every helper write removes the expiry, so a helper written since is
+//!   kept. TTL deletes on the expiry alone; this delete also checks the count.
+//! - Pending items are items of the table, so they outlive a restart, and the next sweep
+//!   (whichever replica holds its lease) finds them.
 
 use crate::decimal::Decimal;
 use crate::rules::helper::REFS;
@@ -39,6 +53,22 @@ pub const WRITE_AGE_LIMIT_MS: u64 = 36 * HOUR_MS;
 /// How often a running service reads the table's TTL settings again.
 pub const REFRESH_MS: u64 = 60_000;
 
+/// How often the service sweeps the helpers it deletes itself ([`sweep`]).
+pub const SWEEP_MS: u64 = 10 * 60_000;
+/// The named lease in the state table of the replica that sweeps.
+pub const SWEEP_LEASE: &str = "helper-expiry-sweep";
+/// Pending items a sweep reads at most, per partition of them and round.
+pub const SWEEP_PAGE: usize = 100;
+/// The pending items' partitions: a helper's is fixed by its key ([`pending_key`]). Writes of
+/// many expiries at once spread over them; a sweep reads each. Changing it strands the
+/// pending items of the partitions dropped.
+pub const PENDING_PARTITIONS: u8 = 16;
+/// The pending items' partition keys begin with this: a helper's marker, so no template
+/// produces it ([`crate::rules::helper::MARK`]) and the loop check covers it.
+pub const PENDING_PREFIX: &str = "#_agg#expiring#";
+/// A pending item's attribute holding the helper's key values, partition key first.
+pub const PENDING_HELPER: &str = "helper_key";
+
 /// The aggregates table's TTL attribute (`aggregates.helper_expiry_attribute`), where helper
 /// expiries go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,15 +77,17 @@ pub struct Expiry {
     /// How long after its count reached zero a helper expires: [`EXPIRE_AFTER_MS`] (a test
     /// shortens it to show that expiring too early double-counts).
     pub after_ms: u64,
-    /// Whether this process sets expiries (TTL is enabled on the attribute); every process
-    /// removes them.
+    /// Whether this process sets expiries; every process removes them.
     pub set: bool,
+    /// Whether the service deletes expired helpers itself (the table's TTL is not on the
+    /// attribute): each expiry it sets is first recorded as pending ([`pending_key`]).
+    pub own: bool,
 }
 
 impl Expiry {
-    /// Sets and removes expiries in `attribute`.
+    /// Sets and removes expiries in `attribute`, and leaves the deletes to the table's TTL.
     pub fn new(attribute: &str) -> Expiry {
-        Expiry { attribute: attribute.to_string(), after_ms: EXPIRE_AFTER_MS, set: true }
+        Expiry { attribute: attribute.to_string(), after_ms: EXPIRE_AFTER_MS, set: true, own: false }
     }
 
     /// The expiry, in epoch seconds (the TTL attribute's unit), of a helper found at zero at `now_ms`.
@@ -74,6 +106,104 @@ pub enum Described {
     Off,
     /// The call failed.
     Failed,
+}
+
+/// How the service expires helpers, from what DescribeTimeToLive said: `Some(own)` (expiries
+/// are set; `own`: the service deletes them itself), or None when the call failed (keep what
+/// was decided before; at start, set none).
+pub fn setting(described: &Described, configured: &str) -> Option<bool> {
+    match described {
+        Described::On { attribute, enabled: true } if attribute == configured => Some(false),
+        // Being turned on, on another attribute, or off: TTL will not delete them (yet).
+        Described::On { .. } | Described::Off => Some(true),
+        Described::Failed => None,
+    }
+}
+
+/// A helper whose expiry the service is to delete itself: its key (names and values,
+/// partition key first) and the expiry it was given (epoch seconds).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pending {
+    pub helper: Vec<(String, String)>,
+    pub at: u64,
+}
+
+/// The key values of the pending item of `p`: the partition `_agg#expiring#<n>`, `n` from a
+/// hash of the helper's key, and the sort key `<at, 12 digits>#<hash>`, so a partition reads
+/// in order of expiry and a helper expiring twice at once has one item.
+pub fn pending_key(p: &Pending) -> (String, String) {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for (_, v) in &p.helper {
+        h.update(v.as_bytes());
+        h.update([0u8]);
+    }
+    let digest = h.finalize();
+    let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let partition = digest.first().map_or(0, |b| b % PENDING_PARTITIONS);
+    (format!("{PENDING_PREFIX}{partition}"), format!("{:012}#{hex}", p.at))
+}
+
+/// The sort-key bound of pending items due at `now_s`: those whose key sorts below it.
+pub fn due_before(now_s: u64) -> String {
+    format!("{:012}", now_s.saturating_add(1))
+}
+
+/// The expiry in a pending item's sort key.
+pub fn pending_at(sort_key: &str) -> Option<u64> {
+    sort_key.split_once('#').and_then(|(at, _)| at.parse().ok())
+}
+
+/// Records `p` before its expiry is set: the write capacity it consumed, or None when the
+/// table refused it for good (say the role lacks `dynamodb:PutItem` on the aggregates table
+/// after an upgrade): then no expiry is set and the helper stays, as without TTL before, and
+/// the first refusal is logged. Transient errors are retried, then returned.
+pub async fn record<S: crate::sink::AggregateStore>(store: &S, p: &Pending) -> Result<Option<f64>, crate::sink::SinkError> {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    match crate::sink::retrying(|| store.register_expiry(p)).await {
+        Ok(capacity) => Ok(Some(capacity)),
+        Err(e) if e.is_retriable() => Err(e),
+        Err(e) => {
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(error = %e, "recording a helper item's expiry failed (it needs dynamodb:PutItem and dynamodb:DeleteItem on the aggregates table): helpers at zero are left without an expiry");
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// What one sweep did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Helpers deleted.
+    pub deleted: u64,
+    /// Pending items whose helper was written since, or is gone: dropped, the helper kept.
+    pub kept: u64,
+    /// Whether a partition had more due than one round reads.
+    pub more: bool,
+}
+
+/// Deletes the helpers whose recorded expiry has passed at `now_s`, each only if it still
+/// carries that expiry at zero ([`crate::sink::AggregateStore::remove_expired`]), reading at
+/// most [`SWEEP_PAGE`] pending items per partition.
+pub async fn sweep<S: crate::sink::AggregateStore>(
+    store: &S,
+    key_names: &[String],
+    attribute: &str,
+    now_s: u64,
+) -> Result<Swept, crate::sink::SinkError> {
+    let mut swept = Swept::default();
+    for partition in 0..PENDING_PARTITIONS {
+        let due = store.due_expiries(key_names, partition, now_s, SWEEP_PAGE).await?;
+        swept.more |= due.len() >= SWEEP_PAGE;
+        for p in &due {
+            match store.remove_expired(p, attribute).await? {
+                true => swept.deleted += 1,
+                false => swept.kept += 1,
+            }
+        }
+    }
+    Ok(swept)
 }
 
 /// A helper write's part in expiry: the TTL attribute, which the write removes. Every write
@@ -174,6 +304,36 @@ mod tests {
         assert_eq!(after_correction(Some(&removing), &helper, &refs(1), now), Some(ExpiryChange::Remove { attribute: "ttl" }));
         assert_eq!(after_correction(Some(&e), &target, &refs(0), now), None, "not a helper");
         assert_eq!(after_correction(Some(&e), &helper, &[("other".into(), Decimal::ZERO)], now), None, "count untouched");
+    }
+
+    #[test]
+    fn the_service_deletes_itself_unless_ttl_is_enabled_on_the_attribute() {
+        let on = |a: &str, enabled| Described::On { attribute: a.into(), enabled };
+        assert_eq!(setting(&on("ttl", true), "ttl"), Some(false), "TTL deletes");
+        assert_eq!(setting(&on("ttl", false), "ttl"), Some(true), "being turned on: not deleting yet");
+        assert_eq!(setting(&on("expiresAt", true), "ttl"), Some(true), "TTL on another attribute");
+        assert_eq!(setting(&Described::Off, "ttl"), Some(true));
+        assert_eq!(setting(&Described::Failed, "ttl"), None, "unknown: keep what was decided");
+    }
+
+    #[test]
+    fn a_pending_item_sorts_by_expiry_in_a_partition_fixed_by_the_helper() {
+        let helper = |sk: &str| vec![("PK".to_string(), "CUST#c1".to_string()), ("SK".to_string(), sk.to_string())];
+        let p = Pending { helper: helper("PROFILE#_agg#largest#N5"), at: 1_764_691_200 };
+        let (pk, sk) = pending_key(&p);
+        assert!(pk.starts_with(PENDING_PREFIX) && pk.contains(crate::rules::helper::MARK), "{pk}");
+        let n: u8 = pk[PENDING_PREFIX.len()..].parse().unwrap();
+        assert!(n < PENDING_PARTITIONS);
+        assert!(sk.starts_with("001764691200#") && sk.len() == 13 + 32, "{sk}");
+        assert_eq!(pending_at(&sk), Some(p.at));
+        assert_eq!(pending_key(&Pending { at: p.at + 1, ..p.clone() }).0, pk, "the partition depends on the helper only");
+        assert_ne!(pending_key(&Pending { helper: helper("PROFILE#_agg#largest#N6"), ..p.clone() }).1, sk);
+        // Due: expiry at or before now, and nothing later.
+        assert!(sk < due_before(p.at) && sk < due_before(p.at + 5));
+        assert!(sk > due_before(p.at - 1));
+        let spread: std::collections::BTreeSet<String> =
+            (0..200).map(|i| pending_key(&Pending { helper: helper(&format!("P#_agg#m#N{i}")), at: 1 }).0).collect();
+        assert_eq!(spread.len(), usize::from(PENDING_PARTITIONS), "200 helpers use every partition");
     }
 
     #[test]

@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use super::distinct::COUNTED;
+use super::expiry::{due_before, pending_at, pending_key, Pending, PENDING_PREFIX};
 use super::hold::{HoldSeen, HoldWrite};
 use super::{
     AggregateStore, Counters, DerivationNames, Derived, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite,
@@ -28,6 +29,11 @@ pub enum MemValue {
 struct State {
     /// By key, in key order: a partition's helper items are a range (as a Query reads them).
     items: BTreeMap<Vec<String>, BTreeMap<String, MemValue>>,
+    /// Pending helper expiries ([`super::expiry::pending_key`]): their key, and the helper's
+    /// key values.
+    pending: BTreeMap<(String, String), Vec<String>>,
+    /// Pending expiries are refused for good (a role without dynamodb:PutItem).
+    refuse_pending: bool,
     fail_next: u32,
     /// Writes that fail with an error no retry helps (the batch fails at once).
     fatal_next: u32,
@@ -127,6 +133,23 @@ impl MemoryAggregates {
         let now = Decimal::from_i64(i64::try_from(now_s).unwrap_or(i64::MAX));
         s.items.retain(|_, item| !matches!(item.get(attribute), Some(MemValue::Num(at)) if *at <= now));
         before - s.items.len()
+    }
+
+    /// How many pending helper expiries are recorded ([`AggregateStore::register_expiry`]).
+    pub fn pending_expiries(&self) -> usize {
+        self.lock().pending.len()
+    }
+
+    /// Refuses every pending expiry from now on, as a table refuses a role without the right.
+    pub fn refuse_pending_expiries(&self) {
+        self.lock().refuse_pending = true;
+    }
+
+    /// Removes an attribute directly (a write that never landed).
+    pub fn remove_attribute(&self, key: &[&str], attr: &str) {
+        if let Some(item) = self.lock().items.get_mut(&key.iter().map(|s| s.to_string()).collect::<Vec<_>>()) {
+            item.remove(attr);
+        }
     }
 
     /// Sets an attribute directly (e.g. a string where a counter should be).
@@ -560,6 +583,49 @@ impl AggregateStore for MemoryAggregates {
             }
             _ => Ok(false),
         }
+    }
+
+    async fn register_expiry(&self, p: &Pending) -> Result<f64, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        if s.refuse_pending {
+            return Err(SinkError::Fatal("simulated AccessDeniedException".into()));
+        }
+        s.pending.insert(pending_key(p), p.helper.iter().map(|(_, v)| v.clone()).collect());
+        Ok(1.0)
+    }
+
+    async fn due_expiries(&self, key_names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        let pk = format!("{PENDING_PREFIX}{partition}");
+        let due = due_before(now_s);
+        let from = (pk.clone(), String::new());
+        Ok(s.pending
+            .range(from..)
+            .take_while(|((p, sk), _)| *p == pk && *sk < due)
+            .take(limit)
+            .filter_map(|((_, sk), values)| {
+                Some(Pending { helper: key_names.iter().cloned().zip(values.iter().cloned()).collect(), at: pending_at(sk)? })
+            })
+            .collect())
+    }
+
+    async fn remove_expired(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
+        let mut s = self.lock();
+        s.calls += 1;
+        let key: Vec<String> = p.helper.iter().map(|(_, v)| v.clone()).collect();
+        let at = Decimal::from_i64(i64::try_from(p.at).unwrap_or(i64::MAX));
+        let expired = s.items.get(&key).is_some_and(|item| {
+            matches!(item.get(attribute), Some(MemValue::Num(n)) if *n == at)
+                && item.get(REFS).is_none_or(|v| matches!(v, MemValue::Num(n) if n.is_zero()))
+                && !item.contains_key(COUNTED)
+        });
+        if expired {
+            s.items.remove(&key);
+        }
+        s.pending.remove(&pending_key(p));
+        Ok(expired)
     }
 
     async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<LiveHelpers, SinkError> {

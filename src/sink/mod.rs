@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar};
 use crate::rules::{TargetDelta, TargetKey};
-use expiry::{Expiry, ExpiryWrite, HelperSeen};
+use expiry::{Expiry, ExpiryWrite, HelperSeen, Pending};
 use hold::{HoldSeen, HoldWrite};
 use ledger::{admits, plan, FloorPlan, Ledger, Prune, Seen, WritePlan};
 
@@ -162,6 +162,26 @@ pub trait AggregateStore: Send + Sync + 'static {
     /// capacity it consumed; None when the counter moved first (`Count`) or the item is gone
     /// (`Unwalk`).
     fn settle_count(&self, w: &SettleWrite<'_>) -> impl Future<Output = Result<Option<f64>, SinkError>> + Send;
+
+    /// Records that the service is to delete the helper `p.helper` once `p.at` has passed: a
+    /// pending item ([`expiry::pending_key`]), put before the expiry is set. The write capacity
+    /// it consumed.
+    fn register_expiry(&self, p: &expiry::Pending) -> impl Future<Output = Result<f64, SinkError>> + Send;
+
+    /// The pending expiries of partition `partition` (of [`expiry::PENDING_PARTITIONS`]) due at
+    /// `now_s`, oldest first, at most `limit`. `key_names`: the table's key attributes.
+    fn due_expiries(
+        &self,
+        key_names: &[String],
+        partition: u8,
+        now_s: u64,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<expiry::Pending>, SinkError>> + Send;
+
+    /// Deletes the helper of `p` if it still carries the expiry `p.at` in `attribute`, at a
+    /// count of zero and counted by no `distinct` target, then the pending item: whether the
+    /// helper was deleted.
+    fn remove_expired(&self, p: &expiry::Pending, attribute: &str) -> impl Future<Output = Result<bool, SinkError>> + Send;
 }
 
 /// What a `distinct` derivation reads of one helper item.
@@ -576,18 +596,30 @@ async fn expire_if_due<S: AggregateStore>(
     let (Some(e), Some(seen)) = (expiry.filter(|e| e.set && expiry::due(seen.as_ref())), seen) else { return Ok(()) };
     let item_key: Vec<(String, String)> = key_names.iter().cloned().zip(key.0.iter().map(|v| v.to_string())).collect();
     let at = e.at(crate::state::now_ms());
+    if e.own {
+        match expiry::record(store, &Pending { helper: item_key.clone(), at }).await? {
+            Some(capacity) => stats.capacity += capacity,
+            None => return Ok(()),
+        }
+    }
+    let set = retrying(|| store.expire_helper(&item_key, &e.attribute, at, (version_attribute, seen.version.as_deref()))).await?;
+    stats.expiries_set += u64::from(set);
+    Ok(())
+}
+
+/// Runs `call` until it succeeds, retrying transient errors with backoff up to
+/// [`MAX_TRANSIENT_RETRIES`] times.
+pub(crate) async fn retrying<T, F: std::future::Future<Output = Result<T, SinkError>>>(
+    mut call: impl FnMut() -> F,
+) -> Result<T, SinkError> {
     let mut transient = 0;
     loop {
-        match store.expire_helper(&item_key, &e.attribute, at, (version_attribute, seen.version.as_deref())).await {
-            Ok(set) => {
-                stats.expiries_set += u64::from(set);
-                return Ok(());
-            }
+        match call().await {
             Err(err) if err.is_retriable() && transient < MAX_TRANSIENT_RETRIES => {
                 transient += 1;
                 tokio::time::sleep(backoff(transient)).await;
             }
-            Err(err) => return Err(err),
+            done => return done,
         }
     }
 }
@@ -763,6 +795,67 @@ mod tests {
             };
             assert_eq!(count.as_deref(), want, "expiring {after_ms} ms after zero");
         }
+    }
+
+    /// Without TTL on the attribute the service deletes a helper at zero itself once its
+    /// recorded expiry has passed, and keeps one written since; the same seeded bug (an
+    /// expiry at once) counts a replay twice.
+    #[tokio::test]
+    async fn without_ttl_the_sweep_deletes_a_helper_still_at_its_expiry_and_keeps_one_written_since() {
+        use crate::rules::helper::REFS;
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let helper = |v: &str| TargetKey(vec![Box::from("CUST#c1"), Box::from(format!("PROFILE#_agg#largest#N{v}"))].into_boxed_slice());
+        let refs = |seq: u64, d: i64| TargetDelta {
+            contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+            ..Default::default()
+        };
+        let own = |after_ms| ShardContext {
+            expiry: Some(Expiry { after_ms, own: true, ..Expiry::new("expiresAt") }),
+            ..ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa")
+        };
+        let count = |store: &MemoryAggregates, v: &str| match store.item(&["CUST#c1", &format!("PROFILE#_agg#largest#N{v}")]) {
+            None => None,
+            Some(i) => match i.get(REFS) {
+                Some(MemValue::Num(n)) => Some(n.to_string()),
+                _ => Some("none".into()),
+            },
+        };
+        let store = MemoryAggregates::new();
+        let ctx = own(expiry::EXPIRE_AFTER_MS);
+        for (v, seq) in [("5", 1), ("6", 3), ("7", 5)] {
+            write_target(&store, &names, &helper(v), &refs(seq, 1), &ctx).await.unwrap();
+            let s = write_target(&store, &names, &helper(v), &refs(seq + 1, -1), &ctx).await.unwrap();
+            assert_eq!(s.expiries_set, 1);
+        }
+        assert_eq!(store.pending_expiries(), 3, "each expiry recorded");
+        // N6 is raised again (its expiry removed); N7's expiry is gone as if the process died
+        // between recording and setting it.
+        write_target(&store, &names, &helper("6"), &refs(7, 1), &ctx).await.unwrap();
+        store.remove_attribute(&["CUST#c1", "PROFILE#_agg#largest#N7"], "expiresAt");
+        let now_s = crate::state::now_ms() / 1000;
+        let early = expiry::sweep(&store, &names, "expiresAt", now_s).await.unwrap();
+        assert_eq!((early, store.pending_expiries()), (expiry::Swept::default(), 3), "nothing is due yet");
+        let later = now_s + expiry::EXPIRE_AFTER_MS / 1000 + 60;
+        let swept = expiry::sweep(&store, &names, "expiresAt", later).await.unwrap();
+        assert_eq!((swept.deleted, swept.kept, store.pending_expiries()), (1, 2, 0));
+        assert_eq!((count(&store, "5"), count(&store, "6"), count(&store, "7")), (None, Some("1".into()), Some("0".into())));
+        // A table that refuses the records (a role without dynamodb:PutItem): no expiry is
+        // set, and the batch goes on.
+        store.refuse_pending_expiries();
+        write_target(&store, &names, &helper("8"), &refs(8, 1), &ctx).await.unwrap();
+        let s = write_target(&store, &names, &helper("8"), &refs(9, -1), &ctx).await.unwrap();
+        assert_eq!(s.expiries_set, 0);
+        assert!(store.item(&["CUST#c1", "PROFILE#_agg#largest#N8"]).is_some_and(|i| !i.contains_key("expiresAt")));
+        // The seeded bug: expiring at once lets the sweep delete the helper and its ledger,
+        // and the replay of record 2 counts again.
+        let store = MemoryAggregates::new();
+        let early = own(0);
+        write_target(&store, &names, &helper("5"), &refs(1, 1), &early).await.unwrap();
+        write_target(&store, &names, &helper("5"), &refs(2, -1), &early).await.unwrap();
+        let swept = expiry::sweep(&store, &names, "expiresAt", crate::state::now_ms() / 1000).await.unwrap();
+        assert_eq!(swept.deleted, 1);
+        write_target(&store, &names, &helper("5"), &refs(2, -1), &early).await.unwrap();
+        assert_eq!(count(&store, "5").as_deref(), Some("-1"), "the replay counted twice");
     }
 
     /// Record `seq` of source item `item`, changing `n` by `delta`; the item contributes

@@ -145,6 +145,12 @@ pub fn reconcile_succeeded(now_ms: u64) {
     refresh_last_success();
 }
 
+/// Counts what a sweep of expired helper items did.
+pub fn helper_deletes(swept: &crate::sink::expiry::Swept) {
+    metrics::counter!(names::HELPER_DELETES, "outcome" => "deleted").increment(swept.deleted);
+    metrics::counter!(names::HELPER_DELETES, "outcome" => "kept").increment(swept.kept);
+}
+
 fn refresh_last_success() {
     let ms = LAST_SUCCESS_MS.load(Ordering::Relaxed);
     if ms > 0 {

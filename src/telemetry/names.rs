@@ -17,6 +17,8 @@ pub const DERIVATIONS: &str = "ddb_aggregator_derivations_total";
 pub const DERIVATION_QUERIES: &str = "ddb_aggregator_derivation_queries_total";
 pub const DERIVATION_ITEMS_READ: &str = "ddb_aggregator_derivation_items_read_total";
 pub const HELPER_EXPIRIES: &str = "ddb_aggregator_helper_expiries_total";
+/// Helper items the service's own sweep deleted, or kept (written since), by `outcome`.
+pub const HELPER_DELETES: &str = "ddb_aggregator_helper_deletes_total";
 /// Helper items by rule and state (live, zero), as the last scheduled reconcile of everything read them.
 pub const HELPER_ITEMS: &str = "ddb_aggregator_helper_items";
 pub const HELPER_WRITES_TOO_OLD: &str = "ddb_aggregator_helper_writes_too_old_total";
@@ -139,6 +141,10 @@ pub fn describe() {
     describe_counter!(
         HELPER_EXPIRIES,
         "Helper items of max, min, latest and distinct given an expiry in the table's TTL attribute (their count reached zero), per rule."
+    );
+    describe_counter!(
+        HELPER_DELETES,
+        "Expired helper items the service deleted itself (the table's TTL is not on aggregates.helper_expiry_attribute): outcome deleted, or kept (written since its expiry was set, or already gone)."
     );
     describe_counter!(HELPER_WRITES_TOO_OLD, "Helper writes left out because their batch held a record older than 36 hours (a helper that expired meanwhile would count it again); a reconcile of everything is requested.");
     describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");

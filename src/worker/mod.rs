@@ -79,6 +79,9 @@ pub struct Shared<S, L, A> {
     /// Whether expiries are set: TTL is enabled on that attribute (the service reads it every
     /// minute; reconcile's own consumer never sets).
     pub expiry_on: std::sync::atomic::AtomicBool,
+    /// Whether the service deletes expired helpers itself (the table's TTL is not on that
+    /// attribute): each expiry is recorded as pending first ([`crate::sink::expiry`]).
+    pub expiry_own: std::sync::atomic::AtomicBool,
     /// How long after reaching zero a helper expires (a test shortens it).
     pub expiry_after_ms: u64,
 }
@@ -112,6 +115,7 @@ impl<S, L, A> Shared<S, L, A> {
             definitions_current: Default::default(),
             expiry_attribute,
             expiry_on: Default::default(),
+            expiry_own: Default::default(),
             expiry_after_ms: crate::sink::expiry::EXPIRE_AFTER_MS,
         }
     }
@@ -154,6 +158,7 @@ impl<S, L, A> Shared<S, L, A> {
     pub fn with_expiry(mut self, expiry: Option<crate::sink::expiry::Expiry>) -> Self {
         self.expiry_attribute = expiry.as_ref().map(|e| e.attribute.clone());
         self.expiry_on = std::sync::atomic::AtomicBool::new(expiry.as_ref().is_some_and(|e| e.set));
+        self.expiry_own = std::sync::atomic::AtomicBool::new(expiry.as_ref().is_some_and(|e| e.own));
         self.expiry_after_ms = expiry.map_or(crate::sink::expiry::EXPIRE_AFTER_MS, |e| e.after_ms);
         self
     }
@@ -161,7 +166,12 @@ impl<S, L, A> Shared<S, L, A> {
     /// The expiry part of this replica's helper writes now: None without an expiry attribute.
     pub fn expiry(&self) -> Option<crate::sink::expiry::Expiry> {
         let attribute = self.expiry_attribute.clone()?;
-        Some(crate::sink::expiry::Expiry { attribute, after_ms: self.expiry_after_ms, set: self.expiry_on.load(Ordering::Relaxed) })
+        Some(crate::sink::expiry::Expiry {
+            attribute,
+            after_ms: self.expiry_after_ms,
+            set: self.expiry_on.load(Ordering::Relaxed),
+            own: self.expiry_own.load(Ordering::Relaxed),
+        })
     }
 
     pub fn with_dead_letters(mut self, dead_letters: DeadLetters, stream_arn: String) -> Self {

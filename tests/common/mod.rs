@@ -122,6 +122,12 @@ pub async fn create_aggregates_table(c: &Client, name: &str) {
         .unwrap_or_else(|e| panic!("TTL on {name}: {e:?}"));
 }
 
+/// An aggregates table without TTL: the service deletes zero-count helpers itself, recording
+/// each expiry as a pending item first ([`ddb_aggregator::sink::expiry`]).
+pub async fn create_aggregates_table_without_ttl(c: &Client, name: &str) {
+    create_table(c, name, false).await;
+}
+
 /// The TTL attribute of the aggregates tables tests create.
 pub const EXPIRES_AT: &str = "expiresAt";
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ddb_aggregator::rules::helper::HelperScan;
+use ddb_aggregator::sink::expiry::Pending;
 use ddb_aggregator::sink::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperState, HelperStates, LedgerWrite, LiveHelpers, SettleWrite,
     SinkError, TransitionWrite, WriteOutcome,
@@ -268,5 +269,19 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
     async fn settle_count(&self, w: &SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
         let t = || SinkError::Transient("simulated".into());
         call(&self.fate, &self.faults, self.inner.settle_count(w), t, t).await
+    }
+
+    async fn register_expiry(&self, p: &Pending) -> Result<f64, SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.register_expiry(p), t, t).await
+    }
+
+    async fn due_expiries(&self, names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
+        self.inner.due_expiries(names, partition, now_s, limit).await
+    }
+
+    async fn remove_expired(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.remove_expired(p, attribute), t, t).await
     }
 }
