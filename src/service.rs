@@ -293,7 +293,8 @@ async fn run_stream(
 }
 
 /// Reads the aggregates table's TTL settings at start and every minute after, until `stop`:
-/// expiries are set while TTL is enabled on the configured attribute ([`crate::sink::expiry`]).
+/// expiries are set once it answered, left to TTL where it is enabled on the configured
+/// attribute and recorded for the service's own delete otherwise ([`crate::sink::expiry`]).
 /// Every helper write removes the attribute whatever this finds.
 async fn watch_ttl<S, L, A>(
     shared: Arc<Shared<S, L, A>>,
@@ -320,8 +321,8 @@ async fn watch_ttl<S, L, A>(
 }
 
 /// Deletes the helpers whose expiry the service recorded as its own to delete, every
-/// [`crate::sink::expiry::SWEEP_MS`] (at once again while more are due), on the replica that
-/// holds the sweep's lease, until `stop`. Also while TTL is on: expiries recorded before it
+/// [`crate::sink::expiry::SWEEP_MS`] (after a second again while more are due), on the replica
+/// that runs the committed definitions and holds the sweep's lease, until `stop`. Also while TTL is on: expiries recorded before it
 /// was turned on are still swept.
 async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>(
     shared: Arc<Shared<S, L, A>>,
@@ -339,6 +340,10 @@ async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>
             _ = tokio::time::sleep(wait) => {}
         }
         wait = period;
+        // Only under the committed definitions: the expiry attribute is one of them.
+        if !shared.definitions_current.load(std::sync::atomic::Ordering::Relaxed) {
+            continue;
+        }
         let now = crate::state::now_ms();
         let hold = now.saturating_add(crate::sink::expiry::SWEEP_MS);
         if !shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await.unwrap_or(false) {
@@ -346,7 +351,7 @@ async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>
         }
         match crate::sink::expiry::sweep(shared.sink.as_ref(), &key_names, &attribute, now / 1000).await {
             Ok(swept) => {
-                telemetry::helper_deletes(&swept);
+                telemetry::helper_deletes(&swept, now / 1000);
                 if swept.deleted + swept.kept > 0 {
                     info!(deleted = swept.deleted, kept = swept.kept, "swept expired helper items");
                 }

@@ -329,6 +329,7 @@ async fn the_service_deletes_expired_helpers_itself_on_dynamodb_local() {
     };
     let recorded = pending().await;
     assert_eq!(recorded.len(), 3, "{recorded:?}");
+    assert!(recorded.iter().all(|i| i["PK"].as_s().unwrap().starts_with(&format!("{}{EXPIRES_AT}#", expiry::PENDING_PREFIX))));
     for item in &recorded {
         let key = item[expiry::PENDING_HELPER].as_l().unwrap();
         let helper = get(&c, &table, key[0].as_s().unwrap(), key[1].as_s().unwrap()).await;
@@ -349,11 +350,25 @@ async fn the_service_deletes_expired_helpers_itself_on_dynamodb_local() {
         .unwrap();
     let before = expiry::sweep(&store, &names, EXPIRES_AT, 1_700_000_000).await.unwrap();
     assert_eq!(before, expiry::Swept::default(), "nothing is due before its expiry");
-    let swept = expiry::sweep(&store, &names, EXPIRES_AT, now_ms() / 1000 + 1).await.unwrap();
-    assert_eq!((swept.deleted, swept.kept), (1, 2), "{swept:?}");
+    // N8 is at zero with its expiry, but a `distinct` target still counts it (its flag).
+    write_target(&store, &names, &helper("8"), &refs(11, 1), &ctx).await.unwrap();
+    write_target(&store, &names, &helper("8"), &refs(12, -1), &ctx).await.unwrap();
+    c.update_item()
+        .table_name(&table)
+        .key("PK", AttributeValue::S("CUST#c1".into()))
+        .key("SK", AttributeValue::S(sk("8")))
+        .update_expression("SET #c = :one")
+        .expression_attribute_names("#c", ddb_aggregator::sink::distinct::COUNTED)
+        .expression_attribute_values(":one", AttributeValue::N("1".into()))
+        .send()
+        .await
+        .unwrap();
+    let swept = expiry::sweep(&store, &names, EXPIRES_AT, now_ms() / 1000 + expiry::SWEEP_GRACE_S + 1).await.unwrap();
+    assert_eq!((swept.deleted, swept.kept), (1, 3), "{swept:?}");
     assert!(get(&c, &table, "CUST#c1", &sk("5")).await.is_empty(), "N5 expired at zero and is deleted");
     assert_eq!(get(&c, &table, "CUST#c1", &sk("6")).await[REFS].as_n().unwrap(), "1", "N6 is live again");
     assert_eq!(get(&c, &table, "CUST#c1", &sk("7")).await[REFS].as_n().unwrap(), "0", "N7 never got its expiry");
+    assert_eq!(get(&c, &table, "CUST#c1", &sk("8")).await[REFS].as_n().unwrap(), "0", "N8 is still counted");
     assert!(pending().await.is_empty(), "every pending item is gone");
     // A record of N5 after its deletion starts a new helper.
     write_target(&store, &names, &helper("5"), &refs(9, 1), &ctx).await.unwrap();

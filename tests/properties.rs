@@ -503,8 +503,9 @@ proptest! {
     }
 
     /// The same where the table has no TTL and the service deletes expired helpers itself:
-    /// each batch takes 10 minutes, a helper expires 35 minutes after it reached zero (so
-    /// replays reach 3 batches back, as above), and the service's sweep runs after each batch.
+    /// each batch takes an hour, a helper expires 2.5 hours after it reached zero and the
+    /// sweep, after each batch, deletes it an hour after that (replays reach 3 batches back,
+    /// as above).
     #[test]
     fn helper_measures_stay_exact_when_the_service_deletes_expired_helpers(
         ops in prop::collection::vec(op(), 1..100),
@@ -534,13 +535,15 @@ enum Expiring {
     Never,
     /// The table's TTL: a helper whose expiry stood unchanged for that many batches.
     Ttl(usize),
-    /// The service's own sweep, on a clock that moves 10 minutes a batch.
+    /// The service's own sweep, on a clock that moves an hour a batch.
     Own,
 }
 
-/// A batch's length on the clock of [`Expiring::Own`], and how long after zero a helper expires.
-const BATCH_MS: u64 = 600_000;
-const OWN_EXPIRE_AFTER_MS: u64 = 3 * BATCH_MS + BATCH_MS / 2;
+/// A batch's length on the clock of [`Expiring::Own`], and how long after zero a helper
+/// expires: with the sweep's hour of grace, deleted by the sweep 4 batches later, as
+/// [`Expiring::Ttl`]`(4)`.
+const BATCH_MS: u64 = 3_600_000;
+const OWN_EXPIRE_AFTER_MS: u64 = 2 * BATCH_MS + BATCH_MS / 2;
 
 /// The TTL attribute of [`helper_measures_stay_exact_when_helpers_at_zero_expire`].
 const EXPIRES_AT: &str = "expiresAt";

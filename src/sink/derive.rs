@@ -706,17 +706,11 @@ mod tests {
             async fn register_expiry(&self, p: &crate::sink::expiry::Pending) -> Result<f64, SinkError> {
                 self.inner.register_expiry(p).await
             }
-            async fn due_expiries(
-                &self,
-                names: &[String],
-                partition: u8,
-                now_s: u64,
-                limit: usize,
-            ) -> Result<Vec<crate::sink::expiry::Pending>, SinkError> {
-                self.inner.due_expiries(names, partition, now_s, limit).await
+            async fn due_expiries(&self, q: &crate::sink::expiry::DueQuery<'_>) -> Result<Vec<crate::sink::expiry::Pending>, SinkError> {
+                self.inner.due_expiries(q).await
             }
-            async fn remove_expired(&self, p: &crate::sink::expiry::Pending, attribute: &str) -> Result<bool, SinkError> {
-                self.inner.remove_expired(p, attribute).await
+            async fn remove_expired(&self, p: &crate::sink::expiry::Pending) -> Result<bool, SinkError> {
+                self.inner.remove_expired(p).await
             }
         };
     }

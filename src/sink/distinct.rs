@@ -242,7 +242,7 @@ async fn flip<S: AggregateStore>(
         let helpers: Vec<(String, HelperState)> = chunk.iter().map(|(tail, s)| (format!("{prefix}{tail}"), *s)).collect();
         // Where the service deletes helpers itself, no expiry without its record.
         let recorded = match expiry.filter(|_| expiring.is_some_and(|e| e.own)) {
-            Some((_, at)) => record_expiries(store, t, &helpers, at, stats).await?,
+            Some(e) => record_expiries(store, t, &helpers, e, stats).await?,
             None => true,
         };
         let w = TransitionWrite {
@@ -270,26 +270,32 @@ async fn flip<S: AggregateStore>(
 }
 
 /// Records the expiries a transition of `helpers` sets (on each it stops counting, at zero),
-/// where the service deletes expired helpers itself ([`super::expiry`]): before the transition.
-/// False when the table refused a record for good: the transition then sets no expiry.
+/// where the service deletes expired helpers itself ([`super::expiry`]): before the transition,
+/// side by side. False when the table refused one for good: the transition then sets no expiry.
 async fn record_expiries<S: AggregateStore>(
     store: &S,
     t: &DistinctTarget<'_>,
     helpers: &[(String, HelperState)],
-    at: u64,
+    (attribute, at): (&str, u64),
     stats: &mut DistinctStats,
 ) -> Result<bool, SinkError> {
+    let mut pending = Vec::new();
     for (sk, _) in helpers.iter().filter(|(_, s)| s.counted && !s.below_zero) {
         let mut helper = t.key.to_vec();
         if let Some(last) = helper.last_mut() {
             last.1.clone_from(sk);
         }
-        match super::expiry::record(store, &Pending { helper, at }).await? {
+        pending.push(Pending { helper, attribute: attribute.to_string(), at });
+    }
+    let records = futures::future::join_all(pending.iter().map(|p| super::expiry::record(store, p))).await;
+    let mut all = true;
+    for r in records {
+        match r? {
             Some(capacity) => stats.write_capacity += capacity,
-            None => return Ok(false),
+            None => all = false,
         }
     }
-    Ok(true)
+    Ok(all)
 }
 
 /// Settles the count at `count` and marks it walked where [`needs_settle`]: whether it is

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use tracing::{info, warn};
 
 use super::distinct::COUNTED;
-use super::expiry::{due_before, pending_at, pending_key, Described, Pending, PENDING_HELPER, PENDING_PREFIX};
+use super::expiry::{due_before, pending_at, pending_key, pending_partition, Described, DueQuery, Pending, PENDING_HELPER};
 use super::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite, LiveHelpers,
     Settle, SettleWrite, SinkError, TransitionWrite, WriteOutcome,
@@ -414,12 +414,12 @@ impl AggregateStore for DynamoDbAggregates {
         self.put_pending(p).await
     }
 
-    async fn due_expiries(&self, key_names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
-        self.due_pending(key_names, partition, now_s, limit).await
+    async fn due_expiries(&self, q: &DueQuery<'_>) -> Result<Vec<Pending>, SinkError> {
+        self.due_pending(q).await
     }
 
-    async fn remove_expired(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
-        let deleted = self.delete_expired_helper(p, attribute).await?;
+    async fn remove_expired(&self, p: &Pending) -> Result<bool, SinkError> {
+        let deleted = self.delete_expired_helper(p).await?;
         self.delete_pending(p).await?;
         Ok(deleted)
     }
@@ -446,15 +446,15 @@ impl DynamoDbAggregates {
         Ok(out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0))
     }
 
-    async fn due_pending(&self, key_names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
-        let [pk_name, sk_name, ..] = key_names else {
+    async fn due_pending(&self, q: &DueQuery<'_>) -> Result<Vec<Pending>, SinkError> {
+        let [pk_name, sk_name, ..] = q.key_names else {
             return Err(SinkError::Invalid("helper items need a table with a sort key".into()));
         };
         let page = self
-            .partition_query(pk_name, sk_name, &format!("{PENDING_PREFIX}{partition}"))
+            .partition_query(pk_name, sk_name, &pending_partition(q.attribute, q.partition))
             .key_condition_expression("#pk = :pk AND #sk < :due")
-            .expression_attribute_values(":due", AttributeValue::S(due_before(now_s)))
-            .limit(i32::try_from(limit).unwrap_or(i32::MAX))
+            .expression_attribute_values(":due", AttributeValue::S(due_before(q.due_s)))
+            .limit(i32::try_from(q.limit).unwrap_or(i32::MAX))
             .send()
             .await
             .map_err(|e| self.error(classify(&e)))?;
@@ -465,8 +465,8 @@ impl DynamoDbAggregates {
             let values = item.get(PENDING_HELPER).and_then(|v| v.as_l().ok());
             let values: Option<Vec<String>> = values.map(|l| l.iter().filter_map(|v| v.as_s().ok().cloned()).collect());
             match (at, values) {
-                (Some(at), Some(values)) if values.len() == key_names.len() => {
-                    out.push(Pending { helper: key_names.iter().cloned().zip(values).collect(), at });
+                (Some(at), Some(values)) if values.len() == q.key_names.len() => {
+                    out.push(Pending { helper: q.key_names.iter().cloned().zip(values).collect(), attribute: q.attribute.to_string(), at });
                 }
                 _ => warn!(table = %self.table, item = ?item, "a pending helper expiry item is malformed: skipped (delete it by hand)"),
             }
@@ -475,13 +475,13 @@ impl DynamoDbAggregates {
     }
 
     /// Deletes the helper of `p` if it still carries the expiry `p.at`, at zero, uncounted.
-    async fn delete_expired_helper(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
+    async fn delete_expired_helper(&self, p: &Pending) -> Result<bool, SinkError> {
         let mut req = self
             .client
             .delete_item()
             .table_name(&self.table)
             .condition_expression("#x = :at AND (attribute_not_exists(#refs) OR #refs = :zero) AND attribute_not_exists(#c)")
-            .expression_attribute_names("#x", attribute)
+            .expression_attribute_names("#x", &p.attribute)
             .expression_attribute_names("#refs", REFS)
             .expression_attribute_names("#c", COUNTED)
             .expression_attribute_values(":at", AttributeValue::N(p.at.to_string()))
@@ -619,15 +619,15 @@ pub fn log_ttl(table: &str, configured: &str, described: &Described, failure: Op
             info!(table = %table, attribute = %attribute, "zero-count helper items expire through the table's TTL attribute");
         }
         (Described::On { attribute, enabled: false }, _) if attribute == configured => {
-            info!(table = %table, attribute = %attribute, "TTL is being turned on: helper items expire once it is enabled");
+            info!(table = %table, attribute = %attribute, "TTL is being turned on: the service deletes expired helper items itself until it is enabled");
         }
-        (Described::On { attribute, .. }, _) => warn!(
+        (Described::On { attribute, .. }, _) => info!(
             table = %table, attribute = %attribute, configured = %configured,
-            "the table's TTL is on another attribute than aggregates.helper_expiry_attribute: zero-count helper items do not expire"
+            "the table's TTL is on another attribute than aggregates.helper_expiry_attribute: the service deletes expired helper items itself"
         ),
-        (Described::Off, _) => warn!(
+        (Described::Off, _) => info!(
             table = %table, configured = %configured,
-            "the aggregates table has no TTL: zero-count helper items do not expire; turn TTL on for aggregates.helper_expiry_attribute (docs/semantics.md#helper-items-expire)"
+            "the aggregates table has no TTL: the service deletes expired helper items itself (TTL on aggregates.helper_expiry_attribute would do it for free: docs/semantics.md#helper-items-expire)"
         ),
         (Described::Failed, f) => warn!(
             table = %table,

@@ -33,10 +33,12 @@
 //!   is put in the aggregates table, under a reserved partition key. Put first: a crash
 //!   between the two leaves a pending item whose helper has no such expiry, which the sweep
 //!   drops; never an expiry nobody will act on.
-//! - The sweep ([`sweep`]) reads the pending items whose `at` has passed and deletes each
-//!   helper only if it still carries that same `at`, its count is zero and no `distinct`
-//!   target counts it. Every helper write removes the expiry, so a helper written since is
-//!   kept. TTL deletes on the expiry alone; this delete also checks the count.
+//! - The sweep ([`sweep`]) reads the pending items whose `at` lies an hour ([`SWEEP_GRACE_S`])
+//!   behind its clock and deletes each helper only if it still carries that same `at`, its
+//!   count is zero and no `distinct` target counts it. Every helper write removes the expiry,
+//!   so a helper written since is kept. TTL deletes on the expiry alone; this delete also
+//!   checks the count, and the hour covers a sweeping host's clock running ahead of the one
+//!   that set `at`.
 //! - Pending items are items of the table, so they outlive a restart, and the next sweep
 //!   (whichever replica holds its lease) finds them.
 
@@ -57,6 +59,12 @@ pub const REFRESH_MS: u64 = 60_000;
 pub const SWEEP_MS: u64 = 10 * 60_000;
 /// The named lease in the state table of the replica that sweeps.
 pub const SWEEP_LEASE: &str = "helper-expiry-sweep";
+/// A helper is deleted this long after its expiry at the earliest, so a sweeping host whose
+/// clock runs ahead of the one that set the expiry (by up to this) deletes no earlier than
+/// the argument above allows.
+pub const SWEEP_GRACE_S: u64 = 3_600;
+/// Deletes a sweep keeps in flight per partition.
+pub const SWEEP_CONCURRENCY: usize = 8;
 /// Pending items a sweep reads at most, per partition of them and round.
 pub const SWEEP_PAGE: usize = 100;
 /// The pending items' partitions: a helper's is fixed by its key ([`pending_key`]). Writes of
@@ -125,12 +133,33 @@ pub fn setting(described: &Described, configured: &str) -> Option<bool> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pending {
     pub helper: Vec<(String, String)>,
+    /// The attribute holding the expiry ([`Expiry::attribute`]).
+    pub attribute: String,
     pub at: u64,
 }
 
-/// The key values of the pending item of `p`: the partition `_agg#expiring#<n>`, `n` from a
-/// hash of the helper's key, and the sort key `<at, 12 digits>#<hash>`, so a partition reads
-/// in order of expiry and a helper expiring twice at once has one item.
+/// Which pending expiries a sweep reads: those of `attribute` in one partition, due at
+/// `due_s` (their expiry at or before it), oldest first, at most `limit`.
+#[derive(Debug, Clone)]
+pub struct DueQuery<'a> {
+    /// The table's key attributes.
+    pub key_names: &'a [String],
+    pub attribute: &'a str,
+    pub partition: u8,
+    pub due_s: u64,
+    pub limit: usize,
+}
+
+/// The partition key of the pending items of `attribute` in `partition`: another expiry
+/// attribute (another deployment on the table, or a changed key) has partitions of its own.
+pub fn pending_partition(attribute: &str, partition: u8) -> String {
+    format!("{PENDING_PREFIX}{attribute}#{partition}")
+}
+
+/// The key values of the pending item of `p`: the partition
+/// `#_agg#expiring#<attribute>#<n>` ([`pending_partition`]), `n` from a hash of the helper's
+/// key, and the sort key `<at, 12 digits>#<hash>`, so a partition reads in order of expiry and
+/// a helper expiring twice at once has one item.
 pub fn pending_key(p: &Pending) -> (String, String) {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
@@ -141,12 +170,13 @@ pub fn pending_key(p: &Pending) -> (String, String) {
     let digest = h.finalize();
     let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
     let partition = digest.first().map_or(0, |b| b % PENDING_PARTITIONS);
-    (format!("{PENDING_PREFIX}{partition}"), format!("{:012}#{hex}", p.at))
+    (pending_partition(&p.attribute, partition), format!("{:012}#{hex}", p.at))
 }
 
-/// The sort-key bound of pending items due at `now_s`: those whose key sorts below it.
-pub fn due_before(now_s: u64) -> String {
-    format!("{:012}", now_s.saturating_add(1))
+/// The sort-key bound of pending items due at `due_s` (expiry at or before it): those whose
+/// key sorts below it.
+pub fn due_before(due_s: u64) -> String {
+    format!("{:012}", due_s.saturating_add(1))
 }
 
 /// The expiry in a pending item's sort key.
@@ -181,26 +211,50 @@ pub struct Swept {
     pub kept: u64,
     /// Whether a partition had more due than one round reads.
     pub more: bool,
+    /// The oldest expiry found due (epoch seconds): how far the sweep is behind.
+    pub oldest_due: Option<u64>,
 }
 
-/// Deletes the helpers whose recorded expiry has passed at `now_s`, each only if it still
-/// carries that expiry at zero ([`crate::sink::AggregateStore::remove_expired`]), reading at
-/// most [`SWEEP_PAGE`] pending items per partition.
+/// Deletes the helpers of `attribute` whose recorded expiry lies [`SWEEP_GRACE_S`] before
+/// `now_s`, each only if it still carries that expiry at zero
+/// ([`crate::sink::AggregateStore::remove_expired`]). Reads at most [`SWEEP_PAGE`] pending
+/// items per partition, the partitions side by side and [`SWEEP_CONCURRENCY`] deletes at once
+/// in each.
 pub async fn sweep<S: crate::sink::AggregateStore>(
     store: &S,
     key_names: &[String],
     attribute: &str,
     now_s: u64,
 ) -> Result<Swept, crate::sink::SinkError> {
+    let due_s = now_s.saturating_sub(SWEEP_GRACE_S);
+    let rounds = (0..PENDING_PARTITIONS).map(|partition| {
+        let q = DueQuery { key_names, attribute, partition, due_s, limit: SWEEP_PAGE };
+        async move { sweep_partition(store, &q).await }
+    });
     let mut swept = Swept::default();
-    for partition in 0..PENDING_PARTITIONS {
-        let due = store.due_expiries(key_names, partition, now_s, SWEEP_PAGE).await?;
-        swept.more |= due.len() >= SWEEP_PAGE;
-        for p in &due {
-            match store.remove_expired(p, attribute).await? {
-                true => swept.deleted += 1,
-                false => swept.kept += 1,
-            }
+    for one in futures::future::join_all(rounds).await {
+        let one = one?;
+        swept.deleted += one.deleted;
+        swept.kept += one.kept;
+        swept.more |= one.more;
+        swept.oldest_due = match (swept.oldest_due, one.oldest_due) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Ok(swept)
+}
+
+async fn sweep_partition<S: crate::sink::AggregateStore>(store: &S, q: &DueQuery<'_>) -> Result<Swept, crate::sink::SinkError> {
+    use futures::StreamExt;
+    let due = store.due_expiries(q).await?;
+    let mut swept = Swept { more: due.len() >= q.limit, oldest_due: due.iter().map(|p| p.at).min(), ..Swept::default() };
+    let deletes: Vec<_> = due.iter().map(|p| store.remove_expired(p)).collect();
+    let mut deletes = futures::stream::iter(deletes).buffer_unordered(SWEEP_CONCURRENCY);
+    while let Some(deleted) = deletes.next().await {
+        match deleted? {
+            true => swept.deleted += 1,
+            false => swept.kept += 1,
         }
     }
     Ok(swept)
@@ -319,20 +373,23 @@ mod tests {
     #[test]
     fn a_pending_item_sorts_by_expiry_in_a_partition_fixed_by_the_helper() {
         let helper = |sk: &str| vec![("PK".to_string(), "CUST#c1".to_string()), ("SK".to_string(), sk.to_string())];
-        let p = Pending { helper: helper("PROFILE#_agg#largest#N5"), at: 1_764_691_200 };
+        let p = Pending { helper: helper("PROFILE#_agg#largest#N5"), attribute: "ttl".into(), at: 1_764_691_200 };
         let (pk, sk) = pending_key(&p);
-        assert!(pk.starts_with(PENDING_PREFIX) && pk.contains(crate::rules::helper::MARK), "{pk}");
-        let n: u8 = pk[PENDING_PREFIX.len()..].parse().unwrap();
+        assert!(pk.starts_with("#_agg#expiring#ttl#") && pk.contains(crate::rules::helper::MARK), "{pk}");
+        assert!(crate::registry::is_reserved_key([pk.as_str()]), "never a target's key");
+        let n: u8 = pk["#_agg#expiring#ttl#".len()..].parse().unwrap();
         assert!(n < PENDING_PARTITIONS);
         assert!(sk.starts_with("001764691200#") && sk.len() == 13 + 32, "{sk}");
         assert_eq!(pending_at(&sk), Some(p.at));
         assert_eq!(pending_key(&Pending { at: p.at + 1, ..p.clone() }).0, pk, "the partition depends on the helper only");
+        assert_ne!(pending_key(&Pending { attribute: "expiresAt".into(), ..p.clone() }).0, pk, "another attribute's own partitions");
         assert_ne!(pending_key(&Pending { helper: helper("PROFILE#_agg#largest#N6"), ..p.clone() }).1, sk);
         // Due: expiry at or before now, and nothing later.
         assert!(sk < due_before(p.at) && sk < due_before(p.at + 5));
         assert!(sk > due_before(p.at - 1));
-        let spread: std::collections::BTreeSet<String> =
-            (0..200).map(|i| pending_key(&Pending { helper: helper(&format!("P#_agg#m#N{i}")), at: 1 }).0).collect();
+        let spread: std::collections::BTreeSet<String> = (0..200)
+            .map(|i| pending_key(&Pending { helper: helper(&format!("P#_agg#m#N{i}")), attribute: "ttl".into(), at: 1 }).0)
+            .collect();
         assert_eq!(spread.len(), usize::from(PENDING_PARTITIONS), "200 helpers use every partition");
     }
 

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use super::distinct::COUNTED;
-use super::expiry::{due_before, pending_at, pending_key, Pending, PENDING_PREFIX};
+use super::expiry::{due_before, pending_at, pending_key, pending_partition, DueQuery, Pending};
 use super::hold::{HoldSeen, HoldWrite};
 use super::{
     AggregateStore, Counters, DerivationNames, Derived, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite,
@@ -595,29 +595,30 @@ impl AggregateStore for MemoryAggregates {
         Ok(1.0)
     }
 
-    async fn due_expiries(&self, key_names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
+    async fn due_expiries(&self, q: &DueQuery<'_>) -> Result<Vec<Pending>, SinkError> {
         let mut s = self.lock();
         s.calls += 1;
-        let pk = format!("{PENDING_PREFIX}{partition}");
-        let due = due_before(now_s);
+        let pk = pending_partition(q.attribute, q.partition);
+        let due = due_before(q.due_s);
         let from = (pk.clone(), String::new());
         Ok(s.pending
             .range(from..)
             .take_while(|((p, sk), _)| *p == pk && *sk < due)
-            .take(limit)
+            .take(q.limit)
             .filter_map(|((_, sk), values)| {
-                Some(Pending { helper: key_names.iter().cloned().zip(values.iter().cloned()).collect(), at: pending_at(sk)? })
+                let helper = q.key_names.iter().cloned().zip(values.iter().cloned()).collect();
+                Some(Pending { helper, attribute: q.attribute.to_string(), at: pending_at(sk)? })
             })
             .collect())
     }
 
-    async fn remove_expired(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
+    async fn remove_expired(&self, p: &Pending) -> Result<bool, SinkError> {
         let mut s = self.lock();
         s.calls += 1;
         let key: Vec<String> = p.helper.iter().map(|(_, v)| v.clone()).collect();
         let at = Decimal::from_i64(i64::try_from(p.at).unwrap_or(i64::MAX));
         let expired = s.items.get(&key).is_some_and(|item| {
-            matches!(item.get(attribute), Some(MemValue::Num(n)) if *n == at)
+            matches!(item.get(&p.attribute), Some(MemValue::Num(n)) if *n == at)
                 && item.get(REFS).is_none_or(|v| matches!(v, MemValue::Num(n) if n.is_zero()))
                 && !item.contains_key(COUNTED)
         });

@@ -168,20 +168,13 @@ pub trait AggregateStore: Send + Sync + 'static {
     /// it consumed.
     fn register_expiry(&self, p: &expiry::Pending) -> impl Future<Output = Result<f64, SinkError>> + Send;
 
-    /// The pending expiries of partition `partition` (of [`expiry::PENDING_PARTITIONS`]) due at
-    /// `now_s`, oldest first, at most `limit`. `key_names`: the table's key attributes.
-    fn due_expiries(
-        &self,
-        key_names: &[String],
-        partition: u8,
-        now_s: u64,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<expiry::Pending>, SinkError>> + Send;
+    /// The pending expiries `q` asks for ([`expiry::DueQuery`]), oldest first.
+    fn due_expiries(&self, q: &expiry::DueQuery<'_>) -> impl Future<Output = Result<Vec<expiry::Pending>, SinkError>> + Send;
 
-    /// Deletes the helper of `p` if it still carries the expiry `p.at` in `attribute`, at a
+    /// Deletes the helper of `p` if it still carries the expiry `p.at` in `p.attribute`, at a
     /// count of zero and counted by no `distinct` target, then the pending item: whether the
     /// helper was deleted.
-    fn remove_expired(&self, p: &expiry::Pending, attribute: &str) -> impl Future<Output = Result<bool, SinkError>> + Send;
+    fn remove_expired(&self, p: &expiry::Pending) -> impl Future<Output = Result<bool, SinkError>> + Send;
 }
 
 /// What a `distinct` derivation reads of one helper item.
@@ -597,7 +590,7 @@ async fn expire_if_due<S: AggregateStore>(
     let item_key: Vec<(String, String)> = key_names.iter().cloned().zip(key.0.iter().map(|v| v.to_string())).collect();
     let at = e.at(crate::state::now_ms());
     if e.own {
-        match expiry::record(store, &Pending { helper: item_key.clone(), at }).await? {
+        match expiry::record(store, &Pending { helper: item_key.clone(), attribute: e.attribute.clone(), at }).await? {
             Some(capacity) => stats.capacity += capacity,
             None => return Ok(()),
         }
@@ -835,7 +828,9 @@ mod tests {
         let now_s = crate::state::now_ms() / 1000;
         let early = expiry::sweep(&store, &names, "expiresAt", now_s).await.unwrap();
         assert_eq!((early, store.pending_expiries()), (expiry::Swept::default(), 3), "nothing is due yet");
-        let later = now_s + expiry::EXPIRE_AFTER_MS / 1000 + 60;
+        let later = now_s + expiry::EXPIRE_AFTER_MS / 1000 + expiry::SWEEP_GRACE_S + 60;
+        let within_grace = expiry::sweep(&store, &names, "expiresAt", later - expiry::SWEEP_GRACE_S - 60).await.unwrap();
+        assert_eq!(within_grace.deleted + within_grace.kept, 0, "due only an hour after the expiry");
         let swept = expiry::sweep(&store, &names, "expiresAt", later).await.unwrap();
         assert_eq!((swept.deleted, swept.kept, store.pending_expiries()), (1, 2, 0));
         assert_eq!((count(&store, "5"), count(&store, "6"), count(&store, "7")), (None, Some("1".into()), Some("0".into())));
@@ -852,7 +847,7 @@ mod tests {
         let early = own(0);
         write_target(&store, &names, &helper("5"), &refs(1, 1), &early).await.unwrap();
         write_target(&store, &names, &helper("5"), &refs(2, -1), &early).await.unwrap();
-        let swept = expiry::sweep(&store, &names, "expiresAt", crate::state::now_ms() / 1000).await.unwrap();
+        let swept = expiry::sweep(&store, &names, "expiresAt", crate::state::now_ms() / 1000 + expiry::SWEEP_GRACE_S).await.unwrap();
         assert_eq!(swept.deleted, 1);
         write_target(&store, &names, &helper("5"), &refs(2, -1), &early).await.unwrap();
         assert_eq!(count(&store, "5").as_deref(), Some("-1"), "the replay counted twice");

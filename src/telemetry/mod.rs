@@ -145,10 +145,12 @@ pub fn reconcile_succeeded(now_ms: u64) {
     refresh_last_success();
 }
 
-/// Counts what a sweep of expired helper items did.
-pub fn helper_deletes(swept: &crate::sink::expiry::Swept) {
+/// Counts what a sweep of expired helper items did at `now_s`, and how far behind it is.
+pub fn helper_deletes(swept: &crate::sink::expiry::Swept, now_s: u64) {
     metrics::counter!(names::HELPER_DELETES, "outcome" => "deleted").increment(swept.deleted);
     metrics::counter!(names::HELPER_DELETES, "outcome" => "kept").increment(swept.kept);
+    let lag = swept.oldest_due.map_or(0, |at| now_s.saturating_sub(at));
+    metrics::gauge!(names::HELPER_SWEEP_LAG).set(lag as f64);
 }
 
 fn refresh_last_success() {

@@ -19,6 +19,8 @@ pub const DERIVATION_ITEMS_READ: &str = "ddb_aggregator_derivation_items_read_to
 pub const HELPER_EXPIRIES: &str = "ddb_aggregator_helper_expiries_total";
 /// Helper items the service's own sweep deleted, or kept (written since), by `outcome`.
 pub const HELPER_DELETES: &str = "ddb_aggregator_helper_deletes_total";
+/// How far behind the sweep of expired helpers is: now less the oldest expiry it found due.
+pub const HELPER_SWEEP_LAG: &str = "ddb_aggregator_helper_sweep_lag_seconds";
 /// Helper items by rule and state (live, zero), as the last scheduled reconcile of everything read them.
 pub const HELPER_ITEMS: &str = "ddb_aggregator_helper_items";
 pub const HELPER_WRITES_TOO_OLD: &str = "ddb_aggregator_helper_writes_too_old_total";
@@ -146,6 +148,10 @@ pub fn describe() {
         HELPER_DELETES,
         "Expired helper items the service deleted itself (the table's TTL is not on aggregates.helper_expiry_attribute): outcome deleted, or kept (written since its expiry was set, or already gone)."
     );
+    describe_gauge!(
+        HELPER_SWEEP_LAG,
+        "On the replica that sweeps expired helper items: seconds between now and the oldest recorded expiry its last sweep found due (0: none). Growing: deletes fall behind the expiries."
+    );
     describe_counter!(HELPER_WRITES_TOO_OLD, "Helper writes left out because their batch held a record older than 36 hours (a helper that expired meanwhile would count it again); a reconcile of everything is requested.");
     describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");
     describe_counter!(LEASES_DELETED, "Finished leases deleted once their shard left the stream and its children held checkpoints.");
@@ -200,6 +206,9 @@ pub fn init_series(rules: &[String]) {
     }
     for kind in ["item", "attribute"] {
         counter!(DEFINITIONS_REMOVED, "kind" => kind).increment(0);
+    }
+    for outcome in ["deleted", "kept"] {
+        counter!(HELPER_DELETES, "outcome" => outcome).increment(0);
     }
     metrics::gauge!(DEFINITIONS_REMOVAL_PENDING).set(0.0);
     for outcome in ReadOutcome::ALL {

@@ -76,7 +76,7 @@ pub struct Shared<S, L, A> {
     /// The helper items' expiry attribute (`aggregates.helper_expiry_attribute`): every helper
     /// write removes it ([`crate::sink::expiry`]).
     pub expiry_attribute: Option<String>,
-    /// Whether expiries are set: TTL is enabled on that attribute (the service reads it every
+    /// Whether expiries are set: DescribeTimeToLive answered (the service reads it every
     /// minute; reconcile's own consumer never sets).
     pub expiry_on: std::sync::atomic::AtomicBool,
     /// Whether the service deletes expired helpers itself (the table's TTL is not on that

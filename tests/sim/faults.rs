@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ddb_aggregator::rules::helper::HelperScan;
-use ddb_aggregator::sink::expiry::Pending;
+use ddb_aggregator::sink::expiry::{DueQuery, Pending};
 use ddb_aggregator::sink::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperState, HelperStates, LedgerWrite, LiveHelpers, SettleWrite,
     SinkError, TransitionWrite, WriteOutcome,
@@ -276,12 +276,13 @@ impl<A: AggregateStore> AggregateStore for Sink<A> {
         call(&self.fate, &self.faults, self.inner.register_expiry(p), t, t).await
     }
 
-    async fn due_expiries(&self, names: &[String], partition: u8, now_s: u64, limit: usize) -> Result<Vec<Pending>, SinkError> {
-        self.inner.due_expiries(names, partition, now_s, limit).await
+    async fn due_expiries(&self, q: &DueQuery<'_>) -> Result<Vec<Pending>, SinkError> {
+        let t = || SinkError::Transient("simulated".into());
+        call(&self.fate, &self.faults, self.inner.due_expiries(q), t, t).await
     }
 
-    async fn remove_expired(&self, p: &Pending, attribute: &str) -> Result<bool, SinkError> {
+    async fn remove_expired(&self, p: &Pending) -> Result<bool, SinkError> {
         let t = || SinkError::Transient("simulated".into());
-        call(&self.fate, &self.faults, self.inner.remove_expired(p, attribute), t, t).await
+        call(&self.fate, &self.faults, self.inner.remove_expired(p), t, t).await
     }
 }
