@@ -35,6 +35,18 @@ fn six_days_of_a_small_stream_stay_exact() {
     report.assert_sound();
 }
 
+/// A shorter one where the aggregates table has no TTL: the service records each helper's
+/// expiry and its own sweep deletes them ([`ddb_aggregator::sink::expiry`]); 2 partitions,
+/// 4 simulated days at 150 writes an hour (helpers expire after 40 hours; an outage on day 1).
+#[test]
+fn four_days_with_the_services_own_helper_deletes_stay_exact() {
+    let seed = std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(8);
+    let report = run(&Params { seed, partitions: 2, days: 4, writes_per_hour: 150.0, own_expiry: true, ..Params::default() });
+    println!("{report}");
+    report.assert_sound();
+    assert!(report.helpers_expired > 0, "the sweep deleted helpers: {report}");
+}
+
 /// The scale run: `SIM_BUDGET_SECONDS` of seeds (at most `SIM_RUNS`), each a simulated
 /// stretch of a large stream (`SIM_PARTITIONS`, `SIM_DAYS`, cut short when the budget runs
 /// out), with `SIM_EMPTY_RUNS` runs of 1 or 2 empty pages mid-shard per partition and hour
@@ -55,6 +67,7 @@ fn scale() {
             days: env("SIM_DAYS", 365),
             progress: true,
             empty_runs_per_partition_hour: std::env::var("SIM_EMPTY_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0),
+            own_expiry: std::env::var("SIM_EXPIRY").is_ok_and(|v| v == "own"),
             // The first run gets the whole budget (it stops early, drains and checks).
             wall_budget: Some(budget.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1))),
             ..Params::default()

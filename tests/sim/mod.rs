@@ -79,6 +79,9 @@ pub struct Params {
     /// How long after reaching zero a helper item expires (the table's TTL deletes it at the
     /// next retention pass). Shorter than the service's own is a seeded bug.
     pub helper_expiry_ms: u64,
+    /// The table has no TTL: the service records each expiry and its sweep deletes the
+    /// helpers (every 10 simulated minutes), in place of the simulated TTL.
+    pub own_expiry: bool,
 }
 
 impl Default for Params {
@@ -97,6 +100,7 @@ impl Default for Params {
             empty_runs_per_partition_hour: 1.0,
             empty_run_pages: (1, 2),
             helper_expiry_ms: ddb_aggregator::sink::expiry::EXPIRE_AFTER_MS,
+            own_expiry: false,
         }
     }
 }
@@ -180,6 +184,10 @@ pub struct Report {
     pub helpers_live: u64,
     pub helpers_zero: u64,
     pub helpers_most_on_a_target: u64,
+    /// With the service's own delete: helpers kept by the sweep (written since their expiry
+    /// was recorded), and expiries still pending at the end.
+    pub expiries_kept: u64,
+    pub expiries_pending: u64,
     /// Records the table refused (scenario c), and their dead letters.
     pub refused: u64,
     pub refused_letters: u64,
@@ -210,6 +218,13 @@ impl std::fmt::Display for Report {
             "  helper items: {} expired and deleted; at the end {} live, {} at zero (expiring), at most {} on one target",
             self.helpers_expired, self.helpers_live, self.helpers_zero, self.helpers_most_on_a_target
         )?;
+        if self.expiries_kept + self.expiries_pending > 0 {
+            writeln!(
+                f,
+                "  deleted by the service's own sweep (no TTL): {} kept as written since, {} expiries pending at the end",
+                self.expiries_kept, self.expiries_pending
+            )?;
+        }
         writeln!(
             f,
             "  largest target item {} bytes ({} ledger entries, hour {}), most ledger entries on one item at the end {}",
@@ -552,7 +567,7 @@ impl World {
             Arc::new(Health::default()),
         )
         .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), self.stream_arn.clone())
-        .with_expiry(Some(Expiry { after_ms: self.p.helper_expiry_ms, ..Expiry::new(TTL_ATTRIBUTE) }));
+        .with_expiry(Some(Expiry { after_ms: self.p.helper_expiry_ms, own: self.p.own_expiry, ..Expiry::new(TTL_ATTRIBUTE) }));
         // Idle shards are polled every few minutes: months of stream life in minutes of CPU.
         shared.polling = Polling { idle_min: Duration::from_secs(60), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
         let worker = Worker::new(shared);
@@ -654,8 +669,7 @@ impl World {
             }
             if now >= next_retention {
                 self.retention(now);
-                // What the table's TTL does: deletes expired helpers (here at once, the worst case).
-                self.report.helpers_expired += self.aggregates.delete_expired(TTL_ATTRIBUTE, now / 1000) as u64;
+                self.expire_helpers(now).await;
                 next_retention = now + 10 * 60_000;
             }
             match draining_since {
@@ -1388,6 +1402,31 @@ impl World {
     }
 
     /// The helper items left: live and at zero, and the most on one target.
+    /// Deletes expired helpers: what the table's TTL does (here at once, the worst case), or
+    /// the service's own sweep ([`Params::own_expiry`]) until nothing due is left.
+    async fn expire_helpers(&mut self, now: u64) {
+        if !self.p.own_expiry {
+            self.report.helpers_expired += self.aggregates.delete_expired(TTL_ATTRIBUTE, now / 1000) as u64;
+            return;
+        }
+        let names = ["PK".to_string(), "SK".to_string()];
+        for _ in 0..10_000 {
+            match ddb_aggregator::sink::expiry::sweep(&*self.aggregates, &names, TTL_ATTRIBUTE, now / 1000).await {
+                Ok(swept) => {
+                    self.report.helpers_expired += swept.deleted;
+                    self.report.expiries_kept += swept.kept;
+                    if !swept.more {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    self.report.problems.push(format!("the sweep of expired helpers failed: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+
     fn count_helpers(&mut self) {
         let mut per_target: BTreeMap<(String, String), u64> = BTreeMap::new();
         for key in self.aggregates.keys() {
@@ -1403,6 +1442,7 @@ impl World {
             }
         }
         self.report.helpers_most_on_a_target = per_target.values().copied().max().unwrap_or(0);
+        self.report.expiries_pending = self.aggregates.pending_expiries() as u64;
     }
 
     /// The aggregates as the rules define them, computed from the items alone.
