@@ -593,9 +593,10 @@ async fn snapshot<T: TargetStore>(
         .buffer_unordered(CONCURRENCY)
         .collect()
         .await;
+    // `extend`, not `append`: append rebuilds the whole map each time (quadratic in targets).
     let mut out = BTreeMap::new();
     for part in read {
-        out.append(&mut part?);
+        out.extend(part?);
     }
     Ok(out)
 }
@@ -663,9 +664,9 @@ pub(super) async fn read_truth<S: SourceItems>(
         truth.poisons.append(&mut t.poisons);
         // The target's own values and its helper items'.
         t.values.retain(|k, _| truth::owner_of(k) == key);
-        truth.values.append(&mut t.values);
+        truth.values.extend(t.values);
         t.by_item.retain(|k, _| *k == key);
-        truth.by_item.append(&mut t.by_item);
+        truth.by_item.extend(t.by_item);
     }
     Ok(truth)
 }

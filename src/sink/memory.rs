@@ -34,6 +34,9 @@ struct State {
     pending: BTreeMap<(String, String), Vec<String>>,
     /// Pending expiries are refused for good (a role without dynamodb:PutItem).
     refuse_pending: bool,
+    /// Every expiry set, by (expiry, key), so that [`MemoryAggregates::delete_expired`] reads
+    /// only those due (an entry whose item has another expiry since, or none, is stale).
+    expiring: std::collections::BTreeSet<(u64, Vec<String>)>,
     fail_next: u32,
     /// Writes that fail with an error no retry helps (the batch fails at once).
     fatal_next: u32,
@@ -129,10 +132,16 @@ impl MemoryAggregates {
     /// is at or before `now_s`. How many it deleted.
     pub fn delete_expired(&self, attribute: &str, now_s: u64) -> usize {
         let mut s = self.lock();
-        let before = s.items.len();
-        let now = Decimal::from_i64(i64::try_from(now_s).unwrap_or(i64::MAX));
-        s.items.retain(|_, item| !matches!(item.get(attribute), Some(MemValue::Num(at)) if *at <= now));
-        before - s.items.len()
+        let mut deleted = 0;
+        while let Some((at, key)) = s.expiring.first().cloned().filter(|(at, _)| *at <= now_s) {
+            s.expiring.remove(&(at, key.clone()));
+            let still = Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX));
+            if s.items.get(&key).is_some_and(|item| matches!(item.get(attribute), Some(MemValue::Num(x)) if *x == still)) {
+                s.items.remove(&key);
+                deleted += 1;
+            }
+        }
+        deleted
     }
 
     /// How many pending helper expiries are recorded ([`AggregateStore::register_expiry`]).
@@ -154,7 +163,15 @@ impl MemoryAggregates {
 
     /// Sets an attribute directly (e.g. a string where a counter should be).
     pub fn put(&self, key: &[&str], attr: &str, value: MemValue) {
-        self.lock().items.entry(key.iter().map(|s| s.to_string()).collect()).or_default().insert(attr.to_string(), value);
+        let mut s = self.lock();
+        let key: Vec<String> = key.iter().map(|s| s.to_string()).collect();
+        // Any number may be an expiry (reconcile's corrections set theirs here).
+        if let MemValue::Num(n) = &value {
+            if let Ok(at) = n.to_string().parse::<u64>() {
+                s.expiring.insert((at, key.clone()));
+            }
+        }
+        s.items.entry(key).or_default().insert(attr.to_string(), value);
     }
 
     /// The next `n` writes fail with a transient error.
@@ -579,6 +596,7 @@ impl AggregateStore for MemoryAggregates {
                     && unchanged(item) =>
             {
                 item.insert(attribute.to_string(), MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
+                s.expiring.insert((at, key));
                 Ok(true)
             }
             _ => Ok(false),
@@ -751,17 +769,20 @@ impl AggregateStore for MemoryAggregates {
             _ => Decimal::ZERO,
         };
         target.insert(w.counter.to_string(), MemValue::Num(version.checked_add(Decimal::ONE).unwrap_or(version)));
+        let mut expiring = Vec::new();
         for (sk, seen) in w.helpers {
             let Some(item) = s.items.get_mut(&key(Some(sk))) else { continue };
             if seen.counted {
                 item.remove(COUNTED);
                 if let Some((attribute, at)) = w.expiry.filter(|_| !seen.below_zero) {
                     item.insert(attribute.to_string(), MemValue::Num(Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX))));
+                    expiring.push((at, key(Some(sk))));
                 }
             } else {
                 item.insert(COUNTED.to_string(), MemValue::Num(Decimal::ONE));
             }
         }
+        s.expiring.extend(expiring);
         Ok(Some(2.0 * (w.helpers.len() + 1) as f64))
     }
 
