@@ -201,10 +201,7 @@ async fn touched_states<S: AggregateStore>(
     let prefix = helper::prefix(t.owner_sk, t.name);
     let mut out = std::collections::BTreeMap::new();
     for tail in tails {
-        let mut key = t.key.to_vec();
-        if let Some(last) = key.last_mut() {
-            last.1 = format!("{prefix}{tail}");
-        }
+        let key = with_sort_key(t.key, &format!("{prefix}{tail}"));
         let (state, capacity) = store.helper_state(&key).await?;
         stats.read += 1;
         stats.read_capacity += capacity;
@@ -269,6 +266,15 @@ async fn flip<S: AggregateStore>(
     Ok(Flipped::Landed { lowered })
 }
 
+/// The key of the item beside `key` with sort key `sk`: a helper of that target.
+fn with_sort_key(key: &[(String, String)], sk: &str) -> Vec<(String, String)> {
+    let mut out = key.to_vec();
+    if let Some(last) = out.last_mut() {
+        last.1 = sk.to_string();
+    }
+    out
+}
+
 /// Records the expiries a transition of `helpers` sets (on each it stops counting, at zero),
 /// where the service deletes expired helpers itself ([`super::expiry`]): before the transition,
 /// side by side. False when the table refused one for good: the transition then sets no expiry.
@@ -281,11 +287,7 @@ async fn record_expiries<S: AggregateStore>(
 ) -> Result<bool, SinkError> {
     let mut pending = Vec::new();
     for (sk, _) in helpers.iter().filter(|(_, s)| s.counted && !s.below_zero) {
-        let mut helper = t.key.to_vec();
-        if let Some(last) = helper.last_mut() {
-            last.1.clone_from(sk);
-        }
-        pending.push(Pending { helper, attribute: attribute.to_string(), at });
+        pending.push(Pending { helper: with_sort_key(t.key, sk), attribute: attribute.to_string(), at });
     }
     let records = futures::future::join_all(pending.iter().map(|p| super::expiry::record(store, p))).await;
     let mut all = true;
