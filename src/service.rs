@@ -342,6 +342,8 @@ async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>
         wait = period;
         // Only under the committed definitions: the expiry attribute is one of them.
         if !shared.definitions_current.load(std::sync::atomic::Ordering::Relaxed) {
+            // Soon again: a replica commits its definitions some seconds after start.
+            wait = Duration::from_secs(5);
             continue;
         }
         let now = crate::state::now_ms();
