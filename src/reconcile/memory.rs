@@ -30,40 +30,51 @@ fn key_of(key: &TargetKey) -> Vec<String> {
 
 impl MemoryTargets<'_> {
     fn item(&self, key: &[String]) -> TargetItem {
-        let parts: Vec<&str> = key.iter().map(String::as_str).collect();
-        let Some(item) = self.store.item(&parts) else { return TargetItem::default() };
+        self.store.with_item(key, |item| item.map(|i| self.target_item(i)).unwrap_or_default())
+    }
+
+    /// An item as reconcile reads it, from the stored attributes (read in place, not cloned
+    /// twice: a simulated reconcile of everything reads every item).
+    fn target_item(&self, item: &BTreeMap<String, MemValue>) -> TargetItem {
         let mut t = TargetItem { exists: true, ..Default::default() };
+        let (version, measures, floor, hold, logs) = (
+            self.ledger.version_attribute(),
+            self.ledger.measures_attribute(),
+            self.ledger.floor_attribute(),
+            self.ledger.hold_attribute(),
+            self.ledger.log_prefix(),
+        );
         for (name, v) in item {
-            if name == self.ledger.version_attribute() {
+            if *name == version {
                 if let MemValue::Num(n) = v {
                     t.version = Some(n.to_string());
                 }
-            } else if name == self.ledger.measures_attribute() {
+            } else if *name == measures {
                 if let MemValue::Set(names) = v {
-                    t.written = names;
+                    t.written = names.clone();
                 }
-            } else if name == self.ledger.floor_attribute() {
+            } else if *name == floor {
                 if let MemValue::Str(f) = v {
-                    t.floor = Some(f);
+                    t.floor = Some(f.clone());
                 }
-            } else if name == self.ledger.hold_attribute() {
+            } else if *name == hold {
                 if let MemValue::Str(h) = v {
-                    t.hold = Some(h);
+                    t.hold = Some(h.clone());
                 }
-            } else if name.starts_with(&self.ledger.log_prefix()) {
+            } else if name.starts_with(&logs) {
                 if let MemValue::Str(l) = v {
-                    t.logs.insert(name, l);
+                    t.logs.insert(name.clone(), l.clone());
                 }
             } else if name.starts_with(crate::rules::RESERVED_ATTRIBUTE_PREFIX) {
-                t.shared |= !self.ledger.is_own(&name);
+                t.shared |= !self.ledger.is_own(name);
             } else {
                 let stored = match v {
-                    MemValue::Num(n) => Stored::Number(n),
-                    MemValue::Str(s) => Stored::Other(s),
+                    MemValue::Num(n) => Stored::Number(*n),
+                    MemValue::Str(s) => Stored::Other(s.clone()),
                     MemValue::Set(s) => Stored::Other(format!("{s:?}")),
                     MemValue::Bin(b) => Stored::Other(format!("{b:?}")),
                 };
-                t.values.insert(name, stored);
+                t.values.insert(name.clone(), stored);
             }
         }
         t
@@ -77,12 +88,10 @@ impl TargetStore for MemoryTargets<'_> {
 
     async fn scan(&self, rule: &Rule) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
         let mut out = BTreeMap::new();
-        for k in self.store.keys() {
-            let parts: Vec<&str> = k.iter().map(String::as_str).collect();
-            if is_target(rule, &parts) {
-                out.insert(TargetKey(k.iter().map(|s| Box::from(s.as_str())).collect()), self.item(&k));
-            }
-        }
+        let wanted = |k: &[String]| is_target(rule, &k.iter().map(String::as_str).collect::<Vec<_>>());
+        self.store.each_item(wanted, |k, item| {
+            out.insert(TargetKey(k.iter().map(|s| Box::from(s.as_str())).collect()), self.target_item(item));
+        });
         Ok(out)
     }
 
@@ -189,22 +198,78 @@ impl MemorySources {
 
 impl SourceItems for MemorySources {
     async fn query(&self, rule: &Rule, pk: &str, sk_prefix: Option<&str>, truth: &mut Truth) -> Result<(), ReconcileError> {
-        let items: Vec<Map<String, Value>> = self
-            .lock()
-            .iter()
-            .filter(|(k, _)| k.first().is_some_and(|p| p == pk) && sk_prefix.is_none_or(|s| k.get(1).is_some_and(|v| v.starts_with(s))))
-            .map(|(_, i)| i.clone())
-            .collect();
-        for item in &items {
+        // The partition's items are a range of the key order, as a Query reads them.
+        let start: Vec<String> = std::iter::once(pk).chain(sk_prefix).map(str::to_string).collect();
+        let items = self.lock();
+        let partition = items.range(start..).take_while(|(k, _)| k.first().is_some_and(|p| p == pk));
+        for (_, item) in partition.filter(|(k, _)| sk_prefix.is_none_or(|s| k.get(1).is_some_and(|v| v.starts_with(s)))) {
             truth.add_item(rule, &self.key_names, item);
         }
         Ok(())
     }
 
     async fn scan(&self, rule: &Rule, _opts: &Options, truth: &mut Truth) -> Result<(), ReconcileError> {
-        for item in self.items() {
-            truth.add_item(rule, &self.key_names, &item);
+        // Read in place (a simulated reconcile of everything reads every item, per rule).
+        for item in self.lock().values() {
+            truth.add_item(rule, &self.key_names, item);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn rule() -> Rule {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+        Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules.remove(0)
+    }
+
+    fn order(pk: &str, sk: &str) -> Map<String, Value> {
+        json!({"PK": {"S": pk}, "SK": {"S": sk}, "status": {"S": "PAID"}, "total": {"N": "1"}}).as_object().cloned().unwrap()
+    }
+
+    /// Items read by a query of `pk` (and an `SK` prefix), as the truth counts them.
+    async fn queried(sources: &MemorySources, pk: &str, prefix: Option<&str>) -> u64 {
+        let mut truth = Truth::default();
+        sources.query(&rule(), pk, prefix, &mut truth).await.unwrap();
+        truth.items
+    }
+
+    #[tokio::test]
+    async fn a_query_reads_its_partition_and_prefix_only() {
+        let sources = MemorySources::new(vec!["PK".into(), "SK".into()]);
+        for (pk, sk) in [
+            ("CUST#c1", "ORDER#2026-11-30#o1"),
+            ("CUST#c1", "ORDER#2026-12-01#o2"),
+            ("CUST#c1", "NOTE#1"),
+            ("CUST#c1", "PROFILE"),
+            ("CUST#c10", "ORDER#2026-11-30#o3"),
+            ("CUST#c2", "ORDER#2026-11-30#o4"),
+            ("CUST#", "ORDER#2026-11-30#o5"),
+        ] {
+            sources.put(order(pk, sk));
+        }
+        // CUST#c10 sorts between CUST#c1 and CUST#c2, and CUST# before them all.
+        assert_eq!(queried(&sources, "CUST#c1", Some("ORDER#")).await, 2);
+        assert_eq!(queried(&sources, "CUST#c1", None).await, 4);
+        assert_eq!(queried(&sources, "CUST#c10", Some("ORDER#")).await, 1);
+        assert_eq!(queried(&sources, "CUST#", None).await, 1);
+        assert_eq!(queried(&sources, "CUST#c3", None).await, 0);
+        assert_eq!(queried(&sources, "CUST#c1", Some("ORDER#2026-12")).await, 1);
+    }
+
+    #[tokio::test]
+    async fn a_query_of_a_hash_only_table_reads_the_one_item() {
+        let sources = MemorySources::new(vec!["PK".into()]);
+        for pk in ["CUST#c1", "CUST#c10", "CUST#c2"] {
+            sources.put(order(pk, "ORDER#2026-11-30#o1"));
+        }
+        assert_eq!(queried(&sources, "CUST#c1", None).await, 1);
+        assert_eq!(queried(&sources, "CUST#c1", Some("ORDER#")).await, 0, "a hash-only item has no sort key to match");
     }
 }

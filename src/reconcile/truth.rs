@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
 use crate::decimal::Decimal;
 use crate::rules::helper::{self, Derive};
@@ -40,7 +40,16 @@ impl Truth {
         }
         self.items += 1;
         let keys: Map<String, Value> = key_names.iter().filter_map(|k| item.get(k).map(|v| (k.clone(), v.clone()))).collect();
-        let record = json!({"eventName": "INSERT", "eventSource": "aws:dynamodb", "dynamodb": {"Keys": keys, "NewImage": item, "StreamViewType": "NEW_AND_OLD_IMAGES"}});
+        // Built from clones, not `json!` (which serialises the image value by value).
+        let mut ddb = Map::new();
+        ddb.insert("Keys".into(), Value::Object(keys));
+        ddb.insert("NewImage".into(), Value::Object(item.clone()));
+        ddb.insert("StreamViewType".into(), Value::String("NEW_AND_OLD_IMAGES".into()));
+        let mut record = Map::new();
+        record.insert("eventName".into(), Value::String("INSERT".into()));
+        record.insert("eventSource".into(), Value::String("aws:dynamodb".into()));
+        record.insert("dynamodb".into(), Value::Object(ddb));
+        let record = Value::Object(record);
         if !rule.filter_matches(&record) {
             return;
         }

@@ -128,6 +128,18 @@ impl MemoryAggregates {
         self.lock().items.get(&key.iter().map(|s| s.to_string()).collect::<Vec<_>>()).cloned()
     }
 
+    /// `f` of the item with these key values (None: absent), read in place: nothing cloned.
+    pub fn with_item<R>(&self, key: &[String], f: impl FnOnce(Option<&BTreeMap<String, MemValue>>) -> R) -> R {
+        f(self.lock().items.get(key))
+    }
+
+    /// `f` of every item whose key values `wanted` accepts, in key order, read in place.
+    pub fn each_item(&self, mut wanted: impl FnMut(&[String]) -> bool, mut f: impl FnMut(&[String], &BTreeMap<String, MemValue>)) {
+        for (k, item) in self.lock().items.iter().filter(|(k, _)| wanted(k)) {
+            f(k, item);
+        }
+    }
+
     /// What DynamoDB's TTL does, at once: deletes the items whose `attribute` (epoch seconds)
     /// is at or before `now_s`. How many it deleted.
     pub fn delete_expired(&self, attribute: &str, now_s: u64) -> usize {
