@@ -50,6 +50,11 @@ struct State {
     largest_item_copy: BTreeMap<String, MemValue>,
     /// Largest item size written since a simulation last asked (its hourly figure).
     largest_since_asked: usize,
+    /// Per partition key: the second (of the service's clock) its writes last fell in, and the
+    /// WCU of its ledger writes in that second.
+    partition_second: std::collections::HashMap<String, (u64, f64)>,
+    /// The most WCU one partition key took in one second since last asked, and the key.
+    peak_partition_since_asked: (f64, String),
     /// Per item: writes applied and the capacity they consumed.
     usage: HashMap<Vec<String>, (u64, f64)>,
 }
@@ -383,6 +388,13 @@ impl MemoryAggregates {
         std::mem::take(&mut self.lock().largest_since_asked)
     }
 
+    /// The most WCU of ledger writes one partition key took within one second (of the
+    /// service's clock) since last asked, and that key. DynamoDB serves about 1,000 WCU/s per
+    /// partition; this store does not throttle, it only measures.
+    pub fn take_peak_partition_wcu(&self) -> (f64, String) {
+        std::mem::take(&mut self.lock().peak_partition_since_asked)
+    }
+
     /// The largest item as its largest write left it.
     pub fn largest_item_copy(&self) -> BTreeMap<String, MemValue> {
         self.lock().largest_item_copy.clone()
@@ -439,6 +451,26 @@ fn helper_state(item: &BTreeMap<String, MemValue>) -> HelperState {
         live: refs.is_some_and(|n| n > Decimal::ZERO),
         counted: item.contains_key(COUNTED),
         below_zero: refs.is_some_and(|n| n < Decimal::ZERO),
+    }
+}
+
+impl State {
+    /// Adds `capacity` to `partition`'s WCU in the current second.
+    fn charge_partition(&mut self, partition: &str, capacity: f64) {
+        let second = crate::state::now_ms() / 1000;
+        let used = match self.partition_second.get_mut(partition) {
+            Some(b) if b.0 == second => {
+                b.1 += capacity;
+                b.1
+            }
+            _ => {
+                self.partition_second.insert(partition.to_string(), (second, capacity));
+                capacity
+            }
+        };
+        if used > self.peak_partition_since_asked.0 {
+            self.peak_partition_since_asked = (used, partition.to_string());
+        }
     }
 }
 
@@ -582,6 +614,7 @@ impl AggregateStore for MemoryAggregates {
         let u = s.usage.entry(w.key.iter().map(|(_, v)| v.clone()).collect()).or_default();
         u.0 += 1;
         u.1 += capacity;
+        s.charge_partition(w.key.first().map_or("", |(_, v)| v.as_str()), capacity);
         Ok(WriteOutcome::Applied { capacity, seen, helper })
     }
 

@@ -699,6 +699,37 @@ mod tests {
         assert_eq!(store.numbers().values().map(|v| v.to_string()).collect::<std::collections::BTreeSet<_>>(), ["1".to_string()].into());
     }
 
+    /// The memory store's per-partition WCU in one second (the simulation's hottest partition):
+    /// writes of one partition key within a second add up, other keys and the next second
+    /// start afresh, and asking resets the peak.
+    #[tokio::test(start_paused = true)]
+    async fn the_memory_store_measures_each_partitions_wcu_per_second() {
+        crate::state::simulate_clock(Some(1_764_460_800_000));
+        let store = MemoryAggregates::new();
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let write = |pk: &'static str, sk: &'static str, seq: u64| {
+            let (store, names) = (&store, &names);
+            async move {
+                let key = TargetKey(vec![Box::from(pk), Box::from(sk)].into_boxed_slice());
+                let delta = TargetDelta { contributions: vec![contribution(seq, "orders")], ..Default::default() };
+                let ctx = ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa");
+                write_target(store, names, &key, &delta, &ctx).await.unwrap();
+            }
+        };
+        for (i, sk) in ["A", "B", "C"].into_iter().enumerate() {
+            write("SALES#2026-11-30", sk, i as u64 + 1).await;
+        }
+        write("CUST#c1", "PROFILE", 1).await;
+        assert_eq!(store.take_peak_partition_wcu(), (3.0, "SALES#2026-11-30".to_string()), "three small items, one partition key");
+        assert_eq!(store.take_peak_partition_wcu(), (0.0, String::new()), "asked again: nothing since");
+        tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        write("SALES#2026-11-30", "A", 10).await;
+        write("CUST#c1", "PROFILE", 2).await;
+        write("CUST#c1", "PROFILE", 3).await;
+        assert_eq!(store.take_peak_partition_wcu(), (2.0, "CUST#c1".to_string()), "the next second starts at zero");
+        crate::state::simulate_clock(None);
+    }
+
     #[tokio::test]
     async fn a_helper_at_zero_expires_and_a_raised_one_does_not() {
         use crate::rules::helper::REFS;

@@ -148,6 +148,13 @@ pub struct Report {
     pub largest_item_first_why: String,
     pub hottest_writes: u64,
     pub hottest_wcu: f64,
+    /// The most WCU of ledger writes one partition key took in one simulated second, by phase
+    /// (the first 8 hours, steady state, the outage's catch-up), with the key; and the hours
+    /// in which some partition went over DynamoDB's 1,000 WCU/s (the fakes do not throttle).
+    pub partition_peak_first_hours: (f64, String),
+    pub partition_peak_steady: (f64, String),
+    pub partition_peak_catch_up: (f64, String),
+    pub hours_over_partition_limit: u64,
     pub lease_table_max: usize,
     pub leases_deleted: u64,
     pub longest_unowned_s: u64,
@@ -241,6 +248,15 @@ impl std::fmt::Display for Report {
             self.largest_item_steady, self.steady_hours_over_8k, self.steady_hours, self.largest_item_catch_up
         )?;
         writeln!(f, "  hottest target: {} writes at {:.2} WCU per write", self.hottest_writes, self.hottest_wcu)?;
+        let peak = |p: &(f64, String)| format!("{:.0} WCU/s ({})", p.0, p.1);
+        writeln!(
+            f,
+            "  hottest partition in one second: first 8 hours {}, steady {}, catch-up {}; hours over 1,000 WCU/s: {}",
+            peak(&self.partition_peak_first_hours),
+            peak(&self.partition_peak_steady),
+            peak(&self.partition_peak_catch_up),
+            self.hours_over_partition_limit
+        )?;
         writeln!(
             f,
             "  lease table at most {} leases, {} finished leases deleted; longest unowned shard {} s",
@@ -945,10 +961,21 @@ impl World {
         );
     }
 
-    /// Files the largest item of the hour under start-up, the outage's catch-up or the rest.
+    /// Files the largest item and the hottest partition of the hour under start-up, the
+    /// outage's catch-up or the rest.
     fn hourly_largest(&mut self, after_start_up: bool, catching_up: bool) {
         let size = self.aggregates.take_largest_since();
+        let hot = self.aggregates.take_peak_partition_wcu();
         let r = &mut self.report;
+        r.hours_over_partition_limit += u64::from(hot.0 > 1000.0);
+        let phase = match (catching_up, after_start_up) {
+            (true, _) => &mut r.partition_peak_catch_up,
+            (false, true) => &mut r.partition_peak_steady,
+            (false, false) => &mut r.partition_peak_first_hours,
+        };
+        if hot.0 > phase.0 {
+            *phase = hot;
+        }
         if catching_up {
             r.largest_item_catch_up = r.largest_item_catch_up.max(size);
         } else if after_start_up {
