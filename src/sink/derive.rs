@@ -502,6 +502,7 @@ mod tests {
     use crate::decimal::Decimal;
     use crate::rules::{Coalescer, TargetDelta};
     use crate::sink::memory::{MemValue, MemoryAggregates};
+    use std::time::Duration;
 
     fn engine() -> Engine {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
@@ -697,6 +698,7 @@ mod tests {
             }
             async fn count_transitions(&self, w: &crate::sink::TransitionWrite<'_>) -> Result<Option<f64>, SinkError> {
                 tokio::task::yield_now().await;
+                tokio::time::sleep(self.stall()).await;
                 self.inner.count_transitions(w).await
             }
             async fn settle_count(&self, w: &crate::sink::SettleWrite<'_>) -> Result<Option<f64>, SinkError> {
@@ -724,6 +726,14 @@ mod tests {
         /// Before each write of several attributes, another derivation of one of them lands.
         race_chunks: bool,
         raced: std::sync::atomic::AtomicUsize,
+        /// How long each `distinct` transaction takes to arrive (a paused process).
+        stall: Duration,
+    }
+
+    impl Interleaved {
+        fn stall(&self) -> Duration {
+            self.stall
+        }
     }
 
     impl AggregateStore for Interleaved {
@@ -827,6 +837,48 @@ mod tests {
             let profile = store.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
             assert_eq!(profile.get("activeDays"), Some(&MemValue::Num(Decimal::from_i64(live))), "round {round}");
         }
+    }
+
+    /// A derivation that lowers 30 `distinct` helpers writes two transactions (24, then 6),
+    /// and the process pauses an hour before the first arrives. The second's expiry is taken
+    /// at its own time, an hour later: a helper raised and lowered again meanwhile holds
+    /// records created after the derivation read it (the transition's condition cannot see
+    /// them), and an expiry from the read would delete it an hour too early.
+    #[tokio::test(start_paused = true)]
+    async fn each_distinct_transaction_takes_its_expiry_from_its_own_time() {
+        crate::state::simulate_clock(Some(1_764_460_800_000));
+        let store = Interleaved::default();
+        let (key_names, ledger) = (["PK".to_string(), "SK".to_string()], Ledger::new("t"));
+        let tail = |d: i64| Derive::Distinct.tail(&Scalar::N(Decimal::from_i64(d)), None);
+        let set = |d: i64, refs: i64| {
+            let sk = format!("{}{}", helper::prefix("PROFILE", "activeDays"), tail(d));
+            store.inner.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::from_i64(refs)));
+        };
+        let mut target = target_of([]);
+        target.measures.insert("activeDays".into(), Derive::Distinct);
+        target.touched.insert("activeDays".into(), Touched::Helpers((0..30).map(tail).collect()));
+        for d in 0..30 {
+            set(d, 1);
+        }
+        derive_target(&store, &key_names, &ledger, &target, None).await.unwrap();
+        for d in 0..30 {
+            set(d, 0);
+        }
+        let stalling = Interleaved { inner: store.inner, stall: Duration::from_secs(3600), ..Interleaved::default() };
+        let expiry = Expiry::new("expiresAt");
+        let read_at = expiry.at(crate::state::now_ms());
+        derive_target(&stalling, &key_names, &ledger, &target, Some(&expiry)).await.unwrap();
+        let mut expiries: BTreeMap<u64, usize> = BTreeMap::new();
+        for d in 0..30 {
+            let sk = format!("{}{}", helper::prefix("PROFILE", "activeDays"), tail(d));
+            let item = stalling.inner.item(&["CUST#c1", &sk]).unwrap();
+            let Some(MemValue::Num(at)) = item.get("expiresAt") else { panic!("day {d} has no expiry: {item:?}") };
+            *expiries.entry(at.to_string().parse().unwrap()).or_default() += 1;
+        }
+        let profile = stalling.inner.item(&["CUST#c1", "PROFILE"]).unwrap();
+        assert_eq!(profile.get("activeDays"), None, "no day counted");
+        assert_eq!(expiries, BTreeMap::from([(read_at, 24), (read_at + 3600, 6)]), "the second transaction's expiry is an hour later");
+        crate::state::simulate_clock(None);
     }
 
     /// A hot target: 64 shards derive it at once. Each writes at most twice (it lands, or two
@@ -1001,6 +1053,12 @@ rules:
     struct AfterFirstRead {
         inner: MemoryAggregates,
         step: std::sync::Mutex<Option<Step>>,
+    }
+
+    impl AfterFirstRead {
+        fn stall(&self) -> Duration {
+            Duration::ZERO
+        }
     }
 
     impl AggregateStore for AfterFirstRead {

@@ -231,12 +231,14 @@ async fn flip<S: AggregateStore>(
 ) -> Result<Flipped, SinkError> {
     let prefix = helper::prefix(t.owner_sk, t.name);
     let expiring = t.expiry.filter(|e| e.set);
-    let expiry = expiring.map(|e| (e.attribute.as_str(), e.at(crate::state::now_ms())));
     let count = format!("{}{}", t.names.counts, t.name);
     let counter = format!("{}{}", t.names.counters, t.name);
     let mut lowered = false;
     for chunk in flips.chunks(HELPERS_PER_TRANSACTION) {
         let helpers: Vec<(String, HelperState)> = chunk.iter().map(|(tail, s)| (format!("{prefix}{tail}"), *s)).collect();
+        // The expiry from the time of this chunk's transaction, not of the read: a helper may
+        // hold records applied since (raised and lowered again while this derivation waited).
+        let expiry = expiring.map(|e| (e.attribute.as_str(), e.at(crate::state::now_ms())));
         // Where the service deletes helpers itself, no expiry without its record.
         let recorded = match expiry.filter(|_| expiring.is_some_and(|e| e.own)) {
             Some(e) => record_expiries(store, t, &helpers, e, stats).await?,

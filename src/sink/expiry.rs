@@ -21,7 +21,15 @@
 //!   it counts only records it never held.
 //! - A write that raises the count removes the expiry; an expiry is set only while the count is
 //!   zero and no write has touched the helper since it was seen at zero (the write's
-//!   condition). So a helper with a live reference is never deleted. The attribute is
+//!   condition). So a helper with a live reference is never deleted.
+//! - `distinct`'s transition ([`super::distinct`]) sets the expiry as it clears the helper's
+//!   flag, on condition of the flag and a zero count, not of the write counter: the helper may
+//!   have been raised and lowered again since the derivation read it. So each transaction takes
+//!   `t_e` from its own time, just before it is recorded and sent: a record applied before that
+//!   was created before `t_e`. One applied while this process is paused between the two was
+//!   created at most that pause after `t_e`: the 4 hours of margin cover that pause and P
+//!   together. (Conditioning on the write counter would close it; helpers written by two
+//!   deployments carry one counter each, so the flag and count stand in for it.) The attribute is
 //!   configured (`aggregates.helper_expiry_attribute`), so every process that writes helpers
 //!   (the service, reconcile and its own consumer) removes it on every helper write, whether
 //!   or not it may set expiries (only while DescribeTimeToLive says TTL is enabled on it).
