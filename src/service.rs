@@ -324,6 +324,9 @@ async fn watch_ttl<S, L, A>(
 /// [`crate::sink::expiry::SWEEP_MS`] (after a second again while more are due), on the replica
 /// that runs the committed definitions and holds the sweep's lease, until `stop`. Also while
 /// TTL is on: expiries recorded before it was turned on are still swept.
+/// How soon a sweep that failed in part is tried again.
+const SWEEP_RETRY: Duration = Duration::from_secs(60);
+
 async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>(
     shared: Arc<Shared<S, L, A>>,
     attribute: String,
@@ -360,8 +363,17 @@ async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>
                 if swept.more {
                     wait = Duration::from_secs(1);
                 }
+                // Not at once, even with more due: a delete refused for good would fail again.
+                if let Some(e) = &swept.error {
+                    warn!(failed = swept.failed, partitions_unread = swept.unread, error = %e, "some expired helper items could not be deleted: tried again in a minute");
+                    wait = SWEEP_RETRY;
+                }
             }
-            Err(e) => warn!(error = %e, "sweeping expired helper items failed: retried at the next sweep"),
+            Err(e) => {
+                telemetry::helper_sweep_failed();
+                warn!(error = %e, "sweeping expired helper items failed: tried again in a minute");
+                wait = SWEEP_RETRY;
+            }
         }
     }
 }

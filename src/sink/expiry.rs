@@ -221,13 +221,19 @@ pub struct Swept {
     pub more: bool,
     /// The oldest expiry found due (epoch seconds): how far the sweep is behind.
     pub oldest_due: Option<u64>,
+    /// Deletes that failed after their retries (tried again next sweep), and partitions of
+    /// pending items that could not be read; the first error.
+    pub failed: u64,
+    pub unread: u64,
+    pub error: Option<String>,
 }
 
 /// Deletes the helpers of `attribute` whose recorded expiry lies [`SWEEP_GRACE_S`] before
 /// `now_s`, each only if it still carries that expiry at zero
 /// ([`crate::sink::AggregateStore::remove_expired`]). Reads at most [`SWEEP_PAGE`] pending
 /// items per partition, the partitions side by side and [`SWEEP_CONCURRENCY`] deletes at once
-/// in each.
+/// in each. Each call is retried ([`crate::sink::retrying`]); one that still fails is counted
+/// and the others go on. An error only when no partition could be read.
 pub async fn sweep<S: crate::sink::AggregateStore>(
     store: &S,
     key_names: &[String],
@@ -240,29 +246,55 @@ pub async fn sweep<S: crate::sink::AggregateStore>(
         async move { sweep_partition(store, &q).await }
     });
     let mut swept = Swept::default();
+    let mut unread = None;
     for one in futures::future::join_all(rounds).await {
-        let one = one?;
-        swept.deleted += one.deleted;
-        swept.kept += one.kept;
-        swept.more |= one.more;
-        swept.oldest_due = match (swept.oldest_due, one.oldest_due) {
+        match one {
+            Ok(one) => swept.add(one),
+            Err(e) => {
+                swept.unread += 1;
+                unread.get_or_insert(e);
+            }
+        }
+    }
+    match unread {
+        Some(e) if swept.unread >= u64::from(PENDING_PARTITIONS) => Err(e),
+        e => {
+            swept.error = swept.error.take().or(e.map(|e| e.to_string()));
+            Ok(swept)
+        }
+    }
+}
+
+impl Swept {
+    /// Adds one partition's sweep.
+    fn add(&mut self, one: Swept) {
+        self.deleted += one.deleted;
+        self.kept += one.kept;
+        self.failed += one.failed;
+        self.more |= one.more;
+        self.oldest_due = match (self.oldest_due, one.oldest_due) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        self.error = self.error.take().or(one.error);
     }
-    Ok(swept)
 }
 
 async fn sweep_partition<S: crate::sink::AggregateStore>(store: &S, q: &DueQuery<'_>) -> Result<Swept, crate::sink::SinkError> {
     use futures::StreamExt;
-    let due = store.due_expiries(q).await?;
+    let due = crate::sink::retrying(|| store.due_expiries(q)).await?;
     let mut swept = Swept { more: due.len() >= q.limit, oldest_due: due.iter().map(|p| p.at).min(), ..Swept::default() };
-    let deletes: Vec<_> = due.iter().map(|p| store.remove_expired(p)).collect();
+    let deletes: Vec<_> = due.iter().map(|p| crate::sink::retrying(move || store.remove_expired(p))).collect();
     let mut deletes = futures::stream::iter(deletes).buffer_unordered(SWEEP_CONCURRENCY);
     while let Some(deleted) = deletes.next().await {
-        match deleted? {
-            true => swept.deleted += 1,
-            false => swept.kept += 1,
+        match deleted {
+            Ok(true) => swept.deleted += 1,
+            Ok(false) => swept.kept += 1,
+            // Its pending item stays: the next sweep tries it again.
+            Err(e) => {
+                swept.failed += 1;
+                swept.error.get_or_insert(e.to_string());
+            }
         }
     }
     Ok(swept)

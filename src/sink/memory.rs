@@ -34,6 +34,10 @@ struct State {
     pending: BTreeMap<(String, String), Vec<String>>,
     /// Pending expiries are refused for good (a role without dynamodb:PutItem).
     refuse_pending: bool,
+    /// The sweep's faults: deletes of these helpers, and reads of these partitions of pending
+    /// items, are refused for good.
+    refuse_deletes: std::collections::BTreeSet<Vec<String>>,
+    refuse_pending_reads: std::collections::BTreeSet<u8>,
     /// Every expiry set, by (expiry, key), so that [`MemoryAggregates::delete_expired`] reads
     /// only those due (an entry whose item has another expiry since, or none, is stale).
     expiring: std::collections::BTreeSet<(u64, Vec<String>)>,
@@ -169,6 +173,14 @@ impl MemoryAggregates {
     /// Refuses every pending expiry from now on, as a table refuses a role without the right.
     pub fn refuse_pending_expiries(&self) {
         self.lock().refuse_pending = true;
+    }
+
+    /// Refuses for good the sweep's deletes of these helpers (key values) and its reads of
+    /// these partitions of pending items (a fault the sweep must survive).
+    pub fn refuse_sweep(&self, helpers: &[Vec<String>], partitions: &[u8]) {
+        let mut s = self.lock();
+        s.refuse_deletes.extend(helpers.iter().cloned());
+        s.refuse_pending_reads.extend(partitions.iter().copied());
     }
 
     /// Removes an attribute directly (a write that never landed).
@@ -661,6 +673,9 @@ impl AggregateStore for MemoryAggregates {
     async fn due_expiries(&self, q: &DueQuery<'_>) -> Result<Vec<Pending>, SinkError> {
         let mut s = self.lock();
         s.calls += 1;
+        if s.refuse_pending_reads.contains(&q.partition) {
+            return Err(SinkError::Fatal("AccessDeniedException: simulated refusal of a pending partition's read".into()));
+        }
         let pk = pending_partition(q.attribute, q.partition);
         let due = due_before(q.due_s);
         let from = (pk.clone(), String::new());
@@ -679,6 +694,9 @@ impl AggregateStore for MemoryAggregates {
         let mut s = self.lock();
         s.calls += 1;
         let key: Vec<String> = p.helper.iter().map(|(_, v)| v.clone()).collect();
+        if s.refuse_deletes.contains(&key) {
+            return Err(SinkError::Fatal("AccessDeniedException: simulated refusal of a helper's delete".into()));
+        }
         let at = Decimal::from_i64(i64::try_from(p.at).unwrap_or(i64::MAX));
         let expired = s.items.get(&key).is_some_and(|item| {
             matches!(item.get(&p.attribute), Some(MemValue::Num(n)) if *n == at)

@@ -884,6 +884,55 @@ mod tests {
         assert_eq!(count(&store, "5").as_deref(), Some("-1"), "the replay counted twice");
     }
 
+    /// A sweep goes on past a delete the table refuses and a partition of pending items it
+    /// cannot read: it deletes the rest, counts both, and keeps their pending items for the
+    /// next sweep. Only when no partition can be read is the sweep an error.
+    #[tokio::test]
+    async fn a_sweep_goes_on_past_a_refused_delete_and_an_unreadable_partition() {
+        use crate::rules::helper::REFS;
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let sk = |v: u32| format!("PROFILE#_agg#largest#N{v}");
+        let refs = |seq: u64, d: i64| TargetDelta {
+            contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+            ..Default::default()
+        };
+        let ctx = ShardContext {
+            expiry: Some(Expiry { own: true, ..Expiry::new("expiresAt") }),
+            ..ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa")
+        };
+        let partition_of = |v: u32| {
+            let p = expiry::Pending {
+                helper: vec![("PK".into(), "CUST#c1".into()), ("SK".into(), sk(v))],
+                attribute: "expiresAt".into(),
+                at: 0,
+            };
+            expiry::pending_key(&p).0.rsplit('#').next().and_then(|n| n.parse::<u8>().ok()).unwrap()
+        };
+        // Three helpers whose pending items lie in three partitions.
+        let mut values: Vec<u32> = Vec::new();
+        for v in 1..100 {
+            if values.len() < 3 && !values.iter().any(|w| partition_of(*w) == partition_of(v)) {
+                values.push(v);
+            }
+        }
+        let store = MemoryAggregates::new();
+        for (i, v) in values.iter().enumerate() {
+            let key = TargetKey(vec![Box::from("CUST#c1"), Box::from(sk(*v))].into_boxed_slice());
+            write_target(&store, &names, &key, &refs(2 * i as u64 + 1, 1), &ctx).await.unwrap();
+            write_target(&store, &names, &key, &refs(2 * i as u64 + 2, -1), &ctx).await.unwrap();
+        }
+        let [deleted, refused, unread] = [values[0], values[1], values[2]];
+        store.refuse_sweep(&[vec!["CUST#c1".into(), sk(refused)]], &[partition_of(unread)]);
+        let later = crate::state::now_ms() / 1000 + expiry::EXPIRE_AFTER_MS / 1000 + expiry::SWEEP_GRACE_S + 60;
+        let swept = expiry::sweep(&store, &names, "expiresAt", later).await.unwrap();
+        assert_eq!((swept.deleted, swept.kept, swept.failed, swept.unread), (1, 0, 1, 1), "{swept:?}");
+        assert!(swept.error.as_deref().is_some_and(|e| e.contains("AccessDenied")), "{swept:?}");
+        assert_eq!(store.pending_expiries(), 2, "the refused and the unread are tried again next sweep");
+        assert!(store.item(&["CUST#c1", &sk(deleted)]).is_none(), "the other helper was deleted");
+        store.refuse_sweep(&[], &(0..expiry::PENDING_PARTITIONS).collect::<Vec<_>>());
+        assert!(expiry::sweep(&store, &names, "expiresAt", later).await.is_err(), "no partition could be read");
+    }
+
     /// Record `seq` of source item `item`, changing `n` by `delta`; the item contributes
     /// `after` to `n` after it (None: nothing, it was deleted).
     fn of_item(seq: u64, item: &str, delta: i64, after: Option<i64>) -> Contribution {

@@ -149,8 +149,14 @@ pub fn reconcile_succeeded(now_ms: u64) {
 pub fn helper_deletes(swept: &crate::sink::expiry::Swept, now_s: u64) {
     metrics::counter!(names::HELPER_DELETES, "outcome" => "deleted").increment(swept.deleted);
     metrics::counter!(names::HELPER_DELETES, "outcome" => "kept").increment(swept.kept);
+    metrics::counter!(names::HELPER_DELETES, "outcome" => "failed").increment(swept.failed + swept.unread);
     let lag = swept.oldest_due.map_or(0, |at| now_s.saturating_sub(at));
     metrics::gauge!(names::HELPER_SWEEP_LAG).set(lag as f64);
+}
+
+/// A sweep that could read no pending item at all.
+pub fn helper_sweep_failed() {
+    metrics::counter!(names::HELPER_DELETES, "outcome" => "failed").increment(u64::from(crate::sink::expiry::PENDING_PARTITIONS));
 }
 
 fn refresh_last_success() {

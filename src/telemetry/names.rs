@@ -146,7 +146,7 @@ pub fn describe() {
     );
     describe_counter!(
         HELPER_DELETES,
-        "Expired helper items the service deleted itself (the table's TTL is not on aggregates.helper_expiry_attribute): outcome deleted, or kept (written since its expiry was set, or already gone)."
+        "Expired helper items the service deleted itself (the table's TTL is not on aggregates.helper_expiry_attribute): outcome deleted, kept (written since its expiry was set, or already gone), or failed (a delete, or a partition of pending items read, that failed after its retries; tried again within a minute)."
     );
     describe_gauge!(
         HELPER_SWEEP_LAG,
@@ -207,7 +207,7 @@ pub fn init_series(rules: &[String]) {
     for kind in ["item", "attribute"] {
         counter!(DEFINITIONS_REMOVED, "kind" => kind).increment(0);
     }
-    for outcome in ["deleted", "kept"] {
+    for outcome in ["deleted", "kept", "failed"] {
         counter!(HELPER_DELETES, "outcome" => outcome).increment(0);
     }
     metrics::gauge!(DEFINITIONS_REMOVAL_PENDING).set(0.0);
