@@ -807,6 +807,17 @@ mod tests {
         }
     }
 
+    /// The tail of the `activeDays` (a `distinct`) helper of day `d`.
+    fn day(d: i64) -> String {
+        Derive::Distinct.tail(&Scalar::N(Decimal::from_i64(d)), None)
+    }
+
+    /// Sets the count of the `activeDays` helper of day `d` in place.
+    fn set_day(store: &MemoryAggregates, d: i64, refs: i64) {
+        let sk = format!("{}{}", helper::prefix("PROFILE", "activeDays"), day(d));
+        store.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::from_i64(refs)));
+    }
+
     /// Sixteen shards raise a day each and derive at once, beside two reconciles that walk
     /// every helper; then half the days close, derived as concurrently. Each time the days
     /// equal the live helpers.
@@ -814,11 +825,7 @@ mod tests {
     async fn concurrent_transitions_and_walks_of_one_distinct_count_stay_exact() {
         let store = Interleaved::default();
         let (key_names, ledger) = (["PK".to_string(), "SK".to_string()], Ledger::new("t"));
-        let day = |d: i64| Derive::Distinct.tail(&Scalar::N(Decimal::from_i64(d)), None);
-        let set = |d: i64, refs: i64| {
-            let sk = format!("{}{}", helper::prefix("PROFILE", "activeDays"), day(d));
-            store.inner.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::from_i64(refs)));
-        };
+        let set = |d: i64, refs: i64| set_day(&store.inner, d, refs);
         let target = |days: Option<i64>| {
             let mut t = target_of([]);
             t.measures.insert("activeDays".into(), Derive::Distinct);
@@ -849,11 +856,7 @@ mod tests {
         crate::state::simulate_clock(Some(1_764_460_800_000));
         let store = Interleaved::default();
         let (key_names, ledger) = (["PK".to_string(), "SK".to_string()], Ledger::new("t"));
-        let tail = |d: i64| Derive::Distinct.tail(&Scalar::N(Decimal::from_i64(d)), None);
-        let set = |d: i64, refs: i64| {
-            let sk = format!("{}{}", helper::prefix("PROFILE", "activeDays"), tail(d));
-            store.inner.put(&["CUST#c1", &sk], helper::REFS, MemValue::Num(Decimal::from_i64(refs)));
-        };
+        let (tail, set) = (day, |d: i64, refs: i64| set_day(&store.inner, d, refs));
         let mut target = target_of([]);
         target.measures.insert("activeDays".into(), Derive::Distinct);
         target.touched.insert("activeDays".into(), Touched::Helpers((0..30).map(tail).collect()));
