@@ -324,9 +324,10 @@ async fn watch_ttl<S, L, A>(
 const SWEEP_RETRY: Duration = Duration::from_secs(60);
 
 /// Deletes the helpers whose expiry the service recorded as its own to delete, every
-/// [`crate::sink::expiry::SWEEP_MS`] (after a second again while more are due, after a minute when a part failed), on the replica
-/// that runs the committed definitions and holds the sweep's lease, until `stop`. Also while
-/// TTL is on: expiries recorded before it was turned on are still swept.
+/// [`crate::sink::expiry::SWEEP_MS`] (after a second again while more are due, after a minute
+/// when a part failed), on the replica that runs the committed definitions and holds the
+/// sweep's lease, until `stop`. Also while TTL is on: expiries recorded before it was turned
+/// on are still swept.
 async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>(
     shared: Arc<Shared<S, L, A>>,
     attribute: String,
