@@ -325,8 +325,8 @@ const SWEEP_RETRY: Duration = Duration::from_secs(60);
 
 /// Deletes the helpers whose expiry the service recorded as its own to delete, every
 /// [`crate::sink::expiry::SWEEP_MS`] (after a second again while more are due, after a minute
-/// when a part failed), on the replica that runs the committed definitions and holds the
-/// sweep's lease, until `stop`. Also while TTL is on: expiries recorded before it was turned
+/// when a part failed or its lease could not be read), on the replica that runs the committed
+/// definitions and holds the sweep's lease, until `stop`. Also while TTL is on: expiries recorded before it was turned
 /// on are still swept.
 async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>(
     shared: Arc<Shared<S, L, A>>,
@@ -352,8 +352,15 @@ async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>
         }
         let now = crate::state::now_ms();
         let hold = now.saturating_add(crate::sink::expiry::SWEEP_MS);
-        if !shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await.unwrap_or(false) {
-            continue;
+        match shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await {
+            Ok(true) => {}
+            // Another replica sweeps.
+            Ok(false) => continue,
+            Err(e) => {
+                warn!(error = %e, "cannot take the helper sweep's lease: tried again in a minute");
+                wait = SWEEP_RETRY;
+                continue;
+            }
         }
         match crate::sink::expiry::sweep(shared.sink.as_ref(), &key_names, &attribute, now / 1000).await {
             Ok(swept) => {
