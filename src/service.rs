@@ -320,13 +320,35 @@ async fn watch_ttl<S, L, A>(
     }
 }
 
-/// How soon a sweep that failed in part is tried again.
-const SWEEP_RETRY: Duration = Duration::from_secs(60);
+/// What one round of the helper sweep came to: how soon the next runs ([`next_sweep`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SweepRound {
+    /// The replica does not run the committed definitions yet (it commits them some seconds
+    /// after start).
+    NotCommitted,
+    /// Another replica holds the sweep's lease.
+    HeldElsewhere,
+    /// The lease could not be read, or the sweep read no partition, or a part of it failed.
+    Failed,
+    /// Swept; `more`: a partition had more due than one round reads.
+    Swept { more: bool },
+}
 
-/// Deletes the helpers whose expiry the service recorded as its own to delete, every
-/// [`crate::sink::expiry::SWEEP_MS`] (after a second again while more are due, after a minute
-/// when a part failed or its lease could not be read), on the replica that runs the committed
-/// definitions and holds the sweep's lease, until `stop`. Also while TTL is on: expiries recorded before it was turned
+/// How long after `round` the next sweep runs: soon while the definitions are not committed,
+/// a minute after a failure (not at once, even with more due: a delete refused for good would
+/// fail again), a second while more are due, else [`crate::sink::expiry::SWEEP_MS`].
+fn next_sweep(round: SweepRound) -> Duration {
+    match round {
+        SweepRound::NotCommitted => Duration::from_secs(5),
+        SweepRound::Failed => Duration::from_secs(60),
+        SweepRound::Swept { more: true } => Duration::from_secs(1),
+        SweepRound::HeldElsewhere | SweepRound::Swept { more: false } => Duration::from_millis(crate::sink::expiry::SWEEP_MS),
+    }
+}
+
+/// Deletes the helpers whose expiry the service recorded as its own to delete, on the replica
+/// that runs the committed definitions and holds the sweep's lease, until `stop`; the rounds
+/// are spaced by [`next_sweep`]. Also while TTL is on: expiries recorded before it was turned
 /// on are still swept.
 async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>(
     shared: Arc<Shared<S, L, A>>,
@@ -336,52 +358,54 @@ async fn sweep_expired_helpers<S, L: LeaseStore, A: crate::sink::AggregateStore>
     let Some(key_names) = shared.engine.rules.first().map(|r| r.target.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()) else {
         return;
     };
-    let period = Duration::from_millis(crate::sink::expiry::SWEEP_MS);
-    let mut wait = Duration::from_secs(5);
+    let mut wait = next_sweep(SweepRound::NotCommitted);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(wait) => {}
         }
-        wait = period;
-        // Only under the committed definitions: the expiry attribute is one of them.
-        if !shared.definitions_current.load(std::sync::atomic::Ordering::Relaxed) {
-            // Soon again: a replica commits its definitions some seconds after start.
-            wait = Duration::from_secs(5);
-            continue;
+        wait = next_sweep(sweep_round(&shared, &key_names, &attribute).await);
+    }
+}
+
+/// One round of the helper sweep, its outcome logged and counted.
+async fn sweep_round<S, L: LeaseStore, A: crate::sink::AggregateStore>(
+    shared: &Shared<S, L, A>,
+    key_names: &[String],
+    attribute: &str,
+) -> SweepRound {
+    // Only under the committed definitions: the expiry attribute is one of them.
+    if !shared.definitions_current.load(std::sync::atomic::Ordering::Relaxed) {
+        return SweepRound::NotCommitted;
+    }
+    let now = crate::state::now_ms();
+    let hold = now.saturating_add(crate::sink::expiry::SWEEP_MS);
+    match shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await {
+        Ok(true) => {}
+        Ok(false) => return SweepRound::HeldElsewhere,
+        Err(e) => {
+            warn!(error = %e, "cannot take the helper sweep's lease: tried again in a minute");
+            return SweepRound::Failed;
         }
-        let now = crate::state::now_ms();
-        let hold = now.saturating_add(crate::sink::expiry::SWEEP_MS);
-        match shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await {
-            Ok(true) => {}
-            // Another replica sweeps.
-            Ok(false) => continue,
-            Err(e) => {
-                warn!(error = %e, "cannot take the helper sweep's lease: tried again in a minute");
-                wait = SWEEP_RETRY;
-                continue;
+    }
+    match crate::sink::expiry::sweep(shared.sink.as_ref(), key_names, attribute, now / 1000).await {
+        Ok(swept) => {
+            telemetry::helper_deletes(&swept, now / 1000);
+            if swept.deleted + swept.kept > 0 {
+                info!(deleted = swept.deleted, kept = swept.kept, "swept expired helper items");
             }
-        }
-        match crate::sink::expiry::sweep(shared.sink.as_ref(), &key_names, &attribute, now / 1000).await {
-            Ok(swept) => {
-                telemetry::helper_deletes(&swept, now / 1000);
-                if swept.deleted + swept.kept > 0 {
-                    info!(deleted = swept.deleted, kept = swept.kept, "swept expired helper items");
-                }
-                if swept.more {
-                    wait = Duration::from_secs(1);
-                }
-                // Not at once, even with more due: a delete refused for good would fail again.
-                if let Some(e) = &swept.error {
+            match &swept.error {
+                Some(e) => {
                     warn!(failed = swept.failed, partitions_unread = swept.unread, error = %e, "some expired helper items could not be deleted: tried again in a minute");
-                    wait = SWEEP_RETRY;
+                    SweepRound::Failed
                 }
+                None => SweepRound::Swept { more: swept.more },
             }
-            Err(e) => {
-                telemetry::helper_sweep_failed();
-                warn!(error = %e, "sweeping expired helper items failed: tried again in a minute");
-                wait = SWEEP_RETRY;
-            }
+        }
+        Err(e) => {
+            telemetry::helper_sweep_failed();
+            warn!(error = %e, "sweeping expired helper items failed: tried again in a minute");
+            SweepRound::Failed
         }
     }
 }
@@ -411,6 +435,16 @@ async fn wait_for_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_helper_sweep_runs_again_soon_only_when_it_must() {
+        let period = Duration::from_millis(crate::sink::expiry::SWEEP_MS);
+        assert_eq!(next_sweep(SweepRound::NotCommitted), Duration::from_secs(5), "definitions are committed seconds after start");
+        assert_eq!(next_sweep(SweepRound::Swept { more: true }), Duration::from_secs(1), "a backlog goes on at once");
+        assert_eq!(next_sweep(SweepRound::Failed), Duration::from_secs(60), "a failure: not 10 minutes, not every second");
+        assert_eq!(next_sweep(SweepRound::HeldElsewhere), period);
+        assert_eq!(next_sweep(SweepRound::Swept { more: false }), period);
+    }
 
     #[test]
     fn a_followed_stream_starts_at_its_horizon() {

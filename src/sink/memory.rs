@@ -134,7 +134,7 @@ impl MemoryAggregates {
     }
 
     pub fn item(&self, key: &[&str]) -> Option<BTreeMap<String, MemValue>> {
-        self.lock().items.get(&key.iter().map(|s| s.to_string()).collect::<Vec<_>>()).cloned()
+        self.with_item(&key.iter().map(|s| s.to_string()).collect::<Vec<_>>(), |item| item.cloned())
     }
 
     /// `f` of the item with these key values (None: absent), read in place: nothing cloned.

@@ -681,7 +681,7 @@ impl World {
             if now >= next_hour {
                 next_hour = now + HOUR;
                 let catching_up = outage_at.is_some_and(|t| (t..t + 50 * HOUR).contains(&now));
-                self.hourly_largest(now >= start + 8 * HOUR, catching_up);
+                self.hourly_figures(now >= start + 8 * HOUR, catching_up);
             }
             if now >= next_retention {
                 self.retention(now);
@@ -963,7 +963,7 @@ impl World {
 
     /// Files the largest item and the hottest partition of the hour under start-up, the
     /// outage's catch-up or the rest.
-    fn hourly_largest(&mut self, after_start_up: bool, catching_up: bool) {
+    fn hourly_figures(&mut self, after_start_up: bool, catching_up: bool) {
         let size = self.aggregates.take_largest_since();
         let hot = self.aggregates.take_peak_partition_wcu();
         let r = &mut self.report;
