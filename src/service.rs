@@ -382,7 +382,10 @@ async fn sweep_round<S, L: LeaseStore, A: crate::sink::AggregateStore>(
     let hold = now.saturating_add(crate::sink::expiry::SWEEP_MS);
     match shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await {
         Ok(true) => {}
-        Ok(false) => return SweepRound::HeldElsewhere,
+        Ok(false) => {
+            telemetry::helper_sweep_elsewhere();
+            return SweepRound::HeldElsewhere;
+        }
         Err(e) => {
             warn!(error = %e, "cannot take the helper sweep's lease: tried again in a minute");
             return SweepRound::Failed;

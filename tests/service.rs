@@ -752,6 +752,28 @@ fn open_orders_truth_and_stored(
     (want, got)
 }
 
+/// The sweep of expired helpers ran and found none due.
+const SWEPT_NOTHING_DUE: &str = "\nddb_aggregator_helper_sweep_lag_seconds 0\n";
+
+/// When the service's first sweep of expired helpers had run (its gauge shows); the sweep's
+/// log lines and the metrics if it does not within 150 s (rounds run a minute apart after a
+/// failed call).
+async fn wait_for_sweep(svc: &Service) -> Instant {
+    let started = Instant::now();
+    loop {
+        let metrics = svc.metrics();
+        if metrics.contains(SWEPT_NOTHING_DUE) {
+            return Instant::now();
+        }
+        if started.elapsed() > Duration::from_secs(150) {
+            let log = svc.log_tail();
+            let sweep: Vec<&str> = log.lines().filter(|l| l.contains("sweep")).collect();
+            panic!("no sweep in 150 s; its log lines: {sweep:#?}\n{metrics}\n{log}");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 /// Items read per derivation query, by measure kind, from a metrics text.
 fn reads_per_query(m: &str) -> BTreeMap<&'static str, (f64, f64)> {
     ["min", "latest", "distinct"]
@@ -781,6 +803,7 @@ async fn derivation_reads_do_not_grow_with_history() {
     let svc = Service::start(&config, dir.path(), "svc", &[]);
     const STEPS: usize = 150;
     let mut phases = Vec::new();
+    let mut swept_at = None;
     for phase in 0..2 {
         let runs = (0..3).map(|customer| open_and_close_orders(&c, &table, customer, phase * STEPS..(phase + 1) * STEPS));
         futures::future::join_all(runs).await;
@@ -794,6 +817,9 @@ async fn derivation_reads_do_not_grow_with_history() {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         phases.push(reads_per_query(&svc.metrics()));
+        if phase == 0 {
+            swept_at = Some(wait_for_sweep(&svc).await);
+        }
     }
     let per_query = |k: &str, p: usize| {
         let (q, items) =
@@ -844,16 +870,16 @@ async fn derivation_reads_do_not_grow_with_history() {
     println!("pending expiries: {} recorded", recorded.len());
     assert_eq!(recorded.len(), zero, "each helper at zero has its expiry recorded, for the service to delete it");
     // The sweep ran (5 s after start, a minute later again after a failed call) and found
-    // none due: they expire in 40 hours.
-    let started = Instant::now();
-    let metrics = loop {
-        let metrics = svc.metrics();
-        if metrics.contains("\nddb_aggregator_helper_sweep_lag_seconds 0\n") {
-            break metrics;
-        }
-        assert!(started.elapsed() < Duration::from_secs(150), "the sweep ran, nothing due: {metrics}\n{}", svc.log_tail());
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    };
+    // none due: they expire in 40 hours. Its gauge stays between sweeps (ten minutes apart),
+    // past the idle timeout that drops the gauges of shards no longer read (30 s here).
+    let since = swept_at.expect("phase 0 waited for the sweep").elapsed();
+    tokio::time::sleep(Duration::from_secs(40).saturating_sub(since)).await;
+    let metrics = svc.metrics();
+    assert!(
+        metrics.contains(SWEPT_NOTHING_DUE),
+        "the sweep's gauge, {:?} after its first round: {metrics}",
+        since.max(Duration::from_secs(40))
+    );
     assert_eq!(metric(&metrics, "ddb_aggregator_helper_deletes_total{outcome=\"deleted\"}"), 0.0, "{metrics}");
     // reconcile reports the same counts (it pushes them, and the service's scheduled run of
     // everything sets `helper_items`), and finds nothing to correct.

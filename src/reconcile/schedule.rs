@@ -78,10 +78,7 @@ pub async fn run_schedule<S, L: crate::state::LeaseStore, A>(
         let run = async {
             if all {
                 let r = reconciler.run(&Options { all: true, ..opts.clone() }).await?;
-                for (rule, c) in &r.helpers {
-                    metrics::gauge!(crate::telemetry::names::HELPER_ITEMS, "rule" => rule.clone(), "state" => "live").set(c.live as f64);
-                    metrics::gauge!(crate::telemetry::names::HELPER_ITEMS, "rule" => rule.clone(), "state" => "zero").set(c.zero as f64);
-                }
+                crate::telemetry::helper_items(r.helpers.iter().map(|(rule, c)| (rule.as_str(), c.live, c.zero)));
                 checked += r.targets_checked;
                 by_empty_pages.extend(r.by_empty_pages);
                 drifts += r.drifts.len();

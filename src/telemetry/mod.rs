@@ -1,6 +1,7 @@
 //! Telemetry: metric names ([`names`]), the Prometheus exporter with health endpoints, and
 //! logging.
 
+pub mod held;
 pub mod names;
 pub mod probe;
 pub mod process;
@@ -92,7 +93,7 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<
             tokio::select! {
                 _ = upkeep_cancel.cancelled() => return,
                 _ = tick.tick() => {
-                    refresh_last_success();
+                    held::refresh();
                     process::export(&process::read());
                     upkeep.run_upkeep();
                 }
@@ -134,15 +135,11 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<
     }
 }
 
-/// When a reconcile last succeeded (epoch ms; 0: never in this process).
-static LAST_SUCCESS_MS: AtomicU64 = AtomicU64::new(0);
-
-/// Records a successful reconcile. The gauge is set again every few seconds while the process
-/// lives ([`serve`]), so the idle timeout that drops gauges of shards no longer read never
-/// drops it, and `ReconcileNotSucceeding` sees its value age.
+/// Records a successful reconcile. The gauge is held ([`held`]), so the idle timeout that
+/// drops gauges of shards no longer read never drops it, and `ReconcileNotSucceeding` sees its
+/// value age.
 pub fn reconcile_succeeded(now_ms: u64) {
-    LAST_SUCCESS_MS.store(now_ms, Ordering::Relaxed);
-    refresh_last_success();
+    held::set(names::RECONCILE_LAST_SUCCESS, Vec::new(), now_ms as f64 / 1000.0);
 }
 
 /// Counts what a sweep of expired helper items did at `now_s`, and how far behind it is.
@@ -151,19 +148,29 @@ pub fn helper_deletes(swept: &crate::sink::expiry::Swept, now_s: u64) {
     metrics::counter!(names::HELPER_DELETES, "outcome" => "kept").increment(swept.kept);
     metrics::counter!(names::HELPER_DELETES, "outcome" => "failed").increment(swept.failed + swept.unread);
     let lag = swept.oldest_due.map_or(0, |at| now_s.saturating_sub(at));
-    metrics::gauge!(names::HELPER_SWEEP_LAG).set(lag as f64);
+    held::set(names::HELPER_SWEEP_LAG, Vec::new(), lag as f64);
+}
+
+/// This replica no longer sweeps (another holds the sweep's lease): its lag gauge goes after
+/// the idle timeout, leaving the sweeping replica's.
+pub fn helper_sweep_elsewhere() {
+    held::release(names::HELPER_SWEEP_LAG);
+}
+
+/// Helper items per rule (`rule`, live, zero) as a reconcile of everything read them, held
+/// until the next replaces them all (a rule gone from the config goes with it).
+pub fn helper_items<'a>(rules: impl IntoIterator<Item = (&'a str, u64, u64)>) {
+    held::release(names::HELPER_ITEMS);
+    for (rule, live, zero) in rules {
+        for (state, n) in [("live", live), ("zero", zero)] {
+            held::set(names::HELPER_ITEMS, vec![("rule", rule.to_string()), ("state", state.to_string())], n as f64);
+        }
+    }
 }
 
 /// A sweep that could read no pending item at all.
 pub fn helper_sweep_failed() {
     metrics::counter!(names::HELPER_DELETES, "outcome" => "failed").increment(u64::from(crate::sink::expiry::PENDING_PARTITIONS));
-}
-
-fn refresh_last_success() {
-    let ms = LAST_SUCCESS_MS.load(Ordering::Relaxed);
-    if ms > 0 {
-        metrics::gauge!(names::RECONCILE_LAST_SUCCESS).set(ms as f64 / 1000.0);
-    }
 }
 
 /// Binds the metrics address (an error names it, e.g. when the port is taken).
