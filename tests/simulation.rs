@@ -23,7 +23,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use sim::rebuild::{rebuild_run, RebuildParams};
 use sim::tip::{tip_run, TipParams};
-use sim::{run, Params};
+use sim::{run, Params, Peak};
 
 /// A short run for every `scripts/test`: 4 partitions, 6 simulated days (an outage included).
 #[test]
@@ -68,6 +68,14 @@ fn scale() {
             progress: true,
             empty_runs_per_partition_hour: std::env::var("SIM_EMPTY_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0),
             own_expiry: std::env::var("SIM_EXPIRY").is_ok_and(|v| v == "own"),
+            // DynamoDB's per-partition limit (0: none, to compare).
+            partition_limit_wcu: Some(env("SIM_PARTITION_LIMIT", 1000) as f64).filter(|l| *l > 0.0),
+            // Every partition at SIM_PEAK_RATE records a second (0: no peak) for 10 minutes.
+            peak: Some(env("SIM_PEAK_RATE", 10) as f64).filter(|r| *r > 0.0).map(|per_partition_per_s| Peak {
+                hour: 30,
+                minutes: env("SIM_PEAK_MINUTES", 10),
+                per_partition_per_s,
+            }),
             // The first run gets the whole budget (it stops early, drains and checks).
             wall_budget: Some(budget.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1))),
             ..Params::default()

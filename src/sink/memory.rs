@@ -59,6 +59,10 @@ struct State {
     partition_second: std::collections::HashMap<String, (u64, f64)>,
     /// The most WCU one partition key took in one second since last asked, and the key.
     peak_partition_since_asked: (f64, String),
+    /// WCU a partition key takes per second before ledger writes are throttled (None: no
+    /// limit), and the writes throttled since last asked.
+    partition_limit: Option<f64>,
+    throttled_since_asked: u64,
     /// Per item: writes applied and the capacity they consumed.
     usage: HashMap<Vec<String>, (u64, f64)>,
 }
@@ -407,6 +411,18 @@ impl MemoryAggregates {
         std::mem::take(&mut self.lock().peak_partition_since_asked)
     }
 
+    /// Throttles a ledger write that would take its partition key over `wcu` within one
+    /// second of the service's clock, as DynamoDB does above about 1,000 WCU/s per partition
+    /// (None: no limit, the default).
+    pub fn set_partition_limit(&self, wcu: Option<f64>) {
+        self.lock().partition_limit = wcu;
+    }
+
+    /// Ledger writes throttled by the partition limit since last asked.
+    pub fn take_throttled(&self) -> u64 {
+        std::mem::take(&mut self.lock().throttled_since_asked)
+    }
+
     /// The largest item as its largest write left it.
     pub fn largest_item_copy(&self) -> BTreeMap<String, MemValue> {
         self.lock().largest_item_copy.clone()
@@ -467,6 +483,14 @@ fn helper_state(item: &BTreeMap<String, MemValue>) -> HelperState {
 }
 
 impl State {
+    /// Whether `capacity` more would take `partition` over the limit in the current second.
+    fn over_partition_limit(&self, partition: &str, capacity: f64) -> bool {
+        let Some(limit) = self.partition_limit else { return false };
+        let second = crate::state::now_ms() / 1000;
+        let used = self.partition_second.get(partition).filter(|b| b.0 == second).map_or(0.0, |b| b.1);
+        used + capacity > limit
+    }
+
     /// Adds `capacity` to `partition`'s WCU in the current second.
     fn charge_partition(&mut self, partition: &str, capacity: f64) {
         let second = crate::state::now_ms() / 1000;
@@ -510,7 +534,7 @@ impl AggregateStore for MemoryAggregates {
         }
         let key: Vec<String> = w.key.iter().map(|(_, v)| v.clone()).collect();
         let largest = s.largest_item;
-        let item = s.items.entry(key).or_default();
+        let item = s.items.entry(key.clone()).or_default();
         let text = |v: Option<&MemValue>| match v {
             Some(MemValue::Str(s)) => Some(s.clone()),
             _ => None,
@@ -599,6 +623,17 @@ impl AggregateStore for MemoryAggregates {
         if after > MAX_ITEM_BYTES {
             return Err(SinkError::Invalid("ValidationException: Item size has exceeded the maximum allowed size".into()));
         }
+        // 1 WCU per started KB of the larger of the item before and after.
+        let capacity = before.max(after).div_ceil(1024).max(1) as f64;
+        let partition = w.key.first().map_or("", |(_, v)| v.as_str());
+        if s.over_partition_limit(partition, capacity) {
+            s.throttled_since_asked += 1;
+            if s.items.get(&key).is_some_and(BTreeMap::is_empty) {
+                s.items.remove(&key);
+            }
+            return Err(SinkError::Throttled(format!("ProvisionedThroughputExceededException: partition {partition:?} over its limit")));
+        }
+        let item = s.items.get_mut(&key).ok_or_else(|| SinkError::Fatal("the item went away".into()))?;
         for (name, v) in changes {
             match v {
                 Some(v) => item.insert(name, v),
@@ -621,12 +656,10 @@ impl AggregateStore for MemoryAggregates {
             s.largest_item_at = crate::state::now_ms();
             s.largest_item_copy = copy;
         }
-        // 1 WCU per started KB of the larger of the item before and after.
-        let capacity = before.max(after).div_ceil(1024).max(1) as f64;
         let u = s.usage.entry(w.key.iter().map(|(_, v)| v.clone()).collect()).or_default();
         u.0 += 1;
         u.1 += capacity;
-        s.charge_partition(w.key.first().map_or("", |(_, v)| v.as_str()), capacity);
+        s.charge_partition(&w.key.first().map_or(String::new(), |(_, v)| v.clone()), capacity);
         Ok(WriteOutcome::Applied { capacity, seen, helper })
     }
 

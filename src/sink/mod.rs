@@ -730,6 +730,38 @@ mod tests {
         crate::state::simulate_clock(None);
     }
 
+    /// With a partition limit the memory store throttles a write that would take its
+    /// partition key over it within one second, as DynamoDB does; the writer's retry lands
+    /// in a later second, once, and another partition key is not held back.
+    #[tokio::test(start_paused = true)]
+    async fn the_memory_store_throttles_a_partition_over_its_limit() {
+        crate::state::simulate_clock(Some(1_764_460_800_000));
+        let store = MemoryAggregates::new();
+        store.set_partition_limit(Some(3.0));
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let started = tokio::time::Instant::now();
+        let mut stats = Vec::new();
+        for (i, (pk, sk)) in
+            [("SALES#d", "A"), ("SALES#d", "B"), ("SALES#d", "C"), ("CUST#c1", "P"), ("SALES#d", "D")].into_iter().enumerate()
+        {
+            let key = TargetKey(vec![Box::from(pk), Box::from(sk)].into_boxed_slice());
+            let delta = TargetDelta { contributions: vec![contribution(i as u64 + 1, "orders")], ..Default::default() };
+            let ctx = ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa");
+            stats.push((write_target(&store, &names, &key, &delta, &ctx).await.unwrap(), started.elapsed()));
+        }
+        let throttled: Vec<u64> = stats.iter().map(|(s, _)| s.throttled).collect();
+        assert!(
+            throttled[..4].iter().all(|t| *t == 0) && throttled[4] > 0,
+            "only the fourth write on SALES#d within the second: {throttled:?}"
+        );
+        assert_eq!(store.take_throttled(), throttled[4], "every refusal counted");
+        let second = std::time::Duration::from_secs(1);
+        assert!(stats[3].1 < second && stats[4].1 >= second, "retried until the next second: {stats:?}");
+        let counts: Vec<_> = ["A", "B", "C", "D"].iter().map(|sk| store.item(&["SALES#d", sk]).map(|i| i.get("orders").cloned())).collect();
+        assert!(counts.iter().all(|c| c.as_ref().is_some_and(|n| n.is_some())), "each applied once: {counts:?}");
+        crate::state::simulate_clock(None);
+    }
+
     #[tokio::test]
     async fn a_helper_at_zero_expires_and_a_raised_one_does_not() {
         use crate::rules::helper::REFS;

@@ -82,6 +82,21 @@ pub struct Params {
     /// The table has no TTL: the service records each expiry and its sweep deletes the
     /// helpers (every 10 simulated minutes), in place of the simulated TTL.
     pub own_expiry: bool,
+    /// WCU a partition key takes per simulated second before the aggregates table throttles
+    /// a ledger write (DynamoDB: about 1,000); None: no limit.
+    pub partition_limit_wcu: Option<f64>,
+    /// A peak-load phase: every partition written this fast for a while, so every shard runs
+    /// batches back to back, as in production.
+    pub peak: Option<Peak>,
+}
+
+/// A peak-load phase: `per_partition_per_s` records a second per partition for `minutes`,
+/// from the start of simulated hour `hour`.
+#[derive(Debug, Clone, Copy)]
+pub struct Peak {
+    pub hour: u64,
+    pub minutes: u64,
+    pub per_partition_per_s: f64,
 }
 
 impl Default for Params {
@@ -101,6 +116,8 @@ impl Default for Params {
             empty_run_pages: (1, 2),
             helper_expiry_ms: ddb_aggregator::sink::expiry::EXPIRE_AFTER_MS,
             own_expiry: false,
+            partition_limit_wcu: Some(1000.0),
+            peak: None,
         }
     }
 }
@@ -111,6 +128,7 @@ pub struct Report {
     pub seed: u64,
     pub partitions: usize,
     pub days: u64,
+    pub partition_limit: Option<f64>,
     pub shards: u64,
     pub splits: u64,
     pub records: u64,
@@ -155,6 +173,20 @@ pub struct Report {
     pub partition_peak_steady: (f64, String),
     pub partition_peak_catch_up: (f64, String),
     pub hours_over_partition_limit: u64,
+    /// Ledger writes the partition limit throttled (each retried), by phase as above, and in
+    /// the hour of the peak-load phase.
+    pub throttled_first_hours: u64,
+    pub throttled_steady: u64,
+    pub throttled_catch_up: u64,
+    pub throttled_peak: u64,
+    /// The hour of the peak-load phase: its records, its hottest partition in one second and
+    /// its largest item; how long after the phase ended every shard had applied its records.
+    pub peak_records: u64,
+    pub partition_peak_peak: (f64, String),
+    pub largest_item_peak: usize,
+    pub peak_drained_s: Option<u64>,
+    /// How long after the outage's end (every replica back) every shard had caught up.
+    pub outage_caught_up_s: Option<u64>,
     pub lease_table_max: usize,
     pub leases_deleted: u64,
     pub longest_unowned_s: u64,
@@ -257,6 +289,29 @@ impl std::fmt::Display for Report {
             peak(&self.partition_peak_catch_up),
             self.hours_over_partition_limit
         )?;
+        writeln!(
+            f,
+            "  ledger writes throttled over a partition's limit ({}): first 8 hours {}, steady {}, catch-up {}, peak-load hour {}",
+            self.partition_limit.map_or("no limit".to_string(), |l| format!("{l:.0} WCU/s")),
+            self.throttled_first_hours,
+            self.throttled_steady,
+            self.throttled_catch_up,
+            self.throttled_peak
+        )?;
+        if self.peak_records > 0 {
+            writeln!(
+                f,
+                "  peak-load phase: {} records; its hour's hottest partition {}, largest item {} bytes; every shard caught up {} after it ended",
+                self.peak_records,
+                peak(&self.partition_peak_peak),
+                self.largest_item_peak,
+                self.peak_drained_s.map_or("never (before the end)".to_string(), |s| format!("{s} s"))
+            )?;
+        }
+        if self.outages > 0 {
+            let caught_up = self.outage_caught_up_s.map_or("never (before the end)".to_string(), |s| format!("{s} s"));
+            writeln!(f, "  the outage's catch-up: every shard caught up {caught_up} after every replica was back")?;
+        }
         writeln!(
             f,
             "  lease table at most {} leases, {} finished leases deleted; longest unowned shard {} s",
@@ -492,12 +547,17 @@ struct World {
     round_full: [bool; 2],
     /// The old stream's checkpoints when the new stream appeared (scenario i).
     old_stream_at_switch: BTreeMap<(usize, String), Option<ddb_aggregator::state::Checkpoint>>,
+    /// Backlogs being timed: since when (the outage's end, the peak-load phase's end) until
+    /// every shard caught up.
+    outage_back: Option<u64>,
+    peak_ended: Option<u64>,
     report: Report,
 }
 
 impl World {
     fn new(p: Params) -> World {
         let partitions = p.partitions;
+        let partition_limit = p.partition_limit_wcu;
         let first_round = p.reconcile_every_hours * HOUR;
         let stream = Arc::new(SimStream::new());
         stream.quiet();
@@ -514,7 +574,14 @@ impl World {
                 Leaf { lo, hi, shard: stream.add_shard_at(None, now), rollover_at: now + rng.u64(HOUR..4 * HOUR) }
             })
             .collect();
-        let report = Report { seed: p.seed, partitions: p.partitions, days: p.days, shards: p.partitions as u64, ..Report::default() };
+        let report = Report {
+            seed: p.seed,
+            partitions: p.partitions,
+            days: p.days,
+            partition_limit: p.partition_limit_wcu,
+            shards: p.partitions as u64,
+            ..Report::default()
+        };
         World {
             faults: Arc::new(Faults::new(p.seed ^ 0x5eed, p.fault_rate)),
             replicas: (0..=p.replicas).map(|_| None).collect(),
@@ -526,6 +593,7 @@ impl World {
                 for c in (0..CUSTOMERS_PER_PARTITION * partitions as u32).filter(|c| c % 8 == REFUSING) {
                     aggregates.put(&[&format!("CUST#c{c}"), "PROFILE"], "orders_HELD", MemValue::Str("held: see the order's notes".into()));
                 }
+                aggregates.set_partition_limit(partition_limit);
                 Arc::new(aggregates)
             },
             leases_a: Arc::new(MemoryLeases::new()),
@@ -561,6 +629,8 @@ impl World {
             round_started: [0, 0],
             round_full: [false, false],
             old_stream_at_switch: Default::default(),
+            outage_back: None,
+            peak_ended: None,
             report,
         }
     }
@@ -626,6 +696,12 @@ impl World {
         // records nobody read when the new one appears.
         let disable_at = (self.p.days >= 6).then(|| start + (self.p.days * DAY * 2 / 3).min(8 * DAY) + self.rng.u64(0..HOUR * 6));
         let mut enable_at: Option<u64> = None;
+        // The peak-load phase: from hour 30, or half way through a shorter run, at the first
+        // step not draining for a check (it defers the next check until it is over).
+        let peak_at = self.p.peak.map(|p| (start + p.hour.min(self.p.days * 24 / 2).max(1) * HOUR, p.minutes * 60_000));
+        let mut peak_started: Option<u64> = None;
+        let long_peak = peak_at.map_or(0, |p| p.1);
+        let mut filed = start;
         let wall = std::time::Instant::now();
         let mut next_progress = start + DAY;
         while now_ms() < end && self.p.wall_budget.is_none_or(|b| wall.elapsed() < b) {
@@ -675,20 +751,42 @@ impl World {
                 started_up = self.start_up(start, now, &roots).await;
             }
             self.rollovers(now);
+            self.time_backlogs(now);
             self.empty_runs(step);
             self.reconcile_rounds(now);
             self.explain_largest(now);
             if now >= next_hour {
                 next_hour = now + HOUR;
                 let catching_up = outage_at.is_some_and(|t| (t..t + 50 * HOUR).contains(&now));
-                self.hourly_figures(now >= start + 8 * HOUR, catching_up);
+                // Since the last filing (an hour, or longer after a check that took a while),
+                // some of the peak-load phase: from its start until every shard applied it.
+                let peak =
+                    peak_started.is_some_and(|t| now > t && self.report.peak_drained_s.is_none_or(|d| filed < t + long_peak + d * 1000));
+                filed = now;
+                self.hourly_figures(now >= start + 8 * HOUR, catching_up, peak);
             }
             if now >= next_retention {
                 self.retention(now);
                 self.expire_helpers(now).await;
                 next_retention = now + 10 * 60_000;
             }
+            let peaking = match (self.p.peak, peak_at, peak_started) {
+                (Some(_), Some((at, _)), None) => draining_since.is_none() && now >= at,
+                (Some(_), Some((_, long)), Some(t)) => now < t + long,
+                _ => false,
+            };
             match draining_since {
+                None if peaking => {
+                    let t = *peak_started.get_or_insert(now);
+                    let step_ms = step.as_millis() as u64;
+                    if now + step_ms >= t + long_peak {
+                        self.peak_ended = Some(now + step_ms);
+                    }
+                    // The step's records a second at a time, as they would come (the step's
+                    // wait is these seconds).
+                    self.peak_step(step, self.p.peak.map_or(0.0, |p| p.per_partition_per_s)).await;
+                    continue;
+                }
                 None if now >= next_check => draining_since = Some(now),
                 None => self.writes(step),
                 Some(since) => {
@@ -963,20 +1061,25 @@ impl World {
 
     /// Files the largest item and the hottest partition of the hour under start-up, the
     /// outage's catch-up or the rest.
-    fn hourly_figures(&mut self, after_start_up: bool, catching_up: bool) {
+    fn hourly_figures(&mut self, after_start_up: bool, catching_up: bool, peak: bool) {
         let size = self.aggregates.take_largest_since();
         let hot = self.aggregates.take_peak_partition_wcu();
+        let throttled = self.aggregates.take_throttled();
         let r = &mut self.report;
         r.hours_over_partition_limit += u64::from(hot.0 > 1000.0);
-        let phase = match (catching_up, after_start_up) {
-            (true, _) => &mut r.partition_peak_catch_up,
-            (false, true) => &mut r.partition_peak_steady,
-            (false, false) => &mut r.partition_peak_first_hours,
+        let (phase, throttles) = match (peak, catching_up, after_start_up) {
+            (true, _, _) => (&mut r.partition_peak_peak, &mut r.throttled_peak),
+            (_, true, _) => (&mut r.partition_peak_catch_up, &mut r.throttled_catch_up),
+            (_, _, true) => (&mut r.partition_peak_steady, &mut r.throttled_steady),
+            _ => (&mut r.partition_peak_first_hours, &mut r.throttled_first_hours),
         };
+        *throttles += throttled;
         if hot.0 > phase.0 {
             *phase = hot;
         }
-        if catching_up {
+        if peak {
+            r.largest_item_peak = r.largest_item_peak.max(size);
+        } else if catching_up {
             r.largest_item_catch_up = r.largest_item_catch_up.max(size);
         } else if after_start_up {
             r.largest_item_steady = r.largest_item_steady.max(size);
@@ -999,6 +1102,7 @@ impl World {
         for slot in 0..=self.p.replicas {
             self.events.push((back + slot as u64 * 60_000, Event::Restart(slot)));
         }
+        self.outage_back = Some(back + self.p.replicas as u64 * 60_000);
         self.loss_windows.push((now.saturating_sub(25 * HOUR), back + HOUR));
         // Shards unowned during the outage are the outage, not the lease protocol.
         self.leases_a.measure_unowned_from(back);
@@ -1175,6 +1279,37 @@ impl World {
         let h = customer.wrapping_mul(2_654_435_761);
         let leaf = self.leaves.iter().find(|l| l.lo <= h && h < l.hi).unwrap_or(&self.leaves[self.leaves.len() - 1]);
         &leaf.shard
+    }
+
+    /// Times the backlogs: the first step at which every shard has caught up after the
+    /// outage's end or the peak-load phase's.
+    fn time_backlogs(&mut self, now: u64) {
+        let waiting = [self.outage_back, self.peak_ended].iter().any(|t| t.is_some_and(|t| now >= t));
+        if !waiting || !self.caught_up() {
+            return;
+        }
+        if let Some(back) = self.outage_back.filter(|t| now >= *t) {
+            self.report.outage_caught_up_s = Some((now - back) / 1000);
+            self.outage_back = None;
+        }
+        if let Some(ended) = self.peak_ended.filter(|t| now >= *t) {
+            self.report.peak_drained_s = Some((now - ended) / 1000);
+            self.peak_ended = None;
+        }
+    }
+
+    /// A step of the peak-load phase: `per_s` records a second for every partition, written
+    /// a second at a time over the step.
+    async fn peak_step(&mut self, step: Duration, per_s: f64) {
+        let n = (per_s * self.p.partitions as f64).round() as u64;
+        for _ in 0..step.as_secs() {
+            for _ in 0..n {
+                self.write_one();
+            }
+            self.report.peak_records += n;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        self.archive();
     }
 
     fn writes(&mut self, step: Duration) {
