@@ -57,8 +57,10 @@ struct State {
     /// Per partition key: the second (of the service's clock) its writes last fell in, and the
     /// WCU of its ledger writes in that second.
     partition_second: std::collections::HashMap<String, (u64, f64)>,
-    /// The most WCU one partition key took in one second since last asked, and the key.
+    /// The most WCU one partition key took in one second since last asked, and the key; and
+    /// the same per partition key.
     peak_partition_since_asked: (f64, String),
+    peaks_since_asked: HashMap<String, f64>,
     /// WCU a partition key takes per second before ledger writes are throttled (None: no
     /// limit), and the writes throttled since last asked.
     partition_limit: Option<f64>,
@@ -411,6 +413,12 @@ impl MemoryAggregates {
         std::mem::take(&mut self.lock().peak_partition_since_asked)
     }
 
+    /// The most WCU of ledger writes in one second since last asked, per partition key
+    /// written (a simulation's figure for one kind of target).
+    pub fn take_partition_peaks(&self) -> HashMap<String, f64> {
+        std::mem::take(&mut self.lock().peaks_since_asked)
+    }
+
     /// Throttles a ledger write that would take its partition key over `wcu` within one
     /// second of the service's clock, as DynamoDB does above about 1,000 WCU/s per partition
     /// (None: no limit, the default).
@@ -507,6 +515,8 @@ impl State {
         if used > self.peak_partition_since_asked.0 {
             self.peak_partition_since_asked = (used, partition.to_string());
         }
+        let peak = self.peaks_since_asked.entry(partition.to_string()).or_default();
+        *peak = peak.max(used);
     }
 }
 

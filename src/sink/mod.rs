@@ -721,6 +721,8 @@ mod tests {
         }
         write("CUST#c1", "PROFILE", 1).await;
         assert_eq!(store.take_peak_partition_wcu(), (3.0, "SALES#2026-11-30".to_string()), "three small items, one partition key");
+        let peaks = store.take_partition_peaks();
+        assert_eq!((peaks.len(), peaks["SALES#2026-11-30"], peaks["CUST#c1"]), (2, 3.0, 1.0), "per partition key: {peaks:?}");
         assert_eq!(store.take_peak_partition_wcu(), (0.0, String::new()), "asked again: nothing since");
         tokio::time::advance(std::time::Duration::from_secs(1)).await;
         write("SALES#2026-11-30", "A", 10).await;

@@ -179,6 +179,9 @@ pub struct Report {
     pub throttled_steady: u64,
     pub throttled_catch_up: u64,
     pub throttled_peak: u64,
+    /// The daily totals' partitions (`SALES#...`, written from every shard): their most WCU in
+    /// one second, by phase (first 8 hours, steady, the peak-load hour, the outage's catch-up).
+    pub daily_total_peak: [f64; 4],
     /// The hour of the peak-load phase: its records, its hottest partition in one second and
     /// its largest item; how long after the phase ended every shard had applied its records.
     pub peak_records: u64,
@@ -297,6 +300,11 @@ impl std::fmt::Display for Report {
             self.throttled_steady,
             self.throttled_catch_up,
             self.throttled_peak
+        )?;
+        writeln!(
+            f,
+            "  the daily totals' partition in one second: first 8 hours {:.0} WCU/s, steady {:.0}, peak-load hour {:.0}, catch-up {:.0}",
+            self.daily_total_peak[0], self.daily_total_peak[1], self.daily_total_peak[2], self.daily_total_peak[3]
         )?;
         if self.peak_records > 0 {
             writeln!(
@@ -481,6 +489,35 @@ enum Event {
     Switch(usize),
 }
 
+/// A backlog being timed: from `since`, until deployment A's checkpoints passed the last
+/// sequence number each open shard had then (a shard's end passes every one).
+struct Backlog {
+    since: u64,
+    /// Taken at `since`; a shard leaves once passed (seen every step, so before its finished
+    /// lease can be deleted).
+    marks: Option<BTreeMap<String, u64>>,
+}
+
+impl Backlog {
+    fn from(since: u64) -> Backlog {
+        Backlog { since, marks: None }
+    }
+
+    /// How long since `since` if every mark is now passed.
+    fn applied(&mut self, now: u64, lasts: &BTreeMap<String, u64>, checkpoints: &BTreeMap<String, Option<Checkpoint>>) -> Option<u64> {
+        if now < self.since {
+            return None;
+        }
+        let marks = self.marks.get_or_insert_with(|| lasts.clone());
+        marks.retain(|shard, last| match checkpoints.get(shard) {
+            Some(Some(Checkpoint::ShardEnd)) => false,
+            Some(Some(Checkpoint::Sequence(s))) => s.parse::<u64>().map_or(true, |s| s < *last),
+            _ => true,
+        });
+        marks.is_empty().then(|| now - self.since)
+    }
+}
+
 struct World {
     p: Params,
     rng: fastrand::Rng,
@@ -547,10 +584,10 @@ struct World {
     round_full: [bool; 2],
     /// The old stream's checkpoints when the new stream appeared (scenario i).
     old_stream_at_switch: BTreeMap<(usize, String), Option<ddb_aggregator::state::Checkpoint>>,
-    /// Backlogs being timed: since when (the outage's end, the peak-load phase's end) until
-    /// every shard caught up.
-    outage_back: Option<u64>,
-    peak_ended: Option<u64>,
+    /// Backlogs being timed (the outage's, from its end; the peak-load phase's, from its end)
+    /// until deployment A applied every record appended before.
+    outage_back: Option<Backlog>,
+    peak_ended: Option<Backlog>,
     report: Report,
 }
 
@@ -780,7 +817,7 @@ impl World {
                     let t = *peak_started.get_or_insert(now);
                     let step_ms = step.as_millis() as u64;
                     if now + step_ms >= t + long_peak {
-                        self.peak_ended = Some(now + step_ms);
+                        self.peak_ended = Some(Backlog::from(now + step_ms));
                     }
                     // The step's records a second at a time, as they would come (the step's
                     // wait is these seconds).
@@ -1065,15 +1102,18 @@ impl World {
         let size = self.aggregates.take_largest_since();
         let hot = self.aggregates.take_peak_partition_wcu();
         let throttled = self.aggregates.take_throttled();
+        let totals =
+            self.aggregates.take_partition_peaks().into_iter().filter(|(k, _)| k.starts_with("SALES#")).fold(0.0, |m, (_, w)| w.max(m));
         let r = &mut self.report;
         r.hours_over_partition_limit += u64::from(hot.0 > 1000.0);
-        let (phase, throttles) = match (peak, catching_up, after_start_up) {
-            (true, _, _) => (&mut r.partition_peak_peak, &mut r.throttled_peak),
-            (_, true, _) => (&mut r.partition_peak_catch_up, &mut r.throttled_catch_up),
-            (_, _, true) => (&mut r.partition_peak_steady, &mut r.throttled_steady),
-            _ => (&mut r.partition_peak_first_hours, &mut r.throttled_first_hours),
+        let (phase, throttles, total) = match (peak, catching_up, after_start_up) {
+            (true, _, _) => (&mut r.partition_peak_peak, &mut r.throttled_peak, &mut r.daily_total_peak[2]),
+            (_, true, _) => (&mut r.partition_peak_catch_up, &mut r.throttled_catch_up, &mut r.daily_total_peak[3]),
+            (_, _, true) => (&mut r.partition_peak_steady, &mut r.throttled_steady, &mut r.daily_total_peak[1]),
+            _ => (&mut r.partition_peak_first_hours, &mut r.throttled_first_hours, &mut r.daily_total_peak[0]),
         };
         *throttles += throttled;
+        *total = total.max(totals);
         if hot.0 > phase.0 {
             *phase = hot;
         }
@@ -1102,7 +1142,7 @@ impl World {
         for slot in 0..=self.p.replicas {
             self.events.push((back + slot as u64 * 60_000, Event::Restart(slot)));
         }
-        self.outage_back = Some(back + self.p.replicas as u64 * 60_000);
+        self.outage_back = Some(Backlog::from(back + self.p.replicas as u64 * 60_000));
         self.loss_windows.push((now.saturating_sub(25 * HOUR), back + HOUR));
         // Shards unowned during the outage are the outage, not the lease protocol.
         self.leases_a.measure_unowned_from(back);
@@ -1284,16 +1324,19 @@ impl World {
     /// Times the backlogs: the first step at which every shard has caught up after the
     /// outage's end or the peak-load phase's.
     fn time_backlogs(&mut self, now: u64) {
-        let waiting = [self.outage_back, self.peak_ended].iter().any(|t| t.is_some_and(|t| now >= t));
-        if !waiting || !self.caught_up() {
+        if self.outage_back.is_none() && self.peak_ended.is_none() {
             return;
         }
-        if let Some(back) = self.outage_back.filter(|t| now >= *t) {
-            self.report.outage_caught_up_s = Some((now - back) / 1000);
+        let checkpoints: BTreeMap<String, Option<Checkpoint>> =
+            self.leases_a.snapshot().into_iter().map(|l| (l.shard_id, l.checkpoint)).collect();
+        let lasts: BTreeMap<String, u64> =
+            self.leaves.iter().filter_map(|l| Some((l.shard.clone(), self.stream.last_sequence(&l.shard)?))).collect();
+        if let Some(took) = self.outage_back.as_mut().and_then(|b| b.applied(now, &lasts, &checkpoints)) {
+            self.report.outage_caught_up_s = Some(took / 1000);
             self.outage_back = None;
         }
-        if let Some(ended) = self.peak_ended.filter(|t| now >= *t) {
-            self.report.peak_drained_s = Some((now - ended) / 1000);
+        if let Some(took) = self.peak_ended.as_mut().and_then(|b| b.applied(now, &lasts, &checkpoints)) {
+            self.report.peak_drained_s = Some(took / 1000);
             self.peak_ended = None;
         }
     }
