@@ -733,8 +733,9 @@ mod tests {
     }
 
     /// With a partition limit the memory store throttles a write that would take its
-    /// partition key over it within one second, as DynamoDB does; the writer's retry lands
-    /// in a later second, once, and another partition key is not held back.
+    /// partition key over it within one second, as DynamoDB does; the writer retries until
+    /// the next second, where the write lands once, and another partition key is not held
+    /// back.
     #[tokio::test(start_paused = true)]
     async fn the_memory_store_throttles_a_partition_over_its_limit() {
         crate::state::simulate_clock(Some(1_764_460_800_000));
