@@ -408,7 +408,7 @@ impl MemoryAggregates {
 
     /// The most WCU of ledger writes one partition key took within one second (of the
     /// service's clock) since last asked, and that key. DynamoDB serves about 1,000 WCU/s per
-    /// partition; this store does not throttle, it only measures.
+    /// partition; this store throttles only with [`MemoryAggregates::set_partition_limit`].
     pub fn take_peak_partition_wcu(&self) -> (f64, String) {
         std::mem::take(&mut self.lock().peak_partition_since_asked)
     }
@@ -493,10 +493,12 @@ fn helper_state(item: &BTreeMap<String, MemValue>) -> HelperState {
 impl State {
     /// Whether `capacity` more would take `partition` over the limit in the current second.
     fn over_partition_limit(&self, partition: &str, capacity: f64) -> bool {
-        let Some(limit) = self.partition_limit else { return false };
-        let second = crate::state::now_ms() / 1000;
-        let used = self.partition_second.get(partition).filter(|b| b.0 == second).map_or(0.0, |b| b.1);
-        used + capacity > limit
+        self.partition_limit.is_some_and(|limit| self.used_this_second(partition, crate::state::now_ms() / 1000) + capacity > limit)
+    }
+
+    /// WCU `partition` took in `second` so far.
+    fn used_this_second(&self, partition: &str, second: u64) -> f64 {
+        self.partition_second.get(partition).filter(|b| b.0 == second).map_or(0.0, |b| b.1)
     }
 
     /// Adds `capacity` to `partition`'s WCU in the current second.
@@ -515,8 +517,13 @@ impl State {
         if used > self.peak_partition_since_asked.0 {
             self.peak_partition_since_asked = (used, partition.to_string());
         }
-        let peak = self.peaks_since_asked.entry(partition.to_string()).or_default();
-        *peak = peak.max(used);
+        // No key allocated per write once the partition is known this hour.
+        match self.peaks_since_asked.get_mut(partition) {
+            Some(peak) => *peak = peak.max(used),
+            None => {
+                self.peaks_since_asked.insert(partition.to_string(), used);
+            }
+        }
     }
 }
 
@@ -669,7 +676,7 @@ impl AggregateStore for MemoryAggregates {
         let u = s.usage.entry(w.key.iter().map(|(_, v)| v.clone()).collect()).or_default();
         u.0 += 1;
         u.1 += capacity;
-        s.charge_partition(&w.key.first().map_or(String::new(), |(_, v)| v.clone()), capacity);
+        s.charge_partition(partition, capacity);
         Ok(WriteOutcome::Applied { capacity, seen, helper })
     }
 
