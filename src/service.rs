@@ -376,6 +376,7 @@ async fn sweep_round<S, L: LeaseStore, A: crate::sink::AggregateStore>(
 ) -> SweepRound {
     // Only under the committed definitions: the expiry attribute is one of them.
     if !shared.definitions_current.load(std::sync::atomic::Ordering::Relaxed) {
+        telemetry::helper_sweep_not_here();
         return SweepRound::NotCommitted;
     }
     let now = crate::state::now_ms();
@@ -383,10 +384,11 @@ async fn sweep_round<S, L: LeaseStore, A: crate::sink::AggregateStore>(
     match shared.leases.hold_named(crate::sink::expiry::SWEEP_LEASE, &shared.owner, hold, now).await {
         Ok(true) => {}
         Ok(false) => {
-            telemetry::helper_sweep_elsewhere();
+            telemetry::helper_sweep_not_here();
             return SweepRound::HeldElsewhere;
         }
         Err(e) => {
+            telemetry::helper_sweep_not_here();
             warn!(error = %e, "cannot take the helper sweep's lease: tried again in a minute");
             return SweepRound::Failed;
         }
@@ -407,6 +409,7 @@ async fn sweep_round<S, L: LeaseStore, A: crate::sink::AggregateStore>(
         }
         Err(e) => {
             telemetry::helper_sweep_failed();
+            telemetry::helper_sweep_not_here();
             warn!(error = %e, "sweeping expired helper items failed: tried again in a minute");
             SweepRound::Failed
         }

@@ -151,9 +151,11 @@ pub fn helper_deletes(swept: &crate::sink::expiry::Swept, now_s: u64) {
     held::set(names::HELPER_SWEEP_LAG, Vec::new(), lag as f64);
 }
 
-/// This replica no longer sweeps (another holds the sweep's lease): its lag gauge goes after
-/// the idle timeout, leaving the sweeping replica's.
-pub fn helper_sweep_elsewhere() {
+/// This replica's round read no pending item (another holds the sweep's lease, the lease or
+/// every partition could not be read, or it does not run the committed definitions): its lag
+/// gauge goes after the idle timeout, so a stale value never stands for a sweep that is not
+/// running here.
+pub fn helper_sweep_not_here() {
     held::release(names::HELPER_SWEEP_LAG);
 }
 
