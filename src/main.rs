@@ -710,7 +710,9 @@ enum Shown {
 }
 
 /// One line of `simulate`: a counter's summed `delta`, or the `value` of a max, min, latest or
-/// distinct (null: nothing contributes).
+/// distinct (null: nothing contributes). A sharded target's line is its total's, and names
+/// the sub-items the delta is spread over (each stream shard writes one of them; a record
+/// file does not say which shard a record came from).
 #[derive(serde::Serialize)]
 struct SimLine<'a> {
     target: TargetJson<'a>,
@@ -719,6 +721,30 @@ struct SimLine<'a> {
     delta: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     value: Option<Option<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sub_items: Option<SubItems>,
+}
+
+/// The sub-items of a sharded target, by the first and last partition key.
+#[derive(serde::Serialize)]
+struct SubItems {
+    write_shards: u16,
+    first: String,
+    last: String,
+}
+
+fn sub_items(engine: &Engine, target: &TargetKey, attribute: &str) -> Option<SubItems> {
+    use ddb_aggregator::rules::shards;
+    let n = engine
+        .rules
+        .iter()
+        .find(|r| {
+            r.target.iter().zip(target.0.iter()).all(|((_, t), v)| t.matches_expansion(v))
+                && r.measures.iter().any(|m| m.name.matches_expansion(attribute))
+        })?
+        .write_shards?;
+    let pk = |i: u16| shards::sub_key(target, i).0.first().map(|p| p.to_string()).unwrap_or_default();
+    Some(SubItems { write_shards: n, first: pk(0), last: pk(n - 1) })
 }
 
 /// `validate --against-state`: whether `run` would start or refuse, from the ledger registry
@@ -865,7 +891,8 @@ fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {
             Shown::Delta(d) => (Some(d), None),
             Shown::Value(v) => (None, Some(v)),
         };
-        let line = SimLine { target: TargetJson(&engine.key_names, target), attribute: &attribute, delta, value };
+        let sub_items = sub_items(engine, target, &attribute);
+        let line = SimLine { target: TargetJson(&engine.key_names, target), attribute: &attribute, delta, value, sub_items };
         serde_json::to_writer(&mut out, &line).context("writing output")?;
         out.write_all(b"\n")?;
         lines += 1;

@@ -284,12 +284,48 @@ async fn run_stream(
     }
     // Also with the schedule off: a persisted request to reconcile everything (data lost)
     // is still carried out.
+    let folder = match config.engine.rules.iter().any(|r| r.write_shards.is_some()) {
+        true => {
+            Some(Arc::new(crate::reconcile::Reconciler::new(sdk, config.clone()).await.map_err(|e| ServiceError::Runtime(e.to_string()))?))
+        }
+        false => None,
+    };
+    if let Some(folder) = &folder {
+        tokio::spawn(fold_sharded_totals(worker.shared().clone(), folder.clone(), config.fold_interval, stop.clone()));
+    }
+    let shared = worker.shared().clone();
     let reconciler = crate::reconcile::Reconciler::new(sdk, config.clone()).await.map_err(|e| ServiceError::Runtime(e.to_string()))?;
     tokio::spawn(crate::reconcile::schedule::run_schedule(worker.shared().clone(), reconciler, config.reconcile_interval, stop.clone()));
-    worker.run(stop).await.map_err(|e| {
+    let ran = worker.run(stop).await.map_err(|e| {
         error!(error = %e, "worker failed");
         ServiceError::Runtime(e.to_string())
-    })
+    });
+    if let Some(folder) = folder {
+        // The last batches landed after the fold task's last round: their totals are folded
+        // before the process ends.
+        crate::worker::fold::fold_round(&*folder, &shared.folds, crate::state::now_ms()).await;
+    }
+    ran
+}
+
+/// Folds the sharded totals this replica wrote, every `interval`, until `stop`
+/// ([`crate::worker::fold`]; `run` folds once more after its last batches).
+async fn fold_sharded_totals<S, L, A, T: crate::reconcile::protocol::TargetStore>(
+    shared: Arc<Shared<S, L, A>>,
+    targets: Arc<T>,
+    interval: Duration,
+    stop: CancellationToken,
+) {
+    let rules: Vec<Arc<str>> = shared.engine.rules.iter().filter(|r| r.write_shards.is_some()).map(|r| r.name.clone()).collect();
+    crate::worker::fold::record_round(&rules, &Default::default());
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let round = crate::worker::fold::fold_round(&*targets, &shared.folds, crate::state::now_ms()).await;
+        crate::worker::fold::record_round(&rules, &round);
+    }
 }
 
 /// Reads the aggregates table's TTL settings at start and every minute after, until `stop`:

@@ -525,3 +525,46 @@ fn simulate_prints_the_value_of_max_min_latest_and_distinct() {
     assert!(text.contains(&profile("c2", "largestOrder", "null")), "c2's only order was deleted: {text}");
     assert!(!text.contains("_agg"), "helper items are the service's own: {text}");
 }
+
+/// A sharded target: `simulate` prints the total's delta and names the sub-items it is spread
+/// over; `validate` refuses a helper measure on it, and a `write_shards` out of range, with the
+/// path and exit 2.
+#[test]
+fn simulate_and_validate_understand_sharded_targets() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(demo()).unwrap();
+    let plain = r#"target: { PK: "SALES#{date|day}", SK: "TOTAL" }"#;
+    let sharded = text.replace(plain, r#"target: { PK: "SALES#{date|day}", SK: "TOTAL", write_shards: 16 }"#);
+    let config = write(dir.path(), "sharded.yaml", &sharded);
+    let rec = |seq: u32, total: &str| {
+        format!(
+            r#"{{"eventName":"INSERT","dynamodb":{{"Keys":{{"PK":{{"S":"CUST#c{seq}"}},"SK":{{"S":"ORDER#2026-11-30#o{seq}"}}}},"NewImage":{{"PK":{{"S":"CUST#c{seq}"}},"SK":{{"S":"ORDER#2026-11-30#o{seq}"}},"status":{{"S":"PAID"}},"total":{{"N":"{total}"}}}},"SequenceNumber":"{seq}"}}}}"#
+        )
+    };
+    let records = write(dir.path(), "records.jsonl", &[rec(1, "10.25"), rec(2, "4")].join("\n"));
+    let out = run(&["simulate", "--config", &config, "--records", &records]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains(r#"{"target":{"PK":"SALES#2026-11-30","SK":"TOTAL"},"attribute":"revenue","delta":"14.25","sub_items":{"write_shards":16,"first":"SALES#2026-11-30#_agg#w0","last":"SALES#2026-11-30#_agg#w15"}}"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"{"target":{"PK":"CUST#c1","SK":"PROFILE"},"attribute":"revenue","delta":"10.25"}"#),
+        "unsharded lines unchanged: {text}"
+    );
+    let out = run(&["validate", "--config", &config]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for (bad, says) in [
+        ("write_shards: 16 }", "rules[1].target.write_shards: 1000: give a whole number from 2 to 100"),
+        ("measures: { orders: count, revenue: { sum: total } }", "rules[1].target.write_shards: biggest is a max"),
+    ] {
+        let broken = match says.contains("1000") {
+            true => sharded.replace(bad, "write_shards: 1000 }"),
+            false => sharded.replace(bad, "measures: { orders: count, biggest: { max: total } }"),
+        };
+        let out = run(&["validate", "--config", &write(dir.path(), "bad.yaml", &broken)]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{}", stderr(&out));
+    }
+}

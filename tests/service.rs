@@ -891,3 +891,173 @@ async fn derivation_reads_do_not_grow_with_history() {
     assert_eq!(summary["summary"]["drifts"], 0, "{out}");
     drop(svc);
 }
+
+/// The stored values with each sharded total's sub-items (`SALES#<day>#_agg#w<i>`) added up
+/// into the total's key (the scatter-gather read), and the totals as folded, apart.
+fn sharded_values(items: &[std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>]) -> (Values, Values) {
+    let (mut gathered, mut folded) = (Values::new(), Values::new());
+    for ((pk, sk, attr), v) in aggregates(items) {
+        match pk.split_once("#_agg#w") {
+            Some((total, _)) => {
+                let sum = gathered.entry((total.to_string(), sk, attr)).or_insert(ddb_aggregator::decimal::Decimal::ZERO);
+                *sum = sum.checked_add(v).unwrap();
+            }
+            None if pk.starts_with("SALES#") => {
+                folded.insert((pk, sk, attr), v);
+            }
+            None => {
+                gathered.insert((pk, sk, attr), v);
+            }
+        }
+    }
+    gathered.retain(|_, v| !v.is_zero());
+    (gathered, folded)
+}
+
+/// `write_shards` on DynamoDB Local: the daily totals spread over 4 sub-items, through the
+/// commerce workload and SIGKILLs. The sub-items' sum (the scatter-gather read) and the folded
+/// totals equal the truth; a sub-item a test corrupts is found and repaired by `reconcile
+/// --date`, through another sub-item if need be, and the total is folded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_daily_total_survives_sigkills_and_reconcile_repairs_a_sub_item() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let _serial = SERIAL.lock().await;
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("sharded");
+    create_source_table(&c, &table).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    let text = std::fs::read_to_string(&config).unwrap();
+    let plain = r#"target: { PK: "SALES#{date|day}", SK: "TOTAL" }"#;
+    assert!(text.contains(plain));
+    std::fs::write(&config, text.replace(plain, r#"target: { PK: "SALES#{date|day}", SK: "TOTAL", write_shards: 4 }"#)).unwrap();
+    let writer = {
+        let (c, table) = (c.clone(), table.clone());
+        tokio::spawn(async move { workload(&c, &table, 1200, 40, 4, 5).await })
+    };
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    let mut rng = fastrand::Rng::with_seed(19);
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(rng.u64(400..2000))).await;
+        svc.kill();
+        svc = Service::start(&config, dir.path(), "svc", &[]);
+    }
+    assert!(writer.await.unwrap() >= 1200);
+    // Exact, gathered and folded, within 2 minutes (the last kill's lease expires first).
+    let exact = || async {
+        let items = scan(&c, &table).await;
+        let want = truth(&items);
+        let (gathered, folded) = sharded_values(&items);
+        let totals: Values = want.iter().filter(|((pk, _, _), _)| pk.starts_with("SALES#")).map(|(k, v)| (k.clone(), *v)).collect();
+        (gathered == want && folded == totals, items, want, gathered, folded)
+    };
+    let started = Instant::now();
+    loop {
+        let (ok, _, want, gathered, folded) = exact().await;
+        if ok {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "not exact: gathered {:?}\nfolded {:?}\ntruth {:?}\n{}",
+            gathered.iter().filter(|(k, v)| want.get(*k) != Some(v)).take(5).collect::<Vec<_>>(),
+            folded.iter().take(5).collect::<Vec<_>>(),
+            want.iter().filter(|(k, _)| k.0.starts_with("SALES#")).take(5).collect::<Vec<_>>(),
+            svc.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // A replica killed after its writes to a total's sub-items and before its fold round: the
+    // next owner folds that total, from the shard's lease (it never sees those writes again).
+    // A fold interval of an hour keeps the first replica from folding at all.
+    svc.kill();
+    let text = std::fs::read_to_string(&config).unwrap();
+    let aggregates_section = format!("aggregates:\n  table: {table}\n");
+    assert!(text.contains(&aggregates_section), "{text}");
+    std::fs::write(&config, text.replace(&aggregates_section, &format!("{aggregates_section}  fold_interval: 1h\n"))).unwrap();
+    svc = Service::start(&config, dir.path(), "svc", &[]);
+    let day = ("SALES#2026-12-24".to_string(), "TOTAL".to_string(), "orders".to_string());
+    for o in 0..5 {
+        c.put_item()
+            .table_name(&table)
+            .item("PK", AttributeValue::S(format!("CUST#c{o}")))
+            .item("SK", AttributeValue::S(format!("ORDER#2026-12-24#late{o}")))
+            .item("status", AttributeValue::S("PAID".into()))
+            .item("total", AttributeValue::N("2.5".into()))
+            .send()
+            .await
+            .unwrap();
+    }
+    let state = format!("{table}-state");
+    let started = Instant::now();
+    loop {
+        let items = scan(&c, &table).await;
+        let (gathered, folded) = sharded_values(&items);
+        let recorded = scan(&c, &state)
+            .await
+            .iter()
+            .any(|l| l.get("fold_due").is_some_and(|d| d.as_ss().is_ok_and(|d| d.iter().any(|k| k.contains("2026-12-24")))));
+        if gathered.get(&day) == Some(&ddb_aggregator::decimal::Decimal::from_i64(5)) && recorded {
+            assert_eq!(folded.get(&day), None, "no fold within the hour");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the late orders were not applied: {:?}\n{}",
+            gathered.get(&day),
+            svc.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    svc.kill();
+    std::fs::write(&config, std::fs::read_to_string(&config).unwrap().replace("  fold_interval: 1h\n", "")).unwrap();
+    svc = Service::start(&config, dir.path(), "svc", &[]);
+    let started = Instant::now();
+    let items = loop {
+        let (ok, items, ..) = exact().await;
+        if ok {
+            break items;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the next owner did not fold the total the killed one left\n{}",
+            svc.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let subs: Vec<&str> =
+        items.iter().filter_map(|i| i.get("PK")?.as_s().ok().map(String::as_str)).filter(|pk| pk.contains("#_agg#w")).collect();
+    assert!(!subs.is_empty(), "the daily totals were written to sub-items");
+    assert!(subs.iter().all(|pk| pk.rsplit_once("#_agg#w").is_some_and(|(_, i)| i.parse::<u16>().is_ok_and(|i| i < 4))), "{subs:?}");
+    // Corrupt the sub-item written last among one day's (a drifting hand-made update).
+    let victim = subs.iter().filter(|pk| !pk.contains("2026-12-24")).max().unwrap().to_string();
+    let day = victim.split_once("#_agg#w").unwrap().0.trim_start_matches("SALES#").to_string();
+    c.update_item()
+        .table_name(&table)
+        .key("PK", AttributeValue::S(victim.clone()))
+        .key("SK", AttributeValue::S("TOTAL".into()))
+        .update_expression("ADD revenue :d")
+        .expression_attribute_values(":d", AttributeValue::N("7.5".into()))
+        .send()
+        .await
+        .unwrap();
+    assert!(!exact().await.0, "the corruption shows");
+    let o = run_cli(&["reconcile", "--config", config.to_str().unwrap(), "--date", &day, "--output", "json"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    let summary: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert!(summary["summary"]["corrected"].as_u64().unwrap_or(0) >= 1, "{out}");
+    let (ok, _, want, gathered, folded) = exact().await;
+    let total = (format!("SALES#{day}"), "TOTAL".to_string(), "revenue".to_string());
+    assert!(
+        ok,
+        "after reconcile --date {day}: gathered {:?} folded {:?} truth {:?}",
+        gathered.get(&total),
+        folded.get(&total),
+        want.get(&total)
+    );
+    let metrics = svc.metrics();
+    assert!(metric(&metrics, "ddb_aggregator_folds_total{rule=\"daily-sales\",outcome=\"written\"}") >= 1.0, "{metrics}");
+    assert!(metrics.contains("ddb_aggregator_fold_lag_seconds{rule=\"daily-sales\"}"), "{metrics}");
+    drop(svc);
+}

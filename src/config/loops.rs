@@ -40,6 +40,14 @@ struct Shape {
 fn shapes(rule: &Rule) -> Vec<Shape> {
     let mut out =
         vec![Shape { key: rule.target.clone(), attributes: rule.measures.iter().map(|m| m.name.clone()).collect(), helper: false }];
+    if let (Some(_), Some(((pk_name, pk), rest))) = (rule.write_shards, rule.target.split_first()) {
+        // Sub-items: the partition key followed by `#_agg#w<index>` ([`crate::rules::shards`]).
+        if let Ok(sub_pk) = Template::parse(&format!("{}{}{{_index}}", pk.text(), crate::rules::shards::MARK)) {
+            let mut key = vec![(pk_name.clone(), sub_pk)];
+            key.extend(rest.iter().cloned());
+            out.push(Shape { key, attributes: rule.measures.iter().map(|m| m.name.clone()).collect(), helper: false });
+        }
+    }
     let Some(((sk_name, sk), rest)) = rule.target.split_last() else { return out };
     for m in rule.measures.iter().filter(|m| matches!(m.kind, crate::rules::MeasureKind::Helper(_))) {
         let text = format!("{}{}{}#{{_value}}", sk.text(), crate::rules::helper::MARK, m.name.text());

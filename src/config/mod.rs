@@ -70,6 +70,8 @@ pub struct Config {
     pub ledger_namespace_explicit: bool,
     /// Most target writes a shard keeps in flight (`aggregates.write_concurrency`).
     pub write_concurrency: usize,
+    /// How often each replica folds the sharded totals it wrote (`aggregates.fold_interval`).
+    pub fold_interval: Duration,
     /// The aggregates table's TTL attribute for helper items (`aggregates.helper_expiry_attribute`,
     /// [`crate::sink::expiry`]).
     pub helper_expiry_attribute: Option<String>,
@@ -239,6 +241,51 @@ fn shared_attribute(rules: &[Rule]) -> Option<String> {
         }
     }
     None
+}
+
+/// Two rules that may write one target item with different `write_shards`: the one's deltas
+/// would go to sub-items and the other's to the item itself, which the fold overwrites.
+fn mixed_sharding(rules: &[Rule]) -> Option<String> {
+    for (i, a) in rules.iter().enumerate() {
+        for b in &rules[i + 1..] {
+            let same_item = a.target.iter().zip(&b.target).all(|((_, x), (_, y))| x.may_overlap(y));
+            if same_item && a.write_shards != b.write_shards {
+                let n = |r: &Rule| r.write_shards.map_or("none".to_string(), |n| n.to_string());
+                return Some(format!(
+                    "rules {:?} (write_shards {}) and {:?} (write_shards {}) may write the same target item ({}); give them the same write_shards, or targets that cannot coincide",
+                    a.name,
+                    n(a),
+                    b.name,
+                    n(b),
+                    a.target.iter().map(|(k, t)| format!("{k}: {}", t.text())).collect::<Vec<_>>().join(", ")
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// The key attributes a rule's `target` names (every entry but `write_shards`).
+pub fn target_key_names(r: &RawRule) -> impl Iterator<Item = &String> {
+    r.target.keys().filter(|k| k.as_str() != WRITE_SHARDS)
+}
+
+/// The `target` entry that spreads a target over sub-items.
+pub const WRITE_SHARDS: &str = "write_shards";
+
+/// `target.write_shards`: a whole number from 2 to 100, if given.
+fn write_shards(path: &str, r: &RawRule) -> Result<Option<u16>, ConfigError> {
+    use crate::rules::shards::{MAX_SHARDS, MIN_SHARDS};
+    let Some(v) = r.target.get(WRITE_SHARDS) else { return Ok(None) };
+    let at = format!("{path}.target.{WRITE_SHARDS}");
+    let n = v.as_u64().or_else(|| v.as_str().and_then(|s| s.parse().ok()));
+    match n.and_then(|n| u16::try_from(n).ok()).filter(|n| (MIN_SHARDS..=MAX_SHARDS).contains(n)) {
+        Some(n) => Ok(Some(n)),
+        None => Err(err(
+            at,
+            format!("{v}: give a whole number from {MIN_SHARDS} to {MAX_SHARDS} (the sub-items a target is spread over; about the stream's shard count / 200 * 8 KB of ledger, see docs/configuration.md)"),
+        )),
+    }
 }
 
 /// `--config env:NAME`: the config's YAML text is in environment variable NAME.
@@ -421,6 +468,10 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         Some(n @ 1..=256) => n as usize,
         Some(n) => return Err(err("aggregates.write_concurrency", format!("{n}: use 1 to 256"))),
     };
+    let fold_interval = duration("aggregates.fold_interval", raw.aggregates.as_ref().and_then(|a| a.fold_interval.as_deref()), "1s")?;
+    if fold_interval < Duration::from_millis(100) || fold_interval > Duration::from_secs(3600) {
+        return Err(err("aggregates.fold_interval", format!("{fold_interval:?}: use 100ms to 1h (default 1s)")));
+    }
     if state.table == source_table || state.table == aggregates_table {
         return Err(err("state.table", "must be a table of its own, not the source or aggregates table"));
     }
@@ -484,7 +535,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if raw.rules.is_empty() {
         return Err(err("rules", "at least one rule is needed"));
     }
-    let key_names: Vec<String> = raw.rules[0].target.keys().cloned().collect();
+    let key_names: Vec<String> = target_key_names(&raw.rules[0]).cloned().collect();
     let mut rules = Vec::with_capacity(raw.rules.len());
     for (i, r) in raw.rules.iter().enumerate() {
         let path = format!("rules[{i}]");
@@ -494,6 +545,9 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         rules.push(validate_rule(&path, r, &key_names)?);
     }
     if let Some(message) = shared_attribute(&rules) {
+        return Err(err("rules", message));
+    }
+    if let Some(message) = mixed_sharding(&rules) {
         return Err(err("rules", message));
     }
     // Rules with the same filter (and options) share one evaluation per record.
@@ -528,6 +582,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         ledger_namespace_explicit,
         helper_expiry_attribute,
         write_concurrency,
+        fold_interval,
         dead_letter,
         reconcile_interval,
         reconcile_all,
@@ -687,7 +742,7 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
     }
     let captures: BTreeSet<&str> = source_key.iter().flat_map(|(_, t)| t.variables()).collect();
     // Targets: the same key attributes as every other rule, put in the table's key order.
-    let mut names: Vec<&String> = r.target.keys().collect();
+    let mut names: Vec<&String> = target_key_names(r).collect();
     names.sort();
     let mut expected: Vec<&String> = key_names.iter().collect();
     expected.sort();
@@ -696,14 +751,17 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
             format!("{path}.target"),
             format!(
                 "every rule writes to the same table, so targets need the same key attributes: expected {key_names:?}, found {:?}",
-                r.target.keys().collect::<Vec<_>>()
+                target_key_names(r).collect::<Vec<_>>()
             ),
         ));
     }
+    let write_shards = write_shards(path, r)?;
     let mut target = Vec::new();
     for name in key_names {
         let at = format!("{path}.target.{name}");
-        let text = &r.target[name.as_str()];
+        let Some(text) = r.target[name.as_str()].as_str() else {
+            return Err(err(&at, "a key value is a template (text), such as \"SALES#{date|day}\""));
+        };
         let t = template(&at, text)?;
         if t.text().is_empty() {
             return Err(err(&at, "a key value may not be empty"));
@@ -767,6 +825,12 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
             (Some(q), _) => validate_query(&format!("{path}.reconcile.query"), q, &source_key, &target, &captures)?,
         },
     };
+    if let (Some(_), Some(m)) = (write_shards, measures.iter().find(|m| matches!(m.kind, MeasureKind::Helper(_)))) {
+        return Err(err(
+            format!("{path}.target.{WRITE_SHARDS}"),
+            format!("{} is a max, min, latest or distinct measure: its value cannot be summed from sub-items, so a sharded target takes count, sum and avg only (put it in a rule of its own)", m.name),
+        ));
+    }
     let stream_only = r.filter.as_ref().map(stream_only_fields).unwrap_or_default();
     let definition = crate::rules::fingerprint::canonical(r);
     let fingerprint = crate::rules::fingerprint::of_definition(&definition);
@@ -775,6 +839,7 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
         filter,
         source_key,
         target,
+        write_shards,
         measures,
         reconcile,
         stream_only,
@@ -804,7 +869,11 @@ pub fn rule_from_definition(name: &str, definition: &str, key_names: &[String]) 
         filter: v.get("filter").filter(|f| !f.is_null()).cloned(),
         numeric_strings: v.get("numeric_strings").and_then(|b| b.as_bool()).unwrap_or(false),
         source_key: pairs("source_key")?,
-        target: pairs("target")?,
+        target: pairs("target")?
+            .into_iter()
+            .map(|(k, t)| (k, serde_json::Value::String(t)))
+            .chain(v.get(WRITE_SHARDS).map(|n| (WRITE_SHARDS.to_string(), n.clone())))
+            .collect(),
         measures: measures.iter().map(|(k, m)| (k.clone(), m.clone())).collect(),
         reconcile: None,
         ttl_deletes: v.get("ttl_deletes").and_then(|t| t.as_str()).map(str::to_string),

@@ -169,6 +169,11 @@ pub struct RawAggregates {
     /// it (default: none, helpers at zero stay).
     #[serde(default)]
     pub helper_expiry_attribute: Option<String>,
+    /// How often each replica folds the sub-items of `write_shards` targets it wrote into their
+    /// totals, 100ms to 1h (default 1s).
+    #[serde(default, deserialize_with = "text")]
+    #[schemars(with = "Option<schema::Duration>")]
+    pub fold_interval: Option<String>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -266,8 +271,10 @@ pub struct RawRule {
     /// (`PK: "CUST#{customer}"`), partition key first.
     pub source_key: IndexMap<String, String>,
     /// The target item's key attributes as templates of those variables
-    /// (`PK: "SALES#{date|day}"`).
-    pub target: IndexMap<String, String>,
+    /// (`PK: "SALES#{date|day}"`), and optionally `write_shards: N` (2 to 100) to spread a hot
+    /// target over N sub-items.
+    #[schemars(with = "schema::Target")]
+    pub target: IndexMap<String, serde_json::Value>,
     /// Attribute name (template) -> `count` or `{count: true | sum: ATTR | avg: ATTR, where: PATTERN}`.
     #[schemars(with = "IndexMap<String, schema::Measure>")]
     pub measures: IndexMap<String, serde_json::Value>,

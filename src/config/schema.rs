@@ -138,6 +138,29 @@ impl JsonSchema for PatternValue {
     }
 }
 
+/// A target: key attribute to template, and optionally `write_shards`.
+pub struct Target;
+
+impl JsonSchema for Target {
+    fn schema_name() -> Cow<'static, str> {
+        "Target".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "type": "object",
+            "properties": {
+                "write_shards": {
+                    "type": "integer",
+                    "minimum": 2,
+                    "maximum": 100,
+                    "description": "Spread each target over this many sub-items, for a target written from many shards (a global daily total); count, sum and avg only."
+                }
+            },
+            "additionalProperties": { "type": "string", "minLength": 1, "description": "A key attribute's template." }
+        })
+    }
+}
+
 /// A measure: `count`, or a mapping that names its kind and may hold a `where` pattern.
 pub struct Measure;
 
@@ -193,5 +216,6 @@ mod tests {
         let rule = &defs["Rule"];
         assert_eq!(rule["additionalProperties"], false);
         assert_eq!(rule["properties"]["measures"]["additionalProperties"]["$ref"], "#/definitions/Measure");
+        assert_eq!(defs["Target"]["properties"]["write_shards"]["maximum"], 100);
     }
 }

@@ -492,3 +492,72 @@ fn write_concurrency_defaults_takes_1_to_256_and_needs_no_aggregates_table() {
         assert_eq!(load_err(&text), format!("aggregates.write_concurrency: {bad}: use 1 to 256"));
     }
 }
+
+const DAILY_TARGET: &str = r#"target: { PK: "SALES#{date|day}", SK: "TOTAL" }"#;
+
+fn sharded(n: &str) -> String {
+    demo_with(DAILY_TARGET, &format!(r#"target: {{ PK: "SALES#{{date|day}}", SK: "TOTAL", write_shards: {n} }}"#))
+}
+
+#[test]
+fn write_shards_takes_2_to_100_and_is_part_of_the_definition() {
+    let c = load(&sharded("16")).unwrap();
+    let daily = &c.engine.rules[1];
+    assert_eq!(daily.write_shards, Some(16));
+    assert_eq!(c.engine.key_names, vec!["PK", "SK"], "write_shards is not a key attribute");
+    assert_eq!(c.engine.rules[0].write_shards, None);
+    let plain = load(DEMO).unwrap();
+    assert_eq!(c.engine.rules[0].fingerprint, plain.engine.rules[0].fingerprint, "other rules keep their fingerprints");
+    assert_ne!(daily.fingerprint, plain.engine.rules[1].fingerprint, "a change of write_shards is a change of the rule");
+    assert!(
+        daily.definition.contains(r#""write_shards":16"#) && daily.definition.contains(crate::rules::shards::MAPPING),
+        "{}",
+        daily.definition
+    );
+    let back = rule_from_definition("daily-sales", &daily.definition, &c.engine.key_names).unwrap();
+    assert_eq!((back.write_shards, back.fingerprint.as_str()), (Some(16), daily.fingerprint.as_str()));
+    // From the environment, as text.
+    let env = vec![("DDB_AGGREGATOR__RULES__1__TARGET__WRITE_SHARDS".to_string(), "8".to_string())];
+    assert_eq!(Config::from_yaml(&sharded("16"), env).unwrap().engine.rules[1].write_shards, Some(8));
+    for bad in ["1", "101", "0", "-3", "2.5", "\"many\"", "true"] {
+        let e = load_err(&sharded(bad));
+        assert!(e.starts_with("rules[1].target.write_shards: ") && e.contains("2 to 100"), "{bad}: {e}");
+    }
+    let e = load_err(&demo_with(DAILY_TARGET, r#"target: { PK: "SALES#{date|day}", SK: 7 }"#));
+    assert!(e.starts_with("rules[1].target.SK: ") && e.contains("template"), "{e}");
+}
+
+#[test]
+fn a_sharded_target_takes_count_sum_and_avg_only_and_no_rule_with_other_sharding() {
+    let helper = sharded("4").replacen(
+        "measures: { orders: count, revenue: { sum: total } }",
+        "measures: { orders: count, biggest: { max: total } }",
+        1,
+    );
+    let e = load_err(&helper);
+    assert!(e.starts_with("rules[1].target.write_shards: biggest is a max") && e.contains("count, sum and avg"), "{e}");
+    let avg = sharded("4").replacen("revenue: { sum: total } }", "basket: { avg: total } }", 1);
+    assert!(load(&avg).is_ok());
+    // A second rule on the daily totals with another write_shards.
+    let second = format!(
+        "{}\n  - name: daily-items\n    source_key: {{ PK: \"CUST#{{customer}}\", SK: \"ORDER#{{date}}#{{order_id}}\" }}\n    target: {{ PK: \"SALES#{{date|day}}\", SK: \"TOTAL\" }}\n    measures: {{ items: {{ sum: qty }} }}\n",
+        sharded("4").trim_end()
+    );
+    let e = load_err(&second);
+    assert!(e.starts_with("rules: ") && e.contains("write_shards 4") && e.contains("write_shards none"), "{e}");
+    assert!(load(&second.replacen("SK: \"TOTAL\" }\n    measures: { items", "SK: \"TOTAL\", write_shards: 4 }\n    measures: { items", 1))
+        .is_ok());
+}
+
+#[test]
+fn sub_items_are_loop_checked_like_targets() {
+    // Aggregates in the source table, and a rule reading every `SALES#` item: the daily totals'
+    // sub-items (`SALES#<day>#_agg#w<i>`) would be counted as its records.
+    let text = format!(
+        "{}\n  - name: everything\n    source_key: {{ PK: \"SALES#{{day}}#{{a}}#{{b}}\", SK: \"TOTAL\" }}\n    target: {{ PK: \"ALL\", SK: \"X\" }}\n    measures: {{ n: count }}\n",
+        sharded("4").trim_end()
+    );
+    let e = load_err(&text);
+    assert!(e.contains("loop") || e.contains("feedback"), "{e}");
+    assert!(load(&text.replacen("write_shards: 4 ", "", 1)).is_ok(), "unsharded, nothing writes such keys");
+}

@@ -693,6 +693,29 @@ impl TargetStore for Reconciler {
         }
     }
 
+    async fn fold(&self, key: &TargetKey, values: &[(String, Decimal)], seq: Decimal) -> Result<bool, ReconcileError> {
+        let mut req = self.ddb.update_item().table_name(&self.config.aggregates_table);
+        for (k, v) in self.key_of(key) {
+            req = req.key(k, v);
+        }
+        let mut sets = vec!["#s = :s".to_string()];
+        req = req
+            .expression_attribute_names("#s", self.ledger.fold_attribute())
+            .expression_attribute_values(":s", AttributeValue::N(seq.to_string()));
+        for (i, (name, value)) in values.iter().enumerate() {
+            sets.push(format!("#a{i} = :a{i}"));
+            req = req
+                .expression_attribute_names(format!("#a{i}"), name)
+                .expression_attribute_values(format!(":a{i}"), AttributeValue::N(value.to_string()));
+        }
+        let req = req.update_expression(format!("SET {}", sets.join(", "))).condition_expression("attribute_not_exists(#s) OR #s < :s");
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
+            Err(e) => Err(ReconcileError::Aws(format!("folding {:?}: {}", key.0, classify(&e)))),
+        }
+    }
+
     async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
         let mut req = self
             .ddb

@@ -17,6 +17,7 @@ pub mod rebuild;
 pub mod replay;
 pub mod report;
 pub mod schedule;
+pub mod sharded;
 pub mod truth;
 
 use std::collections::{BTreeMap, BTreeSet};

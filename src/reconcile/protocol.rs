@@ -113,6 +113,15 @@ pub trait TargetStore: Sync {
     /// Places a hold as `p` says; false when the item has no counter of this deployment or
     /// holds another hold. No default: a wrapper that forgot it would never hold a target.
     fn hold(&self, key: &TargetKey, p: &Placement) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
+    /// Sets a sharded target's total to `values`, with fold sequence `seq`, if the stored
+    /// sequence is absent or lower ([`super::sharded`]); false when a newer fold landed. No
+    /// default: a wrapper that forgot it would never fold.
+    fn fold(
+        &self,
+        key: &TargetKey,
+        values: &[(String, Decimal)],
+        seq: Decimal,
+    ) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
 }
 
 /// Removing what an old definition left, once zeroed and past the replay window.
@@ -282,7 +291,28 @@ enum Outcome {
 }
 
 /// Reconciles `requested` targets of `rule` (None: every target the truth or the table has).
+/// A sharded rule's targets are compared as the sums of their sub-items, corrected through
+/// one of them, and folded again after ([`super::sharded`]).
 pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
+    targets: &T,
+    sources: &S,
+    consumer: &C,
+    rule: &Rule,
+    requested: Option<BTreeSet<TargetKey>>,
+    opts: &Options,
+    report: &mut Report,
+) -> Result<(), ReconcileError> {
+    let Some(n) = rule.write_shards else { return reconcile_items(targets, sources, consumer, rule, requested, opts, report).await };
+    let sharded = super::sharded::Sharded::new(targets, n);
+    let requested = requested.map(|keys| keys.iter().map(crate::rules::shards::unsharded).collect());
+    let done = reconcile_items(&sharded, sources, consumer, rule, requested, opts, report).await;
+    if !opts.dry_run {
+        sharded.fold_read().await;
+    }
+    done
+}
+
+async fn reconcile_items<T: TargetStore, S: SourceItems, C: Consumer>(
     targets: &T,
     sources: &S,
     consumer: &C,
@@ -358,7 +388,7 @@ pub async fn reconcile_rule<T: TargetStore, S: SourceItems, C: Consumer>(
     }
     let mut left = pending.unwrap_or_default();
     let with_helpers = rule.measures.iter().any(|m| matches!(m.kind, MeasureKind::Helper(_)));
-    if opts.holds && !opts.dry_run && !with_helpers && !left.is_empty() {
+    if opts.holds && !opts.dry_run && !with_helpers && rule.write_shards.is_none() && !left.is_empty() {
         // Targets written all the time: correct them under a hold.
         left = super::hold::hold_round(targets, sources, consumer, rule, left, opts, report).await?;
     }
@@ -1064,6 +1094,9 @@ mod tests {
         }
         async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
             self.inner.hold(key, p).await
+        }
+        async fn fold(&self, key: &TargetKey, values: &[(String, Decimal)], seq: Decimal) -> Result<bool, ReconcileError> {
+            self.inner.fold(key, values, seq).await
         }
     }
 

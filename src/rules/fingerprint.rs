@@ -28,14 +28,21 @@ pub fn of_definition(canonical: &str) -> String {
 /// what an old definition wrote ([`crate::config::rule_from_definition`] reads it back).
 pub fn canonical(rule: &RawRule) -> String {
     let measures: BTreeMap<&str, &Value> = rule.measures.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let canonical = json!({
+    let target: Vec<(&String, &Value)> = rule.target.iter().filter(|(k, _)| k.as_str() != crate::config::WRITE_SHARDS).collect();
+    let mut canonical = json!({
         "filter": rule.filter,
         "numeric_strings": rule.numeric_strings,
         "source_key": rule.source_key.iter().collect::<Vec<_>>(),
-        "target": rule.target.iter().collect::<Vec<_>>(),
+        "target": target,
         "measures": measures,
         "ttl_deletes": rule.ttl_deletes.as_deref().unwrap_or("count"),
     });
+    // Only a sharded rule carries these, so every other rule's fingerprint stays as it was.
+    if let (Some(n), Some(o)) = (rule.target.get(crate::config::WRITE_SHARDS), canonical.as_object_mut()) {
+        let n = n.as_u64().or_else(|| n.as_str().and_then(|s| s.parse().ok())).map_or_else(|| n.clone(), Value::from);
+        o.insert(crate::config::WRITE_SHARDS.into(), n);
+        o.insert("shard_mapping".into(), Value::String(super::shards::MAPPING.into()));
+    }
     // serde_json's maps are sorted by key (no preserve_order): the text is canonical.
     canonical.to_string()
 }

@@ -10,6 +10,7 @@ pub mod fingerprint;
 pub mod helper;
 pub mod item;
 pub mod record;
+pub mod shards;
 pub mod template;
 
 use std::cell::Cell;
@@ -160,6 +161,8 @@ pub struct Rule {
     pub source_key: Vec<(String, Template)>,
     /// Target templates in the table's key order.
     pub target: Vec<(String, Template)>,
+    /// `write_shards`: each target is spread over this many sub-items ([`shards`]).
+    pub write_shards: Option<u16>,
     pub measures: Vec<Measure>,
     pub reconcile: ReconcileSource,
     /// Fields of the stream record its filter reads that a source item does not have
@@ -283,6 +286,16 @@ impl Rule {
                 return Err(self.poison(
                     PoisonCode::KeyTooLong,
                     format!("target.{attr}: expanded key is {} bytes, DynamoDB allows {limit}", value.len()),
+                    &captures,
+                ));
+            }
+            if value.contains(helper::MARK) {
+                return Err(self.poison(
+                    PoisonCode::ReservedAttribute,
+                    format!(
+                        "target.{attr}: expands to {value:?}, which holds {:?}, the mark of the service's helper items and sub-items",
+                        helper::MARK
+                    ),
                     &captures,
                 ));
             }

@@ -150,6 +150,12 @@ impl Ledger {
 
     /// `_agghold:<namespace>`: a reconcile's hold on the item, `<hold id>:<expiry, epoch ms>`
     /// ([`super::hold`]).
+    /// `_aggfold:<namespace>`: on a sharded target's total, the sequence of the fold that
+    /// wrote it ([`crate::reconcile::sharded`]).
+    pub fn fold_attribute(&self) -> String {
+        format!("_aggfold:{}", self.namespace)
+    }
+
     pub fn hold_attribute(&self) -> String {
         format!("_agghold:{}", self.namespace)
     }
@@ -165,8 +171,14 @@ impl Ledger {
     /// a hold's log. An item holding a reserved attribute that is not is written by another
     /// deployment too.
     pub fn is_own(&self, attribute: &str) -> bool {
-        let exact =
-            [self.version_attribute(), self.floor_attribute(), self.open_attribute(), self.measures_attribute(), self.hold_attribute()];
+        let exact = [
+            self.version_attribute(),
+            self.floor_attribute(),
+            self.open_attribute(),
+            self.measures_attribute(),
+            self.hold_attribute(),
+            self.fold_attribute(),
+        ];
         self.is_entry(attribute)
             || attribute.starts_with(&self.derived_prefix())
             || attribute.starts_with(&self.cursor_prefix())

@@ -266,6 +266,22 @@ impl MemoryAggregates {
     /// Reconcile's correction: sets `set` and advances the counter `version_attribute`, if
     /// `guard` holds; adds the names to `measures_attribute`; sets the string attributes
     /// `texts` (a fence: the ledger's floor and straggler set).
+    /// A fold of a sharded target's total: sets `values` and `fold_attribute` to `seq` if the
+    /// stored sequence is absent or lower (as DynamoDB's
+    /// `attribute_not_exists(#s) OR #s < :s`).
+    pub fn fold_if(&self, key: &[String], fold_attribute: &str, seq: Decimal, values: &[(String, Decimal)]) -> bool {
+        let mut s = self.lock();
+        if matches!(s.items.get(key).and_then(|i| i.get(fold_attribute)), Some(MemValue::Num(n)) if *n >= seq) {
+            return false;
+        }
+        let item = s.items.entry(key.to_vec()).or_default();
+        for (name, v) in values {
+            item.insert(name.clone(), MemValue::Num(*v));
+        }
+        item.insert(fold_attribute.to_string(), MemValue::Num(seq));
+        true
+    }
+
     pub fn correct_if(
         &self,
         key: &[String],

@@ -217,16 +217,20 @@ pub enum WaitReason {
     /// A command-line consumer's config differs from the committed definitions: it never
     /// commits, so it applies nothing.
     NotCommitted,
+    /// The config changes a live rule's `write_shards` (or gives a committed rule's target to
+    /// a rule with another `write_shards`): not supported yet, so it is never committed.
+    ShardingChanged,
 }
 
 impl WaitReason {
-    pub const ALL: [WaitReason; 6] = [
+    pub const ALL: [WaitReason; 7] = [
         WaitReason::CommittedLive,
         WaitReason::LeasesHeld,
         WaitReason::Conflicting,
         WaitReason::NewerProtocol,
         WaitReason::Draining,
         WaitReason::NotCommitted,
+        WaitReason::ShardingChanged,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -237,6 +241,7 @@ impl WaitReason {
             WaitReason::NewerProtocol => "newer_protocol",
             WaitReason::Draining => "draining",
             WaitReason::NotCommitted => "not_committed",
+            WaitReason::ShardingChanged => "sharding_changed",
         }
     }
 
@@ -255,6 +260,9 @@ impl WaitReason {
             WaitReason::Draining => "the committed rule definitions are marked draining: a replica commits its own once a last check passes",
             WaitReason::NotCommitted => {
                 "this config's rule definitions are not the committed ones, and a command-line consumer never commits: use the config the service runs"
+            }
+            WaitReason::ShardingChanged => {
+                "this config changes the write_shards of a live target, which is not supported yet: deploy the committed write_shards again, or put the sharded rule on a target with another key (docs/configuration.md, write_shards)"
             }
         }
     }
@@ -295,6 +303,9 @@ pub fn decide(me: &str, mine: &Running, seen: Seen<'_>) -> Gate {
     if mine.runs(c) {
         return Gate::Run;
     }
+    if sharding_changed(c, mine) {
+        return Gate::Wait(WaitReason::ShardingChanged);
+    }
     match blocker(me, mine, &c.digest(), seen) {
         Some(why) => Gate::Wait(why),
         None if c.drained_by(me, seen.now_ms) => Gate::Commit(next(c, mine)),
@@ -319,6 +330,28 @@ fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
     }
     first.rebuild = changed;
     Gate::Commit(first)
+}
+
+/// Whether `mine` would move a committed target between sharded and unsharded forms, or to
+/// another number of sub-items: a rule of the same name, or one with the same target
+/// templates, whose `write_shards` differs from a committed or retiring definition's.
+/// The rebuild cannot do that yet: the old form's sub-items (or item) would keep counts that
+/// the new form's reconcile does not see, and the old folds' sequence would refuse the new.
+fn sharding_changed(c: &Committed, mine: &Running) -> bool {
+    let shape = |definition: &str| -> Option<(serde_json::Value, Option<u64>)> {
+        let v: serde_json::Value = serde_json::from_str(definition).ok()?;
+        Some((v.get("target")?.clone(), v.get(crate::config::WRITE_SHARDS).and_then(serde_json::Value::as_u64)))
+    };
+    let old = c
+        .rules
+        .iter()
+        .map(|(n, r)| (n.as_str(), r.definition.as_str()))
+        .chain(c.retire.iter().map(|r| (r.name.as_str(), r.definition.as_str())));
+    let old: Vec<(&str, (serde_json::Value, Option<u64>))> = old.filter_map(|(n, d)| Some((n, shape(d)?))).collect();
+    mine.rules
+        .iter()
+        .filter_map(|(n, d)| Some((n, shape(d)?)))
+        .any(|(name, (target, shards))| old.iter().any(|(o, (t, s))| (*o == name.as_str() || *t == target) && *s != shards))
 }
 
 /// What keeps `mine` from being committed now, if anything.
@@ -470,6 +503,41 @@ mod tests {
             assert_eq!(text.contains("expiry"), c.expiry.is_some(), "{text}");
             assert_eq!(&serde_json::from_str::<Committed>(&text).unwrap(), c);
         }
+    }
+
+    /// A change of `write_shards` on a live target is never committed, whether the rule keeps
+    /// its name or another rule takes its target; other changes of a sharded rule are.
+    #[test]
+    fn a_change_of_write_shards_waits_and_says_why() {
+        let def = |target: &str, shards: Option<u64>, measure: &str| {
+            let mut v = serde_json::json!({"target": [["PK", target], ["SK", "TOTAL"]], "measures": {measure: "count"}});
+            if let Some(n) = shards {
+                v["write_shards"] = n.into();
+            }
+            v.to_string()
+        };
+        let (plain, sharded) = (def("SALES#{d}", None, "n"), def("SALES#{d}", Some(16), "n"));
+        let c = committed(&running(&[("daily", &plain)]));
+        for mine in [
+            running(&[("daily", &sharded)]),
+            running(&[("daily-sharded", &sharded)]),
+            running(&[("daily", &def("SALES#{d}", Some(8), "n"))]).with_expiry(None),
+        ] {
+            assert_eq!(decide("new", &mine, seen(Some(&c), &[], 0)), Gate::Wait(WaitReason::ShardingChanged), "{mine:?}");
+        }
+        let c16 = committed(&running(&[("daily", &sharded)]));
+        assert_eq!(
+            decide("new", &running(&[("daily", &def("SALES#{d}", Some(8), "n"))]), seen(Some(&c16), &[], 0)),
+            Gate::Wait(WaitReason::ShardingChanged)
+        );
+        assert_eq!(decide("new", &running(&[("daily", &plain)]), seen(Some(&c16), &[], 0)), Gate::Wait(WaitReason::ShardingChanged));
+        // Another measure on the same sharded target, or a sharded rule on a new target, is a change like any other.
+        assert_eq!(decide("new", &running(&[("daily", &def("SALES#{d}", Some(16), "m"))]), seen(Some(&c16), &[], 0)), Gate::Drain);
+        assert_eq!(
+            decide("new", &running(&[("daily", &plain), ("hourly", &def("HOUR#{h}", Some(4), "n"))]), seen(Some(&c), &[], 0)),
+            Gate::Drain
+        );
+        assert!(WaitReason::ShardingChanged.explain().contains("write_shards"));
     }
 
     #[test]

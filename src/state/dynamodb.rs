@@ -397,10 +397,24 @@ impl LeaseStore for DynamoDbLeases {
             sets.push("#tip = :tip");
             req = req.expression_attribute_names("#tip", "at_tip_ms").expression_attribute_values(":tip", n(t));
         }
-        if sets.is_empty() {
+        let mut remove = "";
+        match progress.fold_due.as_deref() {
+            None => {}
+            // A string set cannot be empty.
+            Some([]) => remove = " REMOVE #fd",
+            Some(due) => {
+                sets.push("#fd = :fd");
+                req = req.expression_attribute_values(":fd", AttributeValue::Ss(due.to_vec()));
+            }
+        }
+        if progress.fold_due.is_some() {
+            req = req.expression_attribute_names("#fd", "fold_due");
+        }
+        if sets.is_empty() && remove.is_empty() {
             return Ok(true);
         }
-        self.send_owned(req.update_expression(format!("SET {}", sets.join(", ")))).await
+        let set = if sets.is_empty() { String::new() } else { format!("SET {}", sets.join(", ")) };
+        self.send_owned(req.update_expression(format!("{set}{remove}"))).await
     }
 
     async fn delete(&self, lease: &Lease) -> Result<bool, StateError> {

@@ -24,6 +24,8 @@ struct LeaseItem {
     horizon: Option<String>,
     last_record_ms: Option<u64>,
     at_tip_ms: Option<u64>,
+    #[serde(default)]
+    fold_due: Vec<String>,
 }
 
 /// The pending "reconcile everything" request.
@@ -59,6 +61,7 @@ pub fn lease(item: &HashMap<String, AttributeValue>) -> Result<Lease, StateError
             .or(l.horizon.filter(|h| h == Checkpoint::TRIM_HORIZON).map(|_| Checkpoint::TrimHorizon)),
         last_record_ms: l.last_record_ms,
         at_tip_ms: l.at_tip_ms,
+        fold_due: l.fold_due,
     })
 }
 

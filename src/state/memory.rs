@@ -144,6 +144,9 @@ impl LeaseStore for MemoryLeases {
             if progress.at_tip_ms.is_some() {
                 l.at_tip_ms = progress.at_tip_ms;
             }
+            if let Some(due) = &progress.fold_due {
+                l.fold_due = due.clone();
+            }
         }))
     }
 

@@ -61,6 +61,9 @@ pub struct Lease {
     pub last_record_ms: Option<u64>,
     /// When the reader last found the shard with nothing more to read (epoch ms).
     pub at_tip_ms: Option<u64>,
+    /// Sharded totals this shard's writes left unfolded as of its last checkpoint (each key as
+    /// a JSON array of its values): the next owner folds them ([`crate::worker::fold`]).
+    pub fold_due: Vec<String>,
 }
 
 impl Lease {
@@ -74,6 +77,7 @@ impl Lease {
             checkpoint: None,
             last_record_ms: None,
             at_tip_ms: None,
+            fold_due: Vec::new(),
         }
     }
 
@@ -88,11 +92,13 @@ impl Lease {
 }
 
 /// A checkpoint update from the shard reader.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Progress {
     pub checkpoint: Option<Checkpoint>,
     pub last_record_ms: Option<u64>,
     pub at_tip_ms: Option<u64>,
+    /// Replaces the lease's unfolded sharded totals ([`Lease::fold_due`]); None: unchanged.
+    pub fold_due: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

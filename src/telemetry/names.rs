@@ -24,6 +24,11 @@ pub const HELPER_SWEEP_LAG: &str = "ddb_aggregator_helper_sweep_lag_seconds";
 /// Helper items by rule and state (live, zero), as the last scheduled reconcile of everything read them.
 pub const HELPER_ITEMS: &str = "ddb_aggregator_helper_items";
 pub const HELPER_WRITES_TOO_OLD: &str = "ddb_aggregator_helper_writes_too_old_total";
+/// Sharded totals folded from their sub-items, by rule and `outcome` (written, superseded, failed).
+pub const FOLDS: &str = "ddb_aggregator_folds_total";
+/// How far a rule's folded totals lag behind their sub-items: the age of the oldest write not
+/// folded yet, as of the last fold round (0: none).
+pub const FOLD_LAG: &str = "ddb_aggregator_fold_lag_seconds";
 pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
 /// 1 for the reason a replica holds no lease while its rule definitions differ from the
 /// committed ones (`reason`: committed_replicas_live, leases_held, conflicting_definitions,
@@ -151,6 +156,14 @@ pub fn describe() {
     describe_gauge!(
         HELPER_SWEEP_LAG,
         "On the replica that sweeps expired helper items: seconds between now and the oldest recorded expiry its last sweep found due (0: none). Growing: deletes fall behind the expiries."
+    );
+    describe_counter!(
+        FOLDS,
+        "Sharded totals (write_shards) folded from their sub-items, per rule: outcome written, superseded (a fold that read newer sub-items landed first) or failed (folded again next round)."
+    );
+    describe_gauge!(
+        FOLD_LAG,
+        "Per rule with write_shards, on each replica: seconds from the oldest sub-item write not yet folded into its total to the last fold round (0: all folded). Growing: folds fail or fall behind."
     );
     describe_counter!(HELPER_WRITES_TOO_OLD, "Helper writes left out because their batch held a record older than 36 hours (a helper that expired meanwhile would count it again); a reconcile of everything is requested.");
     describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");

@@ -108,7 +108,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         // The checkpoint moves only after every target write of the batch succeeded (or its
         // record was dead-lettered).
         let checkpoint = evaluated.facts.last_seq.map(Checkpoint::Sequence);
-        let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: evaluated.facts.newest_ms, at_tip_ms: at_tip };
+        // With the sharded totals this shard left unfolded: an owner killed before its next
+        // fold round leaves them to the next owner.
+        let fold_due = self.shared.engine.rules.iter().any(|r| r.write_shards.is_some()).then(|| self.shared.folds.due_for(self.shard()));
+        let progress = Progress { checkpoint: checkpoint.clone(), last_record_ms: evaluated.facts.newest_ms, at_tip_ms: at_tip, fold_due };
         match self.checkpoint(&progress).await {
             Ok(true) => {}
             Ok(false) => return BatchOutcome::LeaseLost,
@@ -285,13 +288,24 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         if let Some(seen) = stats.seen {
             self.shared.put_seen(key, seen);
         }
-        let mut rules: Vec<&str> = delta.contributions.iter().filter_map(|c| c.rule.as_deref()).collect();
+        let mut rules: Vec<&Arc<str>> = delta.contributions.iter().filter_map(|c| c.rule.as_ref()).collect();
         rules.dedup();
+        // A sub-item stands for its total: the schedule reconciles the total, and the fold
+        // writes it.
+        let sub_item = crate::rules::shards::parse(key);
         for r in rules {
             if stats.expiries_set > 0 {
                 metrics::counter!(names::HELPER_EXPIRIES, "rule" => r.to_string()).increment(stats.expiries_set);
             }
-            self.shared.touch(r, key);
+            match &sub_item {
+                Some((total, _)) => {
+                    self.shared.touch(r, total);
+                    if let Some(n) = self.shared.engine.rules.iter().find(|x| x.name == *r).and_then(|x| x.write_shards) {
+                        self.shared.folds.mark(total.clone(), r, n, self.shard(), crate::state::now_ms());
+                    }
+                }
+                None => self.shared.touch(r, key),
+            }
         }
     }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::rules::{Coalescer, Engine, TargetDelta, TargetKey};
+use crate::rules::{shards, Coalescer, Engine, TargetDelta, TargetKey};
 use crate::telemetry::names;
 
 /// A record that will not be applied, on its way to the dead-letter queue.
@@ -127,9 +127,26 @@ impl PendingBatch {
         }
     }
 
-    pub fn finish(mut self) -> Evaluated {
-        Evaluated { targets: std::mem::take(&mut self.coalescer).into_targets(), facts: self }
+    /// The batch's targets, each target of a sharded rule moved to the sub-item this shard
+    /// writes ([`crate::rules::shards`]).
+    pub fn finish(mut self, engine: &Engine, shard_id: &str) -> Evaluated {
+        let mut targets = std::mem::take(&mut self.coalescer).into_targets();
+        if engine.rules.iter().any(|r| r.write_shards.is_some()) {
+            for (key, delta) in &mut targets {
+                if let Some(n) = sharding(engine, delta) {
+                    *key = shards::sub_key(key, shards::sub_index(shard_id, n));
+                }
+            }
+        }
+        Evaluated { targets, facts: self }
     }
+}
+
+/// The `write_shards` of the rule that wrote `delta` (rules that may write one item agree on
+/// it: the config refuses them otherwise).
+fn sharding(engine: &Engine, delta: &TargetDelta) -> Option<u16> {
+    let rule = delta.contributions.iter().find_map(|c| c.rule.as_deref())?;
+    engine.rules.iter().find(|r| *r.name == *rule)?.write_shards
 }
 
 /// The record's ApproximateCreationDateTime in epoch ms.
@@ -178,12 +195,12 @@ mod tests {
             (1..=12).map(|n| record(n, ["c1", "c2", "c3"][(n % 3) as usize], if n == 5 { "ten" } else { "2.5" })).collect();
         let mut whole = PendingBatch::default();
         whole.add_page(&e, None, records.clone(), 0);
-        let whole = whole.finish();
+        let whole = whole.finish(&e, "shardId-1");
         for cut in [1, 4, 5, 11] {
             let mut paged = PendingBatch::default();
             paged.add_page(&e, None, records[..cut].to_vec(), 0);
             paged.add_page(&e, None, records[cut..].to_vec(), 0);
-            let paged = paged.finish();
+            let paged = paged.finish(&e, "shardId-1");
             assert_eq!(
                 (paged.facts.records, paged.facts.last_seq.as_deref(), &paged.facts.created),
                 (12, Some("000000000000000000012"), &whole.facts.created)
@@ -201,7 +218,7 @@ mod tests {
         let mut b = PendingBatch::default();
         let now = 1_764_460_800_000 + 3_600_000;
         b.add_page(&e, Some(60_000), vec![record(1, "c1", "1")], now);
-        let b = b.finish();
+        let b = b.finish(&e, "shardId-1");
         assert!(b.targets.is_empty());
         assert_eq!(b.facts.letters.len(), 1);
         assert_eq!(b.facts.letters[0].code, "too_old");

@@ -5,6 +5,7 @@
 pub mod age;
 pub mod apply;
 pub mod batch;
+pub mod fold;
 pub mod gate;
 pub mod phases;
 pub mod plan;
@@ -55,6 +56,8 @@ pub struct Shared<S, L, A> {
     /// Which shards target items may still take writes from (from the lease table); None:
     /// unknown, prune nothing.
     pub floor_plan: std::sync::Mutex<Option<Arc<crate::sink::ledger::FloorPlan>>>,
+    /// Sharded totals written since their last fold ([`fold`]).
+    pub folds: fold::Folds,
     /// Targets written since the last scheduled reconcile, per rule (bounded).
     pub touched: std::sync::Mutex<BTreeMap<String, BTreeSet<crate::rules::TargetKey>>>,
     /// Set when data was lost (trimmed, a shard gone): a reconcile of everything is to be
@@ -106,6 +109,7 @@ impl<S, L, A> Shared<S, L, A> {
             stream_arn: String::new(),
             ledger,
             floor_plan: Default::default(),
+            folds: Default::default(),
             touched: Default::default(),
             reconcile_everything: Default::default(),
             seen: Default::default(),
@@ -195,6 +199,19 @@ impl<S, L, A> Shared<S, L, A> {
             return;
         }
         t.entry(rule.to_string()).or_default().insert(key.clone());
+    }
+
+    /// Marks the totals a shard's lease records as unfolded (a previous owner's writes, before
+    /// the checkpoint this reader starts from), under the rule whose sub-items they have.
+    pub fn resume_folds(&self, shard: &str, due: &[String]) {
+        let now = now_ms();
+        for total in fold::parse_due(due) {
+            let parts: Vec<&str> = total.0.iter().map(|p| &**p).collect();
+            let rule = self.engine.rules.iter().find(|r| r.write_shards.is_some() && crate::reconcile::truth::is_target(r, &parts));
+            if let Some((rule, n)) = rule.and_then(|r| Some((r, r.write_shards?))) {
+                self.folds.mark(total, &rule.name, n, shard, now);
+            }
+        }
     }
 
     /// What the last write saw of `key`'s ledger.
@@ -586,7 +603,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         for l in lost {
             let Ok(Some(got)) = shared.leases.take(&l, &shared.owner, now + self.lease_ms()).await else { continue };
             shard::shard_lost(shared, &got.shard_id, "DescribeStream no longer lists it").await;
-            let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: None };
+            let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: None, fold_due: None };
             if let Ok(true) = shared.leases.checkpoint(&got.shard_id, &shared.owner, got.counter, &progress).await {
                 if let Some(x) = leases.get_mut(&got.shard_id) {
                     x.checkpoint = Some(Checkpoint::ShardEnd);
@@ -648,6 +665,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     fn start_reader(&mut self, lease: Lease, start: Option<crate::stream::Position>, valid_until: u64) {
         let shard = lease.shard_id.clone();
         info!(shard = %shard, counter = lease.counter, "lease taken");
+        self.shared.resume_folds(&shard, &lease.fold_due);
         let valid_until_ms = Arc::new(AtomicU64::new(valid_until));
         let stop = CancellationToken::new();
         let handle = ShardLease { shard_id: shard.clone(), counter: lease.counter, valid_until_ms: valid_until_ms.clone(), start };

@@ -358,7 +358,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             // Stopping: this batch is read again by the next owner.
             return Err(Flow::Exit(ShardExit::Stopped));
         }
-        let batch = std::mem::take(&mut self.pending).finish();
+        let batch = std::mem::take(&mut self.pending).finish(&self.shared.engine, &self.lease.shard_id);
         self.pending_since = None;
         let gathered = std::mem::take(&mut self.gathering);
         // Nothing is in flight now. The applier is back whenever nothing is; a fresh one (a new
@@ -460,7 +460,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         let now = now_ms();
         let due = now.saturating_sub(self.last_tip_report) >= self.shared.config.state.lease_duration.as_millis() as u64 / 2;
         if let Some(tip) = evidence.filter(|_| due) {
-            let progress = Progress { checkpoint: self.horizon_marker(), last_record_ms: None, at_tip_ms: Some(tip) };
+            let progress = Progress { checkpoint: self.horizon_marker(), last_record_ms: None, at_tip_ms: Some(tip), fold_due: None };
             if let Ok(false) = self.shared.leases.checkpoint(&self.lease.shard_id, &self.shared.owner, self.lease.counter, &progress).await
             {
                 return Flow::Exit(ShardExit::LeaseLost);
@@ -602,7 +602,7 @@ fn trimmed<S, L, A>(shared: &Shared<S, L, A>, shard: &str, why: &str, position: 
 }
 
 async fn finish<S: StreamSource, L: LeaseStore, A: AggregateStore>(shared: &Shared<S, L, A>, lease: &ShardLease, shard: &str) -> ShardExit {
-    let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: Some(now_ms()) };
+    let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: Some(now_ms()), fold_due: None };
     // Bounded retries: a transient failure here just means the next owner re-reads the end.
     for attempt in 1..=5 {
         match shared.leases.checkpoint(shard, &shared.owner, lease.counter, &progress).await {

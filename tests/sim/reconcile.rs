@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ddb_aggregator::config::Config;
+use ddb_aggregator::decimal::Decimal;
 use ddb_aggregator::reconcile::caught_up;
 use ddb_aggregator::reconcile::memory::{MemorySources, MemoryTargets};
 use ddb_aggregator::reconcile::protocol::{self, Applied, Consumer, Correction, Placement, Removal, TargetItem, TargetStore};
@@ -62,6 +63,10 @@ impl TargetStore for SimTargets {
 
     async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
         self.view().hold(key, p).await
+    }
+
+    async fn fold(&self, key: &TargetKey, values: &[(String, Decimal)], seq: Decimal) -> Result<bool, ReconcileError> {
+        self.view().fold(key, values, seq).await
     }
 }
 
