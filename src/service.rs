@@ -291,7 +291,7 @@ async fn run_stream(
         false => None,
     };
     if let Some(folder) = &folder {
-        tokio::spawn(fold_sharded_totals(worker.shared().clone(), folder.clone(), config.fold_interval, stop.clone()));
+        tokio::spawn(crate::worker::fold::run_folds(worker.shared().clone(), folder.clone(), config.fold_interval, stop.clone()));
     }
     let shared = worker.shared().clone();
     let reconciler = crate::reconcile::Reconciler::new(sdk, config.clone()).await.map_err(|e| ServiceError::Runtime(e.to_string()))?;
@@ -306,26 +306,6 @@ async fn run_stream(
         crate::worker::fold::fold_round(&*folder, &shared.folds, crate::state::now_ms()).await;
     }
     ran
-}
-
-/// Folds the sharded totals this replica wrote, every `interval`, until `stop`
-/// ([`crate::worker::fold`]; `run` folds once more after its last batches).
-async fn fold_sharded_totals<S, L, A, T: crate::reconcile::protocol::TargetStore>(
-    shared: Arc<Shared<S, L, A>>,
-    targets: Arc<T>,
-    interval: Duration,
-    stop: CancellationToken,
-) {
-    let rules: Vec<Arc<str>> = shared.engine.rules.iter().filter(|r| r.write_shards.is_some()).map(|r| r.name.clone()).collect();
-    crate::worker::fold::record_round(&rules, &Default::default());
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
-        }
-        let round = crate::worker::fold::fold_round(&*targets, &shared.folds, crate::state::now_ms()).await;
-        crate::worker::fold::record_round(&rules, &round);
-    }
 }
 
 /// Reads the aggregates table's TTL settings at start and every minute after, until `stop`:

@@ -407,6 +407,11 @@ impl TargetStore for Harness {
         self.step().await?;
         self.targets().fold(key, values, seq).await
     }
+
+    async fn reset_fold(&self, key: &TargetKey, zero: &[String]) -> Result<bool, ReconcileError> {
+        self.step().await?;
+        self.targets().reset_fold(key, zero).await
+    }
 }
 
 impl SourceItems for Harness {

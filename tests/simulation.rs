@@ -30,7 +30,15 @@ use sim::{run, Params, Peak};
 fn six_days_of_a_small_stream_stay_exact() {
     let seed = std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
     let empty_runs = std::env::var("SIM_EMPTY_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
-    let report = run(&Params { seed, partitions: 4, days: 6, empty_runs_per_partition_hour: empty_runs, ..Params::default() });
+    // The daily totals spread over 4 sub-items: splits give them several writing shards.
+    let report = run(&Params {
+        seed,
+        partitions: 4,
+        days: 6,
+        empty_runs_per_partition_hour: empty_runs,
+        daily_shards: Some(4),
+        ..Params::default()
+    });
     println!("{report}");
     report.assert_sound();
 }
@@ -70,6 +78,8 @@ fn scale() {
             own_expiry: std::env::var("SIM_EXPIRY").is_ok_and(|v| v == "own"),
             // DynamoDB's per-partition limit (0: none, to compare).
             partition_limit_wcu: Some(env("SIM_PARTITION_LIMIT", 1000) as f64).filter(|l| *l > 0.0),
+            // The daily totals' write_shards (0: unsharded).
+            daily_shards: u16::try_from(env("SIM_WRITE_SHARDS", 0)).ok().filter(|n| *n > 0),
             // Every partition at SIM_PEAK_RATE records a second (0: no peak) for 10 minutes.
             peak: Some(env("SIM_PEAK_RATE", 10) as f64).filter(|r| *r > 0.0).map(|per_partition_per_s| Peak {
                 hour: 30,

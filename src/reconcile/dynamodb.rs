@@ -41,6 +41,9 @@ type Item = HashMap<String, AttributeValue>;
 /// Items per scan page.
 const SCAN_PAGE: i32 = 500;
 
+/// Reconcile's own consumer: its stop, its task, and what it shares with its readers.
+type OwnConsumer = (CancellationToken, tokio::task::JoinHandle<()>, Arc<Shared<DynamoDbStream, DynamoDbLeases, DynamoDbAggregates>>);
+
 pub struct Reconciler {
     ddb: Client,
     config: Config,
@@ -329,22 +332,19 @@ impl Reconciler {
 
     async fn wait_for_consumer(&self, after_ms: u64, max: Duration) -> Result<Applied, ReconcileError> {
         let target = after_ms + u64::try_from(self.config.reconcile_margin.as_millis()).unwrap_or(u64::MAX / 4);
-        let mut consumer: Option<(CancellationToken, tokio::task::JoinHandle<()>)> = None;
+        let mut consumer: Option<OwnConsumer> = None;
         let result = self.wait_for_evidence(target, max, &mut consumer).await;
-        if let Some((stop, task)) = consumer {
-            // It finishes its batch, checkpoints and releases its leases for `run`.
+        if let Some((stop, task, folds)) = consumer {
+            // It finishes its batch, checkpoints and releases its leases for `run`, and the
+            // sharded totals it wrote are folded (`run` may not be running).
             stop.cancel();
             let _ = task.await;
+            crate::worker::fold::fold_round(self, &folds.folds, crate::state::now_ms()).await;
         }
         result
     }
 
-    async fn wait_for_evidence(
-        &self,
-        target: u64,
-        max: Duration,
-        consumer: &mut Option<(CancellationToken, tokio::task::JoinHandle<()>)>,
-    ) -> Result<Applied, ReconcileError> {
+    async fn wait_for_evidence(&self, target: u64, max: Duration, consumer: &mut Option<OwnConsumer>) -> Result<Applied, ReconcileError> {
         let started = Instant::now();
         let mut last_progress = started;
         let mut last_seen: Option<Vec<Lease>> = None;
@@ -385,7 +385,7 @@ impl Reconciler {
     }
 
     /// A worker over the same state table that takes only leases nobody holds.
-    fn start_consumer(&self) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    fn start_consumer(&self) -> OwnConsumer {
         let ddb = self.ddb.clone();
         let leases = DynamoDbLeases::new(ddb.clone(), self.config.state.table.clone(), self.stream_arn.clone());
         let sink = Arc::new(DynamoDbAggregates::new(ddb, self.config.aggregates_table.clone()));
@@ -401,13 +401,14 @@ impl Reconciler {
                 .reading_from_the_horizon();
         let stop = CancellationToken::new();
         let worker = Worker::new(shared);
+        let shared = worker.shared().clone();
         let token = stop.clone();
         let task = tokio::spawn(async move {
             if let Err(e) = worker.run(token).await {
                 tracing::warn!(error = %e, "reconcile's own consumer stopped");
             }
         });
-        (stop, task)
+        (stop, task, shared)
     }
 }
 
@@ -694,25 +695,54 @@ impl TargetStore for Reconciler {
     }
 
     async fn fold(&self, key: &TargetKey, values: &[(String, Decimal)], seq: Decimal) -> Result<bool, ReconcileError> {
+        // At most 100 attributes a write (an expression stays far below 4 KB): the first write
+        // takes the sequence, the others land only while it is still this fold's.
+        let chunks: Vec<&[(String, Decimal)]> =
+            if values.is_empty() { vec![values] } else { values.chunks(protocol::MAX_SET_PER_CORRECTION).collect() };
+        for (n, chunk) in chunks.into_iter().enumerate() {
+            let mut req = self.ddb.update_item().table_name(&self.config.aggregates_table);
+            for (k, v) in self.key_of(key) {
+                req = req.key(k, v);
+            }
+            let mut sets = vec!["#s = :s".to_string()];
+            req = req
+                .expression_attribute_names("#s", self.ledger.fold_attribute())
+                .expression_attribute_values(":s", AttributeValue::N(seq.to_string()));
+            for (i, (name, value)) in chunk.iter().enumerate() {
+                sets.push(format!("#a{i} = :a{i}"));
+                req = req
+                    .expression_attribute_names(format!("#a{i}"), name)
+                    .expression_attribute_values(format!(":a{i}"), AttributeValue::N(value.to_string()));
+            }
+            let condition = if n == 0 { "attribute_not_exists(#s) OR #s < :s" } else { "#s = :s" };
+            match req.update_expression(format!("SET {}", sets.join(", "))).condition_expression(condition).send().await {
+                Ok(_) => {}
+                Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => return Ok(false),
+                Err(e) => return Err(ReconcileError::Aws(format!("folding {:?}: {}", key.0, classify(&e)))),
+            }
+        }
+        Ok(true)
+    }
+
+    async fn reset_fold(&self, key: &TargetKey, zero: &[String]) -> Result<bool, ReconcileError> {
         let mut req = self.ddb.update_item().table_name(&self.config.aggregates_table);
         for (k, v) in self.key_of(key) {
             req = req.key(k, v);
         }
-        let mut sets = vec!["#s = :s".to_string()];
-        req = req
-            .expression_attribute_names("#s", self.ledger.fold_attribute())
-            .expression_attribute_values(":s", AttributeValue::N(seq.to_string()));
-        for (i, (name, value)) in values.iter().enumerate() {
-            sets.push(format!("#a{i} = :a{i}"));
-            req = req
-                .expression_attribute_names(format!("#a{i}"), name)
-                .expression_attribute_values(format!(":a{i}"), AttributeValue::N(value.to_string()));
+        req = req.expression_attribute_names("#s", self.ledger.fold_attribute());
+        let mut sets = Vec::new();
+        for (i, name) in zero.iter().take(protocol::MAX_SET_PER_CORRECTION).enumerate() {
+            sets.push(format!("#a{i} = :zero"));
+            req = req.expression_attribute_names(format!("#a{i}"), name);
         }
-        let req = req.update_expression(format!("SET {}", sets.join(", "))).condition_expression("attribute_not_exists(#s) OR #s < :s");
-        match req.send().await {
+        if !sets.is_empty() {
+            req = req.expression_attribute_values(":zero", AttributeValue::N("0".into()));
+        }
+        let set = if sets.is_empty() { String::new() } else { format!("SET {} ", sets.join(", ")) };
+        match req.update_expression(format!("{set}REMOVE #s")).condition_expression("attribute_exists(#s)").send().await {
             Ok(_) => Ok(true),
             Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(false),
-            Err(e) => Err(ReconcileError::Aws(format!("folding {:?}: {}", key.0, classify(&e)))),
+            Err(e) => Err(ReconcileError::Aws(format!("resetting the total {:?}: {}", key.0, classify(&e)))),
         }
     }
 

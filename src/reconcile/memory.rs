@@ -128,6 +128,10 @@ impl TargetStore for MemoryTargets<'_> {
         Ok(self.store.fold_if(&key_of(key), &self.ledger.fold_attribute(), seq, values))
     }
 
+    async fn reset_fold(&self, key: &TargetKey, zero: &[String]) -> Result<bool, ReconcileError> {
+        Ok(self.store.reset_fold_if(&key_of(key), &self.ledger.fold_attribute(), zero))
+    }
+
     async fn hold(&self, key: &TargetKey, p: &Placement) -> Result<bool, ReconcileError> {
         let attributes = (self.ledger.version_attribute(), self.ledger.hold_attribute());
         Ok(self.store.hold_if(&key_of(key), (&attributes.0, &attributes.1), p.seen.as_deref(), &p.value, &p.stale))

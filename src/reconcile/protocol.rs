@@ -122,6 +122,9 @@ pub trait TargetStore: Sync {
         values: &[(String, Decimal)],
         seq: Decimal,
     ) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
+    /// A retired sharded rule's total: sets `zero` to 0 and removes the fold sequence (a rule
+    /// added again later starts its sub-items' counters afresh), if the item holds one.
+    fn reset_fold(&self, key: &TargetKey, zero: &[String]) -> impl Future<Output = Result<bool, ReconcileError>> + Send;
 }
 
 /// Removing what an old definition left, once zeroed and past the replay window.
@@ -398,6 +401,40 @@ async fn reconcile_items<T: TargetStore, S: SourceItems, C: Consumer>(
     Ok(())
 }
 
+/// A sharded rule's total (written by folds only, so it has no counter): the attributes the old
+/// definition folded there and no current rule writes are zeroed, and the fold sequence
+/// removed unless a current rule still folds into it (a rule added again later starts its
+/// sub-items' counters afresh, and its folds must land).
+async fn retire_total<T: TargetStore>(
+    targets: &T,
+    old: &Rule,
+    current: &[Rule],
+    key: &TargetKey,
+    item: &TargetItem,
+    out: &mut Retirement,
+) -> Result<(), ReconcileError> {
+    if old.write_shards.is_none() || crate::rules::shards::parse(key).is_some() || !item.exists {
+        return Ok(());
+    }
+    let zero: Vec<String> = item
+        .values
+        .iter()
+        .filter(|(a, v)| truth::owns_attribute(old, a) && matches!(v, Stored::Number(n) if !n.is_zero()))
+        .filter(|(a, _)| !current.iter().any(|c| writes(c, key, a)))
+        .map(|(a, _)| a.clone())
+        .collect();
+    let parts: Vec<&str> = key.0.iter().map(|p| &**p).collect();
+    let still_folded = current.iter().any(|c| c.write_shards.is_some() && truth::is_target(c, &parts));
+    if zero.is_empty() && still_folded {
+        return Ok(());
+    }
+    out.items += 1;
+    if targets.reset_fold(key, &zero).await? {
+        out.zeroed += zero.len() as u64;
+    }
+    Ok(())
+}
+
 /// What zeroing an old definition's leftovers did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Retirement {
@@ -424,6 +461,7 @@ pub async fn retire_rule<T: TargetStore>(targets: &T, old: &Rule, current: &[Rul
     let mut owners = BTreeSet::new();
     for (key, item) in &items {
         if item.version.is_none() {
+            retire_total(targets, old, current, key, item, &mut out).await?;
             continue;
         }
         out.items += 1;
@@ -1097,6 +1135,9 @@ mod tests {
         }
         async fn fold(&self, key: &TargetKey, values: &[(String, Decimal)], seq: Decimal) -> Result<bool, ReconcileError> {
             self.inner.fold(key, values, seq).await
+        }
+        async fn reset_fold(&self, key: &TargetKey, zero: &[String]) -> Result<bool, ReconcileError> {
+            self.inner.reset_fold(key, zero).await
         }
     }
 

@@ -103,7 +103,10 @@ pub fn through_first(c: &Correction, sum: &TargetItem, first: &TargetItem) -> Re
         let value = number(first, name)?.checked_add(drift).map_err(|e| ReconcileError::Data(format!("{name}: {e}")))?;
         set.push((name.clone(), value));
     }
-    Ok(Correction { seen_version: first.version.clone(), set, fence: c.fence.clone(), expect: Vec::new(), release: None })
+    // The fence was found against the lowest floor of the sub-items; sub-item 0's own may be
+    // higher, and a floor is never lowered (that would admit pruned shards again).
+    let fence = c.fence.clone().filter(|f| first.floor.as_ref().is_none_or(|own| own < f));
+    Ok(Correction { seen_version: first.version.clone(), set, fence, expect: Vec::new(), release: None })
 }
 
 /// Folds the sub-items of `key` into it.
@@ -259,5 +262,110 @@ impl<T: TargetStore> TargetStore for Sharded<'_, T> {
 
     async fn fold(&self, key: &TargetKey, values: &[(String, Decimal)], seq: Decimal) -> Result<bool, ReconcileError> {
         self.inner.fold(key, values, seq).await
+    }
+
+    async fn reset_fold(&self, key: &TargetKey, zero: &[String]) -> Result<bool, ReconcileError> {
+        self.inner.reset_fold(key, zero).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::reconcile::memory::MemoryTargets;
+    use crate::sink::ledger::Ledger;
+    use crate::sink::memory::{MemValue, MemoryAggregates};
+
+    fn rules(shards: Option<u16>) -> Vec<Rule> {
+        let mut text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+        if let Some(n) = shards {
+            text = text.replace(r#"SK: "TOTAL" }"#, &format!(r#"SK: "TOTAL", write_shards: {n} }}"#));
+        }
+        Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules
+    }
+
+    fn total() -> TargetKey {
+        TargetKey(["SALES#2026-11-30", "TOTAL"].map(Box::from).into())
+    }
+
+    fn item(values: &[(&str, i64)], version: Option<i64>, floor: Option<&str>) -> TargetItem {
+        TargetItem {
+            exists: true,
+            values: values.iter().map(|(a, v)| (a.to_string(), Stored::Number(Decimal::from_i64(*v)))).collect(),
+            version: version.map(|v| v.to_string()),
+            floor: floor.map(str::to_string),
+            ..TargetItem::default()
+        }
+    }
+
+    /// The sum of the sub-items is the stored value; the drift goes to sub-item 0 on top of
+    /// its own value; a fence found against another sub-item's lower floor never lowers sub-item
+    /// 0's own.
+    #[test]
+    fn a_correction_adds_the_drift_to_sub_item_0_and_never_lowers_its_floor() {
+        let subs = [item(&[("orders", 5)], Some(3), Some("f9")), item(&[("orders", 7)], Some(2), None)];
+        let sum = summed(&subs);
+        assert_eq!(
+            (sum.values["orders"].clone(), sum.version.as_deref(), sum.floor.as_deref()),
+            (Stored::Number(Decimal::from_i64(12)), Some("5"), None)
+        );
+        let c = Correction {
+            seen_version: Some("5".into()),
+            set: vec![("orders".into(), Decimal::from_i64(10))],
+            fence: Some("f5".into()),
+            expect: vec![],
+            release: None,
+        };
+        let w = through_first(&c, &sum, &subs[0]).unwrap();
+        assert_eq!((w.set, w.seen_version.as_deref(), w.fence), (vec![("orders".to_string(), Decimal::from_i64(3))], Some("3"), None));
+        let higher = Correction { fence: Some("fa".into()), ..c };
+        assert_eq!(through_first(&higher, &sum, &subs[0]).unwrap().fence.as_deref(), Some("fa"));
+    }
+
+    /// Only a sharded rule's reconcile sees sub-items (an unsharded template that could match
+    /// one never claims it); the totals are its targets too.
+    #[test]
+    fn sub_items_are_targets_of_their_sharded_rule_only() {
+        let (plain, sharded) = (rules(None), rules(Some(4)));
+        let sub = ["SALES#2026-11-30#_agg#w3", "TOTAL"];
+        assert!(crate::reconcile::truth::is_target(&sharded[1], &sub));
+        assert!(!crate::reconcile::truth::is_target(&sharded[1], &["SALES#2026-11-30#_agg#w4", "TOTAL"]), "index past N");
+        assert!(!crate::reconcile::truth::is_target(&plain[1], &sub));
+        assert!(crate::reconcile::truth::is_target(&sharded[1], &["SALES#2026-11-30", "TOTAL"]));
+    }
+
+    /// A sharded rule removed: its sub-items are zeroed as any target, and its totals (no
+    /// counter: folds write them) get their values zeroed and their fold sequence removed, so a
+    /// rule added again later, whose sub-items count from 1, folds over them.
+    #[tokio::test]
+    async fn a_removed_sharded_rule_leaves_its_totals_at_zero_and_foldable() {
+        let (store, ledger) = (MemoryAggregates::new(), Ledger::new("t"));
+        let targets = MemoryTargets { store: &store, ledger: ledger.clone(), expiry: None };
+        for (i, orders) in [(0u16, 5i64), (2, 7)] {
+            let k = shards::sub_key(&total(), i);
+            let parts: Vec<&str> = k.0.iter().map(|p| &**p).collect();
+            store.put(&parts, "orders", MemValue::Num(Decimal::from_i64(orders)));
+            store.put(&parts, &ledger.version_attribute(), MemValue::Num(Decimal::from_i64(40)));
+        }
+        assert_eq!(fold(&targets, &total(), 4).await.unwrap(), Folded::Written);
+        let read = |a: &str| store.item(&["SALES#2026-11-30", "TOTAL"]).and_then(|i| i.get(a).cloned());
+        assert_eq!(read("orders"), Some(MemValue::Num(Decimal::from_i64(12))));
+        let sharded = rules(Some(4));
+        let current = vec![sharded[0].clone()];
+        crate::reconcile::protocol::retire_rule(&targets, &sharded[1], &current).await.unwrap();
+        assert_eq!(read("orders"), Some(MemValue::Num(Decimal::ZERO)), "the total is zeroed");
+        assert_eq!(read(&ledger.fold_attribute()), None, "and its fold sequence removed");
+        // The rule comes back; its first sub-item write has counter 1.
+        let k = shards::sub_key(&total(), 1);
+        let parts: Vec<&str> = k.0.iter().map(|p| &**p).collect();
+        for i in [0u16, 2] {
+            let s = shards::sub_key(&total(), i);
+            store.delete_if(&s.0.iter().map(|p| p.to_string()).collect::<Vec<_>>(), &ledger.version_attribute(), "41");
+        }
+        store.put(&parts, "orders", MemValue::Num(Decimal::from_i64(1)));
+        store.put(&parts, &ledger.version_attribute(), MemValue::Num(Decimal::from_i64(1)));
+        assert_eq!(fold(&targets, &total(), 4).await.unwrap(), Folded::Written);
+        assert_eq!(read("orders"), Some(MemValue::Num(Decimal::from_i64(1))));
     }
 }

@@ -99,13 +99,14 @@ pub fn is_target(rule: &Rule, key: &[&str]) -> bool {
     if crate::registry::is_reserved_key(key.iter().copied()) {
         return false;
     }
-    if let Some(n) = rule.write_shards {
-        // A sharded rule's sub-items, as well as the totals they fold into.
-        let k = TargetKey(key.iter().map(|p| Box::from(*p)).collect());
-        if let Some((owner, i)) = crate::rules::shards::parse(&k) {
-            let parts: Vec<&str> = owner.0.iter().map(|p| &**p).collect();
-            return i < n && rule.target.len() == parts.len() && rule.target.iter().zip(&parts).all(|((_, t), v)| t.matches_expansion(v));
-        }
+    // A sharded rule's sub-items, as well as the totals they fold into; never another rule's
+    // (no template expands to a key holding the mark).
+    let k = TargetKey(key.iter().map(|p| Box::from(*p)).collect());
+    if let Some((owner, i)) = crate::rules::shards::parse(&k) {
+        let parts: Vec<&str> = owner.0.iter().map(|p| &**p).collect();
+        return rule.write_shards.is_some_and(|n| i < n)
+            && rule.target.len() == parts.len()
+            && rule.target.iter().zip(&parts).all(|((_, t), v)| t.matches_expansion(v));
     }
     let owner = |key: &[&str]| rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v));
     match key.split_last().and_then(|(sk, rest)| helper::parse(sk).map(|h| (h, rest))) {

@@ -281,7 +281,12 @@ impl Rule {
         for (i, (attr, template)) in self.target.iter().enumerate() {
             let value =
                 template.expand(&mut lookup).map_err(|e| self.expand_poison(e, bad_number.take(), &format!("target.{attr}"), &captures))?;
-            let limit = if i == 0 { MAX_PARTITION_KEY_BYTES } else { MAX_SORT_KEY_BYTES };
+            // A sub-item's partition key is the target's and `#_agg#w<index>`.
+            let limit = match (i, self.write_shards) {
+                (0, None) => MAX_PARTITION_KEY_BYTES,
+                (0, Some(_)) => MAX_PARTITION_KEY_BYTES - shards::SUFFIX_MAX_BYTES,
+                _ => MAX_SORT_KEY_BYTES,
+            };
             if value.len() > limit {
                 return Err(self.poison(
                     PoisonCode::KeyTooLong,

@@ -18,6 +18,9 @@ pub const MARK: &str = "#_agg#w";
 /// Versioned with the rule's fingerprint: a different mapping is a different rule.
 pub const MAPPING: &str = "fnv1a64-mod-v1";
 
+/// The longest suffix a sub-item adds to its target's partition key (`#_agg#w99`).
+pub const SUFFIX_MAX_BYTES: usize = MARK.len() + 2;
+
 /// Fewest and most sub-items a target may have.
 pub const MIN_SHARDS: u16 = 2;
 pub const MAX_SHARDS: u16 = 100;

@@ -282,6 +282,18 @@ impl MemoryAggregates {
         true
     }
 
+    /// A retired sharded total: `zero` set to 0 and the fold sequence removed, if it has one
+    /// (as DynamoDB's `attribute_exists(#s)`).
+    pub fn reset_fold_if(&self, key: &[String], fold_attribute: &str, zero: &[String]) -> bool {
+        let mut s = self.lock();
+        let Some(item) = s.items.get_mut(key).filter(|i| i.contains_key(fold_attribute)) else { return false };
+        for name in zero {
+            item.insert(name.clone(), MemValue::Num(Decimal::ZERO));
+        }
+        item.remove(fold_attribute);
+        true
+    }
+
     pub fn correct_if(
         &self,
         key: &[String],

@@ -333,25 +333,31 @@ fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
 }
 
 /// Whether `mine` would move a committed target between sharded and unsharded forms, or to
-/// another number of sub-items: a rule of the same name, or one with the same target
-/// templates, whose `write_shards` differs from a committed or retiring definition's.
+/// another number of sub-items: a rule of the same name, or one whose target templates may
+/// form the same keys, whose `write_shards` differs from a committed or retiring definition's.
 /// The rebuild cannot do that yet: the old form's sub-items (or item) would keep counts that
 /// the new form's reconcile does not see, and the old folds' sequence would refuse the new.
 fn sharding_changed(c: &Committed, mine: &Running) -> bool {
-    let shape = |definition: &str| -> Option<(serde_json::Value, Option<u64>)> {
+    use crate::rules::template::Template;
+    type Shape = (Vec<(String, Template)>, Option<u64>);
+    let shape = |definition: &str| -> Option<Shape> {
         let v: serde_json::Value = serde_json::from_str(definition).ok()?;
-        Some((v.get("target")?.clone(), v.get(crate::config::WRITE_SHARDS).and_then(serde_json::Value::as_u64)))
+        let target = v.get("target")?.as_array()?.iter().map(|pair| {
+            let [k, t] = pair.as_array()?.as_slice() else { return None };
+            Some((k.as_str()?.to_string(), Template::parse(t.as_str()?).ok()?))
+        });
+        Some((target.collect::<Option<Vec<_>>>()?, v.get(crate::config::WRITE_SHARDS).and_then(serde_json::Value::as_u64)))
     };
-    let old = c
-        .rules
-        .iter()
-        .map(|(n, r)| (n.as_str(), r.definition.as_str()))
-        .chain(c.retire.iter().map(|r| (r.name.as_str(), r.definition.as_str())));
-    let old: Vec<(&str, (serde_json::Value, Option<u64>))> = old.filter_map(|(n, d)| Some((n, shape(d)?))).collect();
+    let same_items = |a: &[(String, Template)], b: &[(String, Template)]| {
+        a.len() == b.len() && a.iter().zip(b).all(|((ka, ta), (kb, tb))| ka == kb && ta.may_overlap(tb))
+    };
+    let old = c.rules.iter().map(|(n, r)| (n.as_str(), r.definition.as_str()));
+    let old = old.chain(c.retire.iter().map(|r| (r.name.as_str(), r.definition.as_str())));
+    let old: Vec<(&str, Shape)> = old.filter_map(|(n, d)| Some((n, shape(d)?))).collect();
     mine.rules
         .iter()
         .filter_map(|(n, d)| Some((n, shape(d)?)))
-        .any(|(name, (target, shards))| old.iter().any(|(o, (t, s))| (*o == name.as_str() || *t == target) && *s != shards))
+        .any(|(name, (target, shards))| old.iter().any(|(o, (t, s))| (*o == name.as_str() || same_items(t, &target)) && *s != shards))
 }
 
 /// What keeps `mine` from being committed now, if anything.
@@ -525,6 +531,9 @@ mod tests {
         ] {
             assert_eq!(decide("new", &mine, seen(Some(&c), &[], 0)), Gate::Wait(WaitReason::ShardingChanged), "{mine:?}");
         }
+        // Another variable name forms the same keys.
+        let renamed = def("SALES#{day}", Some(16), "n");
+        assert_eq!(decide("new", &running(&[("daily2", &renamed)]), seen(Some(&c), &[], 0)), Gate::Wait(WaitReason::ShardingChanged));
         let c16 = committed(&running(&[("daily", &sharded)]));
         assert_eq!(
             decide("new", &running(&[("daily", &def("SALES#{d}", Some(8), "n"))]), seen(Some(&c16), &[], 0)),

@@ -6,6 +6,8 @@
 //! the next reconcile of it (which folds every total it compares).
 
 use std::collections::{BTreeMap, HashMap};
+
+use futures::StreamExt;
 use std::sync::Arc;
 
 use crate::reconcile::protocol::TargetStore;
@@ -30,6 +32,8 @@ pub struct Due {
 #[derive(Debug, Default)]
 pub struct Folds {
     inner: std::sync::Mutex<Inner>,
+    /// Woken by a mark: an idle replica's fold loop sleeps until there is something to fold.
+    marked: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -41,8 +45,8 @@ struct Inner {
     marks: u64,
 }
 
-/// Most totals waiting for a fold; past it the oldest marks are dropped (their totals are
-/// folded again by their next write or reconcile).
+/// Most totals waiting for a fold; past it a new one waits for its next write (or the shard's
+/// next owner: the lease still records it).
 pub const MAX_DUE: usize = 100_000;
 
 /// Most unfolded totals a lease records; the rest are folded by their next write or reconcile.
@@ -56,18 +60,23 @@ impl Folds {
     /// Marks `total` as written by `shard` at `now_ms` (its oldest unfolded write is kept).
     pub fn mark(&self, total: TargetKey, rule: &Arc<str>, shards: u16, shard: &str, now_ms: u64) {
         let mut inner = self.lock();
-        if inner.due.len() >= MAX_DUE && !inner.due.contains_key(&total) {
-            tracing::warn!(totals = inner.due.len(), "too many sharded totals wait for a fold: marks dropped, their next write folds them");
-            inner.due.clear();
-            inner.by_shard.clear();
-        }
         inner.marks += 1;
         let mark = inner.marks;
         let pending = inner.by_shard.entry(shard.to_string()).or_default();
         if pending.len() < MAX_LEASE_DUE || pending.contains_key(&total) {
             pending.insert(total.clone(), mark);
         }
-        inner.due.entry(total).or_insert_with(|| Due { rule: rule.clone(), shards, since_ms: now_ms });
+        if inner.due.len() < MAX_DUE || inner.due.contains_key(&total) {
+            inner.due.entry(total).or_insert_with(|| Due { rule: rule.clone(), shards, since_ms: now_ms });
+        } else {
+            // Kept in the shard's lease (up to MAX_LEASE_DUE), which its next owner folds.
+            tracing::warn!(
+                totals = inner.due.len(),
+                "too many sharded totals wait for a fold: this one is left to its next write, or the shard's next owner"
+            );
+        }
+        drop(inner);
+        self.marked.notify_one();
     }
 
     /// Takes every mark, with the number of the last one.
@@ -131,10 +140,18 @@ pub struct Round {
 pub async fn fold_round<T: TargetStore>(targets: &T, folds: &Folds, now_ms: u64) -> BTreeMap<Arc<str>, Round> {
     let mut out: BTreeMap<Arc<str>, Round> = BTreeMap::new();
     let (due, upto) = folds.take();
-    for (total, due) in due {
+    let results: Vec<(TargetKey, Due, Result<Folded, crate::reconcile::ReconcileError>)> = futures::stream::iter(due)
+        .map(|(total, due)| async move {
+            let r = fold(targets, &total, due.shards).await;
+            (total, due, r)
+        })
+        .buffer_unordered(crate::reconcile::protocol::CONCURRENCY)
+        .collect()
+        .await;
+    for (total, due, result) in results {
         let r = out.entry(due.rule.clone()).or_default();
         r.lag_ms = r.lag_ms.max(now_ms.saturating_sub(due.since_ms));
-        match fold(targets, &total, due.shards).await {
+        match result {
             Ok(done) => {
                 match done {
                     Folded::Written => r.written += 1,
@@ -152,6 +169,33 @@ pub async fn fold_round<T: TargetStore>(targets: &T, folds: &Folds, now_ms: u64)
     out
 }
 
+/// Folds the sharded totals this replica wrote, at most every `interval` and only once one was
+/// written, until `stop` (`run` folds once more after its last batches).
+pub async fn run_folds<S, L, A, T: TargetStore>(
+    shared: Arc<super::Shared<S, L, A>>,
+    targets: Arc<T>,
+    interval: std::time::Duration,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let rules: Vec<Arc<str>> = shared.engine.rules.iter().filter(|r| r.write_shards.is_some()).map(|r| r.name.clone()).collect();
+    record_round(&rules, &BTreeMap::new());
+    loop {
+        if shared.folds.is_empty() {
+            record_round(&rules, &BTreeMap::new());
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = shared.folds.marked.notified() => {}
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let round = fold_round(&*targets, &shared.folds, crate::state::now_ms()).await;
+        record_round(&rules, &round);
+    }
+}
+
 /// Counts a round in the metrics: every sharded rule's lag is set (0 when it had nothing).
 pub fn record_round(rules: &[Arc<str>], round: &BTreeMap<Arc<str>, Round>) {
     for rule in rules {
@@ -159,7 +203,8 @@ pub fn record_round(rules: &[Arc<str>], round: &BTreeMap<Arc<str>, Round>) {
         for (outcome, n) in [("written", r.written), ("superseded", r.superseded), ("failed", r.failed)] {
             metrics::counter!(names::FOLDS, "rule" => rule.to_string(), "outcome" => outcome).increment(n);
         }
-        metrics::gauge!(names::FOLD_LAG, "rule" => rule.to_string()).set(r.lag_ms as f64 / 1000.0);
+        // Held: an idle replica sets it once, then waits for a write.
+        crate::telemetry::held::set(names::FOLD_LAG, vec![("rule", rule.to_string())], r.lag_ms as f64 / 1000.0);
     }
 }
 

@@ -501,6 +501,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                     plan::parent_known(&got, &leases, &listed),
                     self.shared.start_position(&l),
                 );
+                // A finished parent's unfolded totals: its owner may have died after its end.
+                if let Some(parent) = got.parent.as_ref().and_then(|p| leases.get(p)).filter(|p| p.finished()) {
+                    self.shared.resume_folds(&got.shard_id, &parent.fold_due);
+                }
                 taken_now.push((got, start));
             }
         }

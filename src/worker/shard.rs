@@ -602,7 +602,9 @@ fn trimmed<S, L, A>(shared: &Shared<S, L, A>, shard: &str, why: &str, position: 
 }
 
 async fn finish<S: StreamSource, L: LeaseStore, A: AggregateStore>(shared: &Shared<S, L, A>, lease: &ShardLease, shard: &str) -> ShardExit {
-    let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: Some(now_ms()), fold_due: None };
+    // The totals still unfolded stay in the finished lease: a child's owner folds them.
+    let fold_due = shared.engine.rules.iter().any(|r| r.write_shards.is_some()).then(|| shared.folds.due_for(shard));
+    let progress = Progress { checkpoint: Some(Checkpoint::ShardEnd), last_record_ms: None, at_tip_ms: Some(now_ms()), fold_due };
     // Bounded retries: a transient failure here just means the next owner re-reads the end.
     for attempt in 1..=5 {
         match shared.leases.checkpoint(shard, &shared.owner, lease.counter, &progress).await {

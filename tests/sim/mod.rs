@@ -88,6 +88,8 @@ pub struct Params {
     /// A peak-load phase: every partition written this fast for a while, so every shard runs
     /// batches back to back, as in production.
     pub peak: Option<Peak>,
+    /// `write_shards` of the daily totals (`SALES#<day>` / `TOTAL`, written from every shard).
+    pub daily_shards: Option<u16>,
 }
 
 /// A peak-load phase: `per_partition_per_s` records a second per partition for `minutes`,
@@ -118,6 +120,7 @@ impl Default for Params {
             own_expiry: false,
             partition_limit_wcu: Some(1000.0),
             peak: None,
+            daily_shards: None,
         }
     }
 }
@@ -145,6 +148,11 @@ pub struct Report {
     pub checks: u64,
     pub values_compared: u64,
     pub values_wrong: u64,
+    /// Sharded runs: the folded daily totals compared at the quiescent checks, and those that
+    /// differed from the truth.
+    pub totals_compared: u64,
+    pub totals_stale: u64,
+    pub daily_shards: Option<u16>,
     pub largest_item: usize,
     pub largest_item_entries: usize,
     /// Simulated hours since the start when the largest item was written.
@@ -255,6 +263,9 @@ impl std::fmt::Display for Report {
             self.faults, self.calls, self.crashes, self.pauses, self.restarts, self.outages
         )?;
         writeln!(f, "  quiescent checks {}: {} values compared, {} wrong", self.checks, self.values_compared, self.values_wrong)?;
+        if let Some(n) = self.daily_shards {
+            writeln!(f, "  daily totals over {n} sub-items: {} folded totals compared, {} stale", self.totals_compared, self.totals_stale)?;
+        }
         writeln!(
             f,
             "  helper items: {} expired and deleted; at the end {} live, {} at zero (expiring), at most {} on one target",
@@ -403,7 +414,8 @@ rules:
 
 const ORDERS: &str = r#"{ dynamodb: { Keys: { SK: { S: [{ prefix: "ORDER#" }] } } } }"#;
 
-fn config_a() -> Config {
+fn config_a(daily_shards: Option<u16>) -> Config {
+    let shards = daily_shards.map_or(String::new(), |n| format!(", write_shards: {n}"));
     config(
         "sim-state-a",
         &format!(
@@ -429,7 +441,7 @@ fn config_a() -> Config {
   - name: daily-sales
     filter: {ORDERS}
     source_key: {{ PK: "CUST#{{customer}}", SK: "ORDER#{{date}}#{{order_id}}" }}
-    target: {{ PK: "SALES#{{date|day}}", SK: "TOTAL" }}
+    target: {{ PK: "SALES#{{date|day}}", SK: "TOTAL"{shards} }}
     measures: {{ orders: count, revenue: {{ sum: total }} }}
     reconcile: {{ scan: true }}
 "#
@@ -478,6 +490,8 @@ struct Leaf {
 struct Replica {
     fate: Arc<Fate>,
     cancel: CancellationToken,
+    /// Stops the fold loop (on a crash as on a stop).
+    folds: CancellationToken,
     handle: tokio::task::JoinHandle<()>,
 }
 
@@ -616,6 +630,7 @@ impl World {
             partitions: p.partitions,
             days: p.days,
             partition_limit: p.partition_limit_wcu,
+            daily_shards: p.daily_shards,
             shards: p.partitions as u64,
             ..Report::default()
         };
@@ -676,7 +691,9 @@ impl World {
         self.generation += 1;
         let b = slot == self.p.replicas;
         let fate = Arc::new(Fate::default());
-        let mut config = if b { config_b() } else { config_a() };
+        let mut config = if b { config_b() } else { config_a(self.p.daily_shards) };
+        let fold_interval = config.fold_interval;
+        let namespace = config.ledger_namespace.clone();
         // What `run_stream` does on a stream that follows another (service.rs).
         let follows = self.report.streams_followed > 0;
         config.source.start_position = ddb_aggregator::service::start_of(config.source.start_position, follows);
@@ -695,11 +712,17 @@ impl World {
         shared.polling = Polling { idle_min: Duration::from_secs(60), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
         let worker = Worker::new(shared);
         let cancel = CancellationToken::new();
+        // The fold loop of a sharded rule's totals: it ends with the process (a crash too).
+        let folds = CancellationToken::new();
+        if !b && self.p.daily_shards.is_some() {
+            let targets = Arc::new(reconcile::SimTargets { store: self.aggregates.clone(), namespace });
+            tokio::spawn(ddb_aggregator::worker::fold::run_folds(worker.shared().clone(), targets, fold_interval, folds.clone()));
+        }
         let c = cancel.clone();
         let handle = tokio::spawn(async move {
             let _ = worker.run(c).await;
         });
-        self.replicas[slot] = Some(Replica { fate, cancel, handle });
+        self.replicas[slot] = Some(Replica { fate, cancel, folds, handle });
     }
 
     async fn run(&mut self) {
@@ -881,6 +904,7 @@ impl World {
                 Event::Switch(slot) => {
                     if let Some(r) = self.replicas[slot].take() {
                         r.cancel.cancel();
+                        r.folds.cancel();
                         self.start(slot);
                     }
                 }
@@ -946,6 +970,7 @@ impl World {
             let slot = self.rng.usize(..slots);
             if let Some(r) = self.replicas[slot].take() {
                 r.fate.dead.store(true, Ordering::Relaxed);
+                r.folds.cancel();
                 self.report.crashes += 1;
                 self.events.push((now + self.rng.u64(0..20 * 60_000), Event::Restart(slot)));
             }
@@ -963,6 +988,7 @@ impl World {
             for slot in 0..slots {
                 if let Some(r) = self.replicas[slot].take() {
                     r.cancel.cancel();
+                    r.folds.cancel();
                     self.events.push((now + 60_000 * (slot as u64 + 1), Event::Restart(slot)));
                 }
             }
@@ -1050,7 +1076,7 @@ impl World {
         }
         self.explained = size;
         let item = self.aggregates.largest_item_copy();
-        let ledger = Ledger::new(&config_a().ledger_namespace);
+        let ledger = Ledger::new(&config_a(None).ledger_namespace);
         let text = |a: &str| match item.get(a) {
             Some(MemValue::Str(t)) => Some(t.clone()),
             _ => None,
@@ -1136,6 +1162,7 @@ impl World {
         for slot in 0..=self.p.replicas {
             if let Some(r) = self.replicas[slot].take() {
                 r.fate.dead.store(true, Ordering::Relaxed);
+                r.folds.cancel();
             }
         }
         self.events.retain(|(_, e)| !matches!(e, Event::Restart(_) | Event::Switch(_)));
@@ -1181,7 +1208,7 @@ impl World {
                 self.next_round = now + self.p.reconcile_every_hours * HOUR;
             }
             let (aggregates, sources, stream) = (self.aggregates.clone(), self.sources.clone(), self.stream.clone());
-            let config = if d == 0 { config_a() } else { config_b() };
+            let config = if d == 0 { config_a(self.p.daily_shards) } else { config_b() };
             // What the service's schedule does (`schedule::covers_all`).
             let all = ddb_aggregator::reconcile::schedule::covers_all(scheduled, requested, self.partial[d].as_ref().map(|p| &p.0));
             let partial = if all { None } else { self.partial[d].clone() };
@@ -1532,15 +1559,50 @@ impl World {
         })
     }
 
+    /// The folded daily totals against the truth: every fold that was due has run by a
+    /// quiescent check (a second after the last write), so a stale total is a lost fold.
+    fn check_folds(&mut self, truth: &BTreeMap<(Vec<String>, String), Decimal>, folded: &BTreeMap<(Vec<String>, String), Decimal>) {
+        let totals = |m: &BTreeMap<(Vec<String>, String), Decimal>| -> BTreeMap<(Vec<String>, String), Decimal> {
+            m.iter().filter(|((k, _), v)| k[0].starts_with("SALES#") && !v.is_zero()).map(|(k, v)| (k.clone(), *v)).collect()
+        };
+        let (want, got) = (totals(truth), totals(folded));
+        let keys: std::collections::BTreeSet<&(Vec<String>, String)> = want.keys().chain(got.keys()).collect();
+        self.report.totals_compared += keys.len() as u64;
+        let stale: Vec<String> = keys
+            .into_iter()
+            .filter(|k| want.get(*k) != got.get(*k))
+            .map(|k| format!("{:?}.{}: folded {:?}, truth {:?}", k.0, k.1, got.get(k), want.get(k)))
+            .collect();
+        if !stale.is_empty() {
+            self.report.totals_stale += stale.len() as u64;
+            let day = (now_ms() - EPOCH_MS) / DAY;
+            self.report.problems.push(format!(
+                "day {day}: {} folded totals stale: {}",
+                stale.len(),
+                stale.iter().take(3).cloned().collect::<Vec<_>>().join("; ")
+            ));
+        }
+    }
+
     /// The oracle: every aggregate from the source items, compared with the table. After an
     /// outage lost data, a reconcile must have been requested; the simulation then stands in for
     /// it (the real reconcile needs DynamoDB) and sets the truth.
     async fn check(&mut self) {
+        self.check_values().await;
+        if self.p.daily_shards.is_some() {
+            // The fold rounds due (a second after a write) run first; a repair folded what it read.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            let folded = numbers(&self.aggregates, true).1;
+            self.check_folds(&self.truth(), &folded);
+        }
+    }
+
+    async fn check_values(&mut self) {
         self.report.checks += 1;
         let late = self.old_checkpoints().into_iter().filter(|(k, c)| self.old_stream_at_switch.get(k) != Some(c)).count();
         self.report.old_stream_read_late = self.report.old_stream_read_late.max(late as u64);
         let truth = self.truth();
-        let stored = numbers(&self.aggregates);
+        let stored = numbers(&self.aggregates, self.p.daily_shards.is_some()).0;
         let requested = self.leases_a.reconcile_request().await.ok().flatten().is_some();
         let requested_b = self.leases_b.reconcile_request().await.ok().flatten().is_some();
         if requested || requested_b {
@@ -1561,7 +1623,7 @@ impl World {
             // The service flagged possible loss (trimmed or lost shards, an iterator lost
             // before a first checkpoint) and asked for a reconcile: the real one repairs it.
             for (wanted, config, leases) in
-                [(requested, config_a(), self.leases_a.clone()), (requested_b, config_b(), self.leases_b.clone())]
+                [(requested, config_a(self.p.daily_shards), self.leases_a.clone()), (requested_b, config_b(), self.leases_b.clone())]
             {
                 if !wanted {
                     continue;
@@ -1572,7 +1634,7 @@ impl World {
                 }
                 self.count_round(Some(Ok(r)), true);
             }
-            let after = numbers(&self.aggregates);
+            let after = numbers(&self.aggregates, self.p.daily_shards.is_some()).0;
             let keys: std::collections::BTreeSet<&(Vec<String>, String)> = truth.keys().chain(after.keys()).collect();
             let held_from = &mut self.held_from;
             let still: Vec<String> = keys
@@ -1712,6 +1774,7 @@ impl World {
         }
         for r in self.replicas.iter().flatten() {
             r.cancel.cancel();
+            r.folds.cancel();
         }
         for r in self.replicas.iter_mut().filter_map(Option::take) {
             if !r.fate.dead.load(Ordering::Relaxed) {
@@ -1772,14 +1835,33 @@ type RoundResult = Result<ddb_aggregator::reconcile::Report, ReconcileError>;
 /// application's string (not compared); a status count HELD moves left from may stand above
 /// the truth by the moves reconcile has not corrected yet (`held_from`), and is exact once
 /// reconcile has (then the allowance ends).
+/// Values by (key, attribute).
+type Numbers = BTreeMap<(Vec<String>, String), Decimal>;
+
 /// The table's numbers as the oracle compares them: every aggregate, derived ones included.
 /// The helper items of max and distinct are summed per target and measure
 /// (`<target SK>#_agg#<measure>`, `refs`): every order counts once in each, so a record
 /// counted twice (say after its helper expired too early) shows there even where the derived
 /// value hides it. Their expiries are not compared.
-fn numbers(aggregates: &MemoryAggregates) -> BTreeMap<(Vec<String>, String), Decimal> {
-    let mut out = BTreeMap::new();
+///
+/// With the daily totals sharded, their sub-items are added up into the totals' keys (the
+/// scatter-gather read), and the totals as folded are the second map.
+fn numbers(
+    aggregates: &MemoryAggregates,
+    sharded: bool,
+) -> (Numbers, Numbers) {
+    let (mut out, mut folded) = (BTreeMap::new(), BTreeMap::new());
     for ((key, attr), v) in aggregates.numbers() {
+        let k = ddb_aggregator::rules::TargetKey(key.iter().map(|p| Box::from(p.as_str())).collect());
+        if let Some((total, _)) = ddb_aggregator::rules::shards::parse(&k) {
+            let e = out.entry((total.0.iter().map(|p| p.to_string()).collect(), attr)).or_insert(Decimal::ZERO);
+            *e = e.checked_add(v).expect("in range");
+            continue;
+        }
+        if sharded && key[0].starts_with("SALES#") {
+            folded.insert((key, attr), v);
+            continue;
+        }
         let helper =
             key.last().and_then(|sk| ddb_aggregator::rules::helper::parse(sk)).map(|h| format!("{}{}{}", h.owner_sk, MARK, h.measure));
         match helper {
@@ -1794,7 +1876,7 @@ fn numbers(aggregates: &MemoryAggregates) -> BTreeMap<(Vec<String>, String), Dec
         }
     }
     out.retain(|_, v| !v.is_zero());
-    out
+    (out, folded)
 }
 
 fn agrees(

@@ -68,6 +68,10 @@ impl TargetStore for SimTargets {
     async fn fold(&self, key: &TargetKey, values: &[(String, Decimal)], seq: Decimal) -> Result<bool, ReconcileError> {
         self.view().fold(key, values, seq).await
     }
+
+    async fn reset_fold(&self, key: &TargetKey, zero: &[String]) -> Result<bool, ReconcileError> {
+        self.view().reset_fold(key, zero).await
+    }
 }
 
 /// The evidence from one deployment's lease table and the stream's listing; waits in
