@@ -819,6 +819,9 @@ fn print_rebuilds(config: &Config) -> anyhow::Result<()> {
         )?;
         return Ok(());
     }
+    if let Some(reason) = plan.never_committed {
+        return Err(bad(format!("a deploy of this config would hold no lease ({}): {}", reason.as_str(), reason.explain())));
+    }
     for (rule, why) in plan.rules {
         let what = match why {
             None => "unchanged".to_string(),

@@ -408,6 +408,9 @@ pub struct Plan {
     pub rules: Vec<(String, Option<Rebuild>)>,
     /// Old definitions whose leftovers would be zeroed (still to be, or new with this deploy).
     pub retire: Vec<Retired>,
+    /// Why a deploy of these rules would never be committed, if it would not (a change of
+    /// `write_shards` on a live target).
+    pub never_committed: Option<definitions::WaitReason>,
 }
 
 /// What a deploy of `config` would rebuild and retire.
@@ -441,7 +444,8 @@ pub fn plan(committed: &Committed, rules: &[Rule]) -> Plan {
             (r.name.to_string(), why)
         })
         .collect();
-    Plan { first_start: false, rules, retire: next.retire }
+    let never_committed = definitions::sharding_changed(committed, &running).then_some(definitions::WaitReason::ShardingChanged);
+    Plan { first_start: false, rules, retire: next.retire, never_committed }
 }
 
 #[cfg(test)]
@@ -490,5 +494,8 @@ mod tests {
         let was = old.iter().find(|r| &*r.name == "daily-sales").unwrap();
         assert_eq!(p.rules.iter().find(|(n, _)| n == "daily-sales").unwrap().1, Some(Rebuild::Changed { was: was.fingerprint.clone() }));
         assert_eq!(p.retire, vec![Retired::new("daily-sales", &was.definition)]);
+        assert_eq!(p.never_committed, None);
+        let sharded = rules(|t| t.replace(r#"SK: "TOTAL" }"#, r#"SK: "TOTAL", write_shards: 8 }"#));
+        assert_eq!(plan(&c, &sharded).never_committed, Some(definitions::WaitReason::ShardingChanged), "validate --against-state says it");
     }
 }

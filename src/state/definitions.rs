@@ -337,7 +337,7 @@ fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
 /// form the same keys, whose `write_shards` differs from a committed or retiring definition's.
 /// The rebuild cannot do that yet: the old form's sub-items (or item) would keep counts that
 /// the new form's reconcile does not see, and the old folds' sequence would refuse the new.
-fn sharding_changed(c: &Committed, mine: &Running) -> bool {
+pub fn sharding_changed(c: &Committed, mine: &Running) -> bool {
     use crate::rules::template::Template;
     type Shape = (Vec<(String, Template)>, Option<u64>);
     let shape = |definition: &str| -> Option<Shape> {
