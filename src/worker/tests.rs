@@ -1281,3 +1281,33 @@ async fn records_too_old_for_helper_items_leave_them_to_reconcile() {
 }
 
 mod pipeline;
+
+/// A shard read to its end leaves its unfolded sharded totals in its finished lease, and the
+/// owner of a child shard folds them (the parent's owner may have died before its fold round,
+/// and nobody reads the parent again). No fold loop runs here, so nothing is folded meanwhile.
+#[tokio::test]
+async fn a_childs_owner_takes_over_the_finished_parents_unfolded_totals() {
+    let fakes: Fakes = (Arc::new(SimStream::new()), Arc::new(MemoryLeases::new()), Arc::new(MemoryAggregates::new()));
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce.yaml")).unwrap();
+    let text = text.replace(r#"SK: "TOTAL" }"#, r#"SK: "TOTAL", write_shards: 4 }"#);
+    let env = vec![("DDB_AGGREGATOR__STATE__LEASE_DURATION".to_string(), "600ms".to_string())];
+    let config = Config::from_yaml(&text, env).unwrap();
+    let parent = fakes.0.add_shard(None);
+    fakes.0.append(&parent, order("c1", 1, "INSERT", "5", "PAID"));
+    let child = fakes.0.rollover(&parent);
+    let r = start_config(&fakes, "r1", None, config);
+    let total = r#"["SALES#2026-11-30","TOTAL"]"#.to_string();
+    let mut seen = (Vec::new(), Vec::new());
+    for _ in 0..200 {
+        let parent_due = fakes.1.snapshot().into_iter().find(|l| l.shard_id == parent && l.finished()).map(|l| l.fold_due);
+        seen = (parent_due.unwrap_or_default(), r.shared.folds.due_for(&child));
+        if seen.0.contains(&total) && seen.1.contains(&total) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(seen.0.contains(&total), "the finished parent's lease records the unfolded total: {seen:?}");
+    assert!(seen.1.contains(&total), "the child's reader took it over: {seen:?}");
+    r.cancel.cancel();
+    r.handle.await.unwrap().unwrap();
+}

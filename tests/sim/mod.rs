@@ -1846,10 +1846,7 @@ type Numbers = BTreeMap<(Vec<String>, String), Decimal>;
 ///
 /// With the daily totals sharded, their sub-items are added up into the totals' keys (the
 /// scatter-gather read), and the totals as folded are the second map.
-fn numbers(
-    aggregates: &MemoryAggregates,
-    sharded: bool,
-) -> (Numbers, Numbers) {
+fn numbers(aggregates: &MemoryAggregates, sharded: bool) -> (Numbers, Numbers) {
     let (mut out, mut folded) = (BTreeMap::new(), BTreeMap::new());
     for ((key, attr), v) in aggregates.numbers() {
         let k = ddb_aggregator::rules::TargetKey(key.iter().map(|p| Box::from(p.as_str())).collect());
