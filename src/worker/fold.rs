@@ -2,8 +2,9 @@
 //! rule marks its total as due; every `aggregates.fold_interval` each replica folds the totals
 //! it marked ([`crate::reconcile::sharded::fold`]), so a total lags its sub-items by about one
 //! interval. Folds from several replicas are safe together: a fold only lands over a lower fold
-//! sequence. A mark lost in a crash leaves the total as it was until the next write to it, or
-//! the next reconcile of it (which folds every total it compares).
+//! sequence. A replica killed before its fold round leaves its marks in the leases of the shards
+//! that wrote them (each checkpoint records them), and the next owner folds them; a finished
+//! shard's are taken over by its children's owners.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -43,6 +44,8 @@ struct Inner {
     by_shard: HashMap<String, BTreeMap<TargetKey, u64>>,
     /// Marks so far: a round takes every mark up to this one.
     marks: u64,
+    /// Whether this round's overflow was logged (once a round, not once a write).
+    overflow_logged: bool,
 }
 
 /// Most totals waiting for a fold; past it a new one waits for its next write (or the shard's
@@ -68,11 +71,11 @@ impl Folds {
         }
         if inner.due.len() < MAX_DUE || inner.due.contains_key(&total) {
             inner.due.entry(total).or_insert_with(|| Due { rule: rule.clone(), shards, since_ms: now_ms });
-        } else {
+        } else if !std::mem::replace(&mut inner.overflow_logged, true) {
             // Kept in the shard's lease (up to MAX_LEASE_DUE), which its next owner folds.
             tracing::warn!(
                 totals = inner.due.len(),
-                "too many sharded totals wait for a fold: this one is left to its next write, or the shard's next owner"
+                "too many sharded totals wait for a fold: the next are left to their next write, or their shard's next owner"
             );
         }
         drop(inner);
@@ -82,6 +85,7 @@ impl Folds {
     /// Takes every mark, with the number of the last one.
     fn take(&self) -> (BTreeMap<TargetKey, Due>, u64) {
         let mut inner = self.lock();
+        inner.overflow_logged = false;
         (std::mem::take(&mut inner.due), inner.marks)
     }
 
