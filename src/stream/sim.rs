@@ -12,8 +12,12 @@ use super::{Page, Position, ShardInfo, StreamError, StreamSource};
 #[derive(Debug, Default)]
 struct SimShard {
     parent: Option<String>,
-    /// (sequence number, record)
-    records: Vec<(u64, Value)>,
+    /// (sequence number, record as JSON text): text, not a tree, because a long simulation
+    /// holds every record of the retention window (a `Value` tree took about 9 KB a record).
+    /// Empty once trimmed by retention ([`SimStream::retain_after`]).
+    records: Vec<(u64, Box<str>)>,
+    /// Records below this index had their text dropped (never readable again).
+    freed: usize,
     closed: bool,
     /// When it was closed (epoch ms), for DescribeStream's 24 h memory.
     closed_at: Option<u64>,
@@ -107,7 +111,7 @@ impl SimStream {
         record["dynamodb"]["SequenceNumber"] = json!(format!("{seq:021}"));
         if let Some(sh) = s.shards.get_mut(shard) {
             assert!(!sh.closed, "append to a closed shard");
-            sh.records.push((seq, record));
+            sh.records.push((seq, record.to_string().into_boxed_str()));
             sh.appended.push(at_ms);
         }
         seq
@@ -138,6 +142,11 @@ impl SimStream {
         for sh in s.shards.values_mut() {
             let n = sh.appended.partition_point(|t| *t < cutoff_ms);
             sh.trimmed = sh.trimmed.max(n);
+            // Trimmed for good: their text goes (the positions stay).
+            for r in &mut sh.records[sh.freed..sh.trimmed] {
+                r.1 = Box::from("");
+            }
+            sh.freed = sh.trimmed;
         }
         let gone: Vec<String> =
             s.shards.iter().filter(|(_, sh)| sh.closed_at.is_some_and(|c| c < cutoff_ms)).map(|(id, _)| id.clone()).collect();
@@ -181,7 +190,7 @@ impl SimStream {
     /// Makes the first `n` records of `shard` unreadable (older than retention).
     pub fn trim(&self, shard: &str, n: usize) {
         if let Some(sh) = lock(&self.state).shards.get_mut(shard) {
-            sh.trimmed = n.min(sh.records.len());
+            sh.trimmed = n.min(sh.records.len()).max(sh.freed);
         }
     }
 
@@ -297,7 +306,11 @@ impl StreamSource for SimStream {
             return Ok(Page { records: Vec::new(), next_iterator: Some(encode(&shard, index, current)) });
         }
         let end = (index + limit as usize).min(sh.records.len());
-        let records: Vec<(u64, Value)> = sh.records[index..end].to_vec();
+        let mut records: Vec<(u64, Value)> = Vec::with_capacity(end.saturating_sub(index));
+        for (seq, text) in &sh.records[index..end] {
+            let record = serde_json::from_str(text).map_err(|e| StreamError::Fatal(format!("record {seq} of {shard}: {e}")))?;
+            records.push((*seq, record));
+        }
         let done = sh.closed && end == sh.records.len();
         let run = s.empty_on.get(&shard).and_then(|runs| runs.get(&index)).copied().unwrap_or(0);
         if has_records && seen < run {
