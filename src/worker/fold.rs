@@ -55,6 +55,11 @@ pub const MAX_DUE: usize = 100_000;
 /// Most unfolded totals a lease records; the rest are folded by their next write or reconcile.
 pub const MAX_LEASE_DUE: usize = 1_000;
 
+/// Most bytes of unfolded totals a lease records: a key may take 3 KB, and the lease item
+/// (written at every checkpoint, read by every replica's listing) stays far below DynamoDB's
+/// 400 KB.
+pub const MAX_LEASE_DUE_BYTES: usize = 64 * 1024;
+
 impl Folds {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -114,11 +119,17 @@ impl Folds {
     }
 
     /// The totals `shard`'s writes left unfolded, as its lease records them (each key a JSON
-    /// array of its values).
+    /// array of its values), at most [`MAX_LEASE_DUE_BYTES`] of them.
     pub fn due_for(&self, shard: &str) -> Vec<String> {
         let inner = self.lock();
         let keys = inner.by_shard.get(shard).into_iter().flat_map(|p| p.keys());
-        keys.filter_map(|k| serde_json::to_string(&k.0).ok()).collect()
+        let mut bytes = 0;
+        keys.filter_map(|k| serde_json::to_string(&k.0).ok())
+            .take_while(|t| {
+                bytes += t.len();
+                bytes <= MAX_LEASE_DUE_BYTES
+            })
+            .collect()
     }
 }
 
@@ -312,6 +323,13 @@ mod lease_tests {
             folds.mark(TargetKey([format!("T#{d}"), "X".to_string()].map(String::into_boxed_str).into()), &rule, 4, "s2", 0);
         }
         assert_eq!(folds.due_for("s2").len(), MAX_LEASE_DUE);
+        // Long keys: the lease records at most 64 KB of them.
+        let long = "x".repeat(2_000);
+        for d in 0..100u32 {
+            folds.mark(TargetKey([format!("{long}{d}"), "X".to_string()].map(String::into_boxed_str).into()), &rule, 4, "s3", 0);
+        }
+        let due = folds.due_for("s3");
+        assert!(due.len() > 20 && due.iter().map(String::len).sum::<usize>() <= MAX_LEASE_DUE_BYTES, "{} keys", due.len());
         assert_eq!(parse_due(&["not json".to_string(), "[1]".to_string()]), Vec::<TargetKey>::new());
     }
 }
