@@ -137,35 +137,6 @@ impl<'a, T: TargetStore> Sharded<'a, T> {
             }
         }
     }
-
-    /// Zeroes an old definition's attributes (`c.expect`) on each sub-item that holds them,
-    /// each conditioned on its own values: no current rule writes them.
-    async fn retire(&self, key: &TargetKey, c: &Correction, subs: &[TargetItem]) -> Result<bool, ReconcileError> {
-        let sum = summed(subs);
-        let same = c.expect.iter().all(|(name, v)| matches!(sum.values.get(name), Some(Stored::Number(n)) if n == v));
-        if !same {
-            return Ok(false);
-        }
-        for (i, sub) in (0..self.n).zip(subs) {
-            let expect: Vec<(String, Decimal)> = c
-                .expect
-                .iter()
-                .filter_map(|(name, _)| match sub.values.get(name) {
-                    Some(Stored::Number(n)) if !n.is_zero() => Some((name.clone(), *n)),
-                    _ => None,
-                })
-                .collect();
-            if expect.is_empty() {
-                continue;
-            }
-            let set = expect.iter().map(|(name, _)| (name.clone(), Decimal::ZERO)).collect();
-            let zero = Correction { seen_version: None, set, fence: None, expect, release: None };
-            if !self.inner.correct(&shards::sub_key(key, i), &zero).await? {
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    }
 }
 
 impl<T: TargetStore> TargetStore for Sharded<'_, T> {
@@ -194,10 +165,12 @@ impl<T: TargetStore> TargetStore for Sharded<'_, T> {
         if c.release.is_some() {
             return Err(ReconcileError::Data("a sharded target is never held".into()));
         }
-        let subs = read_subs(self.inner, key, self.n).await?;
         if !c.expect.is_empty() {
-            return self.retire(key, c, &subs).await;
+            // Old definitions are retired over the table itself (`retire_rule`): their
+            // sub-items are items with counters of their own, and their totals are reset.
+            return Err(ReconcileError::Data("a sharded target is not retired as a whole".into()));
         }
+        let subs = read_subs(self.inner, key, self.n).await?;
         let sum = summed(&subs);
         if sum.version != c.seen_version {
             return Ok(false);
@@ -235,24 +208,9 @@ impl<T: TargetStore> TargetStore for Sharded<'_, T> {
         Ok(())
     }
 
-    async fn remove(&self, key: &TargetKey, r: &Removal) -> Result<bool, ReconcileError> {
-        let subs = read_subs(self.inner, key, self.n).await?;
-        if let Removal::Item { seen_version } = r {
-            if summed(&subs).version.as_ref() != Some(seen_version) {
-                return Ok(false);
-            }
-        }
-        for (i, sub) in (0..self.n).zip(&subs) {
-            let each = match (r, &sub.version) {
-                (_, None) => continue,
-                (Removal::Item { .. }, Some(v)) => Removal::Item { seen_version: v.clone() },
-                (Removal::Attributes(names), Some(_)) => Removal::Attributes(names.clone()),
-            };
-            if !self.inner.remove(&shards::sub_key(key, i), &each).await? {
-                return Ok(false);
-            }
-        }
-        Ok(true)
+    async fn remove(&self, _key: &TargetKey, _r: &Removal) -> Result<bool, ReconcileError> {
+        // Leftovers are removed over the table itself (`remove_leftovers`), sub-item by sub-item.
+        Err(ReconcileError::Data("a sharded target is not removed as a whole".into()))
     }
 
     async fn hold(&self, _key: &TargetKey, _p: &Placement) -> Result<bool, ReconcileError> {
