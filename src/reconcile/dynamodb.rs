@@ -18,7 +18,7 @@ use super::budget::{self, ReadBudget};
 use super::caught_up;
 use super::protocol::{self, Applied, Consumer, Correction, Placement, Removal, SourceItems, TargetItem, TargetStore};
 use super::report::{Report, Stored};
-use super::truth::{is_target, target_for, Truth};
+use super::truth::{insert_record, is_target, target_for, Truth};
 use super::{check, refusal, Options, ReconcileError};
 use crate::aws::classify;
 use crate::config::Config;
@@ -618,7 +618,7 @@ impl TargetStore for Reconciler {
             self.budget.spend(budget::units(page.consumed_capacity().and_then(|c| c.capacity_units()), page.items().len())).await;
             for item in page.items() {
                 let Some(helper_sk) = item.get(sk_name).and_then(|v| v.as_s().ok()) else { continue };
-                if is_target(rule, &[pk, helper_sk]) {
+                if is_target(rule, &[&**pk, helper_sk.as_str()]) {
                     out.insert(TargetKey([pk.clone(), Box::from(helper_sk.as_str())].into()), self.target_item(Some(item)));
                 }
             }
@@ -803,7 +803,9 @@ impl SourceItems for Reconciler {
             self.items_read.fetch_add(page.items().len() as u64, Ordering::Relaxed);
             self.budget.spend(budget::units(page.consumed_capacity().and_then(|c| c.capacity_units()), page.items().len())).await;
             for item in page.items() {
-                truth.add_item(rule, &self.source_keys, &to_json(item)?);
+                if let Some(record) = insert_record(&self.source_keys, to_json(item)?) {
+                    truth.add_record(rule, &record);
+                }
             }
             match page.last_evaluated_key() {
                 Some(k) if !k.is_empty() => start = Some(k.clone()),
@@ -816,7 +818,9 @@ impl SourceItems for Reconciler {
     async fn scan(&self, rule: &Rule, opts: &Options, truth: &mut Truth) -> Result<(), ReconcileError> {
         let keys = self.source_keys.clone();
         self.scan_each(&self.config.source.table, opts.segments.max(1), opts.read_rate, opts.progress && opts.all, |item| {
-            truth.add_item(rule, &keys, &to_json(item)?);
+            if let Some(record) = insert_record(&keys, to_json(item)?) {
+                truth.add_record(rule, &record);
+            }
             Ok(())
         })
         .await

@@ -34,26 +34,19 @@ impl Truth {
     /// itself, so the rule's filter, source key and `where` decide exactly as for the stream;
     /// `key_names` are the source table's key attributes (for `dynamodb.Keys`).
     pub fn add_item(&mut self, rule: &Rule, key_names: &[String], item: &Map<String, Value>) {
-        // The ledger registry's own item, when the aggregates live in the source table.
-        if crate::registry::is_reserved_key(key_names.iter().filter_map(|k| item.get(k)?.get("S")?.as_str())) {
-            return;
+        if let Some(record) = insert_record(key_names, item.clone()) {
+            self.add_record(rule, &record);
         }
+    }
+
+    /// Adds one source item as [`insert_record`] made it (so an item read once is not copied
+    /// again for every rule).
+    pub fn add_record(&mut self, rule: &Rule, record: &Value) {
         self.items += 1;
-        let keys: Map<String, Value> = key_names.iter().filter_map(|k| item.get(k).map(|v| (k.clone(), v.clone()))).collect();
-        // Built from clones, not `json!` (which serialises the image value by value).
-        let mut ddb = Map::new();
-        ddb.insert("Keys".into(), Value::Object(keys));
-        ddb.insert("NewImage".into(), Value::Object(item.clone()));
-        ddb.insert("StreamViewType".into(), Value::String("NEW_AND_OLD_IMAGES".into()));
-        let mut record = Map::new();
-        record.insert("eventName".into(), Value::String("INSERT".into()));
-        record.insert("eventSource".into(), Value::String("aws:dynamodb".into()));
-        record.insert("dynamodb".into(), Value::Object(ddb));
-        let record = Value::Object(record);
-        if !rule.filter_matches(&record) {
+        if !rule.filter_matches(record) {
             return;
         }
-        let Ok(decoded) = StreamRecord::decode(&record) else { return };
+        let Ok(decoded) = StreamRecord::decode(record) else { return };
         match rule.deltas(&decoded) {
             Ok(deltas) => {
                 let held = deltas.iter().filter(|(t, _)| self.held.contains(t));
@@ -82,6 +75,25 @@ impl Truth {
     }
 }
 
+/// A source item as the stream record of its own INSERT (what [`Truth::add_record`] takes);
+/// None for the ledger registry's item, when the aggregates live in the source table.
+pub fn insert_record(key_names: &[String], item: Map<String, Value>) -> Option<Value> {
+    if crate::registry::is_reserved_key(key_names.iter().filter_map(|k| item.get(k)?.get("S")?.as_str())) {
+        return None;
+    }
+    let keys: Map<String, Value> = key_names.iter().filter_map(|k| item.get(k).map(|v| (k.clone(), v.clone()))).collect();
+    // Built by moving the item in, not with `json!` (which serialises the image value by value).
+    let mut ddb = Map::new();
+    ddb.insert("Keys".into(), Value::Object(keys));
+    ddb.insert("NewImage".into(), Value::Object(item));
+    ddb.insert("StreamViewType".into(), Value::String("NEW_AND_OLD_IMAGES".into()));
+    let mut record = Map::new();
+    record.insert("eventName".into(), Value::String("INSERT".into()));
+    record.insert("eventSource".into(), Value::String("aws:dynamodb".into()));
+    record.insert("dynamodb".into(), Value::Object(ddb));
+    Some(Value::Object(record))
+}
+
 /// The target a rule writes for the given variables, if they determine it.
 pub fn target_for(rule: &Rule, vars: &BTreeMap<String, String>) -> Option<TargetKey> {
     let mut parts = Vec::with_capacity(rule.target.len());
@@ -95,27 +107,32 @@ pub fn target_for(rule: &Rule, vars: &BTreeMap<String, String>) -> Option<Target
 /// Whether an item key (values in the table's key order) could be one of the rule's targets,
 /// or one of their helper items (of a `max`, `min`, `latest` or `distinct` of the rule); never
 /// the ledger registry item.
-pub fn is_target(rule: &Rule, key: &[&str]) -> bool {
-    if crate::registry::is_reserved_key(key.iter().copied()) {
+pub fn is_target<S: AsRef<str>>(rule: &Rule, key: &[S]) -> bool {
+    if crate::registry::is_reserved_key(key.iter().map(AsRef::as_ref)) {
         return false;
     }
-    // A sharded rule's sub-items, as well as the totals they fold into; never another rule's
-    // (no template expands to a key holding the mark).
-    let k = TargetKey(key.iter().map(|p| Box::from(*p)).collect());
-    if let Some((owner, i)) = crate::rules::shards::parse(&k) {
-        let parts: Vec<&str> = owner.0.iter().map(|p| &**p).collect();
-        return rule.write_shards.is_some_and(|n| i < n)
-            && rule.target.len() == parts.len()
-            && rule.target.iter().zip(&parts).all(|((_, t), v)| t.matches_expansion(v));
-    }
     let owner = |key: &[&str]| rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v));
-    match key.split_last().and_then(|(sk, rest)| helper::parse(sk).map(|h| (h, rest))) {
-        Some((h, rest)) => {
-            let mut o: Vec<&str> = rest.to_vec();
+    // A sharded rule's sub-items, as well as the totals they fold into; never another rule's
+    // (no template expands to a key holding the mark). Only a partition key holding the mark
+    // is parsed (a reconcile asks of every item of the table).
+    let marked = key.first().is_some_and(|pk| pk.as_ref().contains(crate::rules::shards::MARK));
+    if let Some((o, i)) =
+        marked.then(|| crate::rules::shards::parse(&TargetKey(key.iter().map(|p| Box::from(p.as_ref())).collect()))).flatten()
+    {
+        let parts: Vec<&str> = o.0.iter().map(|p| &**p).collect();
+        return rule.write_shards.is_some_and(|n| i < n) && owner(&parts);
+    }
+    let (sk, rest) = match key.split_last() {
+        Some(split) => split,
+        None => return rule.target.is_empty(),
+    };
+    match helper::parse(sk.as_ref()) {
+        Some(h) => {
+            let mut o: Vec<&str> = rest.iter().map(AsRef::as_ref).collect();
             o.push(h.owner_sk);
             owner(&o) && helper_measure(rule, h.measure).is_some()
         }
-        None => owner(key),
+        None => rule.target.len() == key.len() && rule.target.iter().zip(key).all(|((_, t), v)| t.matches_expansion(v.as_ref())),
     }
 }
 
@@ -208,6 +225,21 @@ mod tests {
         let c1 = &t.values[&target_for(&rules[0], &[("customer".to_string(), "c1".to_string())].into()).unwrap()];
         let shown: Vec<String> = c1.iter().map(|(k, v)| format!("{k}={v}")).collect();
         assert_eq!(shown, ["openOrders=1", "openRevenue=10.5", "orderCount=2", "orders_PAID=1", "orders_SHIPPED=1", "revenue=15.5"]);
+    }
+
+    /// A helper item's sort key holds `#_agg#<measure>#`: for a measure starting with `w` that
+    /// contains a sub-item's mark (`#_agg#w`), but only a partition key marks a sub-item.
+    #[test]
+    fn a_helper_of_a_measure_starting_with_w_is_its_rules_target() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/commerce-measures.yaml")).unwrap();
+        let text = text.replace("largestOrder: { max: total }", "weightiest: { max: total }");
+        let rules = Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules;
+        let sk = format!("{}N1", crate::rules::helper::prefix("PROFILE", "weightiest"));
+        assert!(sk.contains(crate::rules::shards::MARK), "{sk}");
+        assert!(is_target(&rules[0], &["CUST#c1", sk.as_str()]));
+        assert!(is_target(&rules[0], &[String::from("CUST#c1"), sk.clone()]), "owned parts too");
+        assert!(!is_target(&rules[0], &["CUST#c1", &sk.replace("weightiest", "heaviest")]), "no such measure");
+        assert!(!is_target(&rules[0], &["CUST#c1#_agg#w1", "PROFILE"]), "a sub-item of an unsharded rule");
     }
 
     #[test]

@@ -76,20 +76,88 @@ pub fn check_namespace(ns: &str) -> Result<&str, String> {
     }
 }
 
-/// The names one deployment's ledger uses on target items.
+/// The names one deployment's ledger uses on target items, formed once: reconcile asks
+/// [`Ledger::is_own`] of every reserved attribute of every item it reads.
+/// Cheap to clone: the names are shared.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Ledger {
+pub struct Ledger(std::sync::Arc<Names>);
+
+#[derive(Debug, PartialEq, Eq)]
+struct Names {
     namespace: String,
+    /// The attributes with exact names: the counter, the floor, the straggler set, the
+    /// written-measures set, the hold and the fold sequence.
+    exact: [String; 6],
+    /// The prefixes of attribute families: derivation counters, cursors, counts, walked
+    /// marks and hold logs.
+    prefixes: [String; 5],
 }
+
+/// Indexes into [`Names`]' `exact` names.
+const VERSION: usize = 0;
+const FLOOR: usize = 1;
+const OPEN: usize = 2;
+const MEASURES: usize = 3;
+const HOLD: usize = 4;
+const FOLD: usize = 5;
+/// Indexes into [`Names`]' `prefixes`.
+const DERIVED: usize = 0;
+const CURSORS: usize = 1;
+const COUNTS: usize = 2;
+const WALKED: usize = 3;
+const LOGS: usize = 4;
 
 impl Ledger {
     pub fn new(namespace: &str) -> Ledger {
-        Ledger { namespace: namespace.to_string() }
+        let ns = namespace;
+        Ledger(std::sync::Arc::new(Names {
+            namespace: ns.to_string(),
+            exact: [
+                format!("_aggv:{ns}"),
+                format!("_aggfloor:{ns}"),
+                format!("_aggopen:{ns}"),
+                format!("_aggm:{ns}"),
+                format!("_agghold:{ns}"),
+                format!("_aggfold:{ns}"),
+            ],
+            prefixes: [
+                format!("_aggd:{ns}:"),
+                format!("_aggk:{ns}:"),
+                format!("_aggn:{ns}:"),
+                format!("_aggw:{ns}:"),
+                format!("_agglog:{ns}:"),
+            ],
+        }))
+    }
+
+    /// The counter's name ([`Ledger::version_attribute`]), borrowed.
+    pub fn version_name(&self) -> &str {
+        &self.0.exact[VERSION]
+    }
+
+    /// The written-measures set's name ([`Ledger::measures_attribute`]), borrowed.
+    pub fn measures_name(&self) -> &str {
+        &self.0.exact[MEASURES]
+    }
+
+    /// The floor's name ([`Ledger::floor_attribute`]), borrowed.
+    pub fn floor_name(&self) -> &str {
+        &self.0.exact[FLOOR]
+    }
+
+    /// The hold's name ([`Ledger::hold_attribute`]), borrowed.
+    pub fn hold_name(&self) -> &str {
+        &self.0.exact[HOLD]
+    }
+
+    /// The hold log's prefix ([`Ledger::log_prefix`]), borrowed.
+    pub fn log_prefix_name(&self) -> &str {
+        &self.0.prefixes[LOGS]
     }
 
     /// `_agg<namespace>.`: the prefix of this namespace's entries.
     pub fn entry_prefix(&self) -> String {
-        format!("_agg{}.", self.namespace)
+        format!("_agg{}.", self.0.namespace)
     }
 
     /// `_agg<namespace>.<packed shard id>`: this shard's entry.
@@ -100,22 +168,22 @@ impl Ledger {
     /// `_agg:<namespace>:<shard id without shardId->`: the entry versions before compact
     /// entries wrote (a write must be past it too).
     pub fn named_entry(&self, shard_id: &str) -> String {
-        format!("{ENTRY_PREFIX}{}:{}", self.namespace, crate::shard_id::suffix(shard_id))
+        format!("{ENTRY_PREFIX}{}:{}", self.0.namespace, crate::shard_id::suffix(shard_id))
     }
 
     pub fn floor_attribute(&self) -> String {
-        format!("_aggfloor:{}", self.namespace)
+        self.0.exact[FLOOR].clone()
     }
 
     pub fn open_attribute(&self) -> String {
-        format!("_aggopen:{}", self.namespace)
+        self.0.exact[OPEN].clone()
     }
 
     /// `_aggv:<namespace>`: a counter every ledger write (and every reconcile correction)
     /// advances, so reconcile's correction is conditioned on one attribute, however many
     /// shards the stream has had.
     pub fn version_attribute(&self) -> String {
-        format!("_aggv:{}", self.namespace)
+        self.0.exact[VERSION].clone()
     }
 
     /// `_aggd:<namespace>:`: the prefix of the counters that derivations of `max`, `min`,
@@ -123,29 +191,29 @@ impl Ledger {
     /// so a derivation from an older view of the helpers never lands after a newer one
     /// ([`crate::sink::derive`]).
     pub fn derived_prefix(&self) -> String {
-        format!("_aggd:{}:", self.namespace)
+        self.0.prefixes[DERIVED].clone()
     }
 
     /// `_aggk:<namespace>:`: the prefix of the cursors of `max`, `min` and `latest`
     /// (`_aggk:<namespace>:<name>`), where their derivations start reading helpers
     /// ([`crate::sink::derive`]).
     pub fn cursor_prefix(&self) -> String {
-        format!("_aggk:{}:", self.namespace)
+        self.0.prefixes[CURSORS].clone()
     }
 
     pub fn derivation_names(&self) -> crate::sink::DerivationNames {
         crate::sink::DerivationNames {
             counters: self.derived_prefix(),
             cursors: self.cursor_prefix(),
-            counts: format!("_aggn:{}:", self.namespace),
-            walked: format!("_aggw:{}:", self.namespace),
+            counts: self.0.prefixes[COUNTS].clone(),
+            walked: self.0.prefixes[WALKED].clone(),
         }
     }
 
     /// `_aggm:<namespace>`: the set of measure attributes this deployment wrote on the item;
     /// reconcile touches no other attribute (a user's `orders_note` stays as it is).
     pub fn measures_attribute(&self) -> String {
-        format!("_aggm:{}", self.namespace)
+        self.0.exact[MEASURES].clone()
     }
 
     /// `_agghold:<namespace>`: a reconcile's hold on the item, `<hold id>:<expiry, epoch ms>`
@@ -153,17 +221,17 @@ impl Ledger {
     /// `_aggfold:<namespace>`: on a sharded target's total, the sequence of the fold that
     /// wrote it ([`crate::reconcile::sharded`]).
     pub fn fold_attribute(&self) -> String {
-        format!("_aggfold:{}", self.namespace)
+        self.0.exact[FOLD].clone()
     }
 
     pub fn hold_attribute(&self) -> String {
-        format!("_agghold:{}", self.namespace)
+        self.0.exact[HOLD].clone()
     }
 
     /// `_agglog:<namespace>:`: the prefix of the log writers keep while a hold stands, one
     /// attribute per source item, `_agglog:<namespace>:<hold id>:<item id>`.
     pub fn log_prefix(&self) -> String {
-        format!("_agglog:{}:", self.namespace)
+        self.0.prefixes[LOGS].clone()
     }
 
     /// Whether a reserved attribute (`_agg...`) is this namespace's: an entry, the counter,
@@ -171,29 +239,19 @@ impl Ledger {
     /// a hold's log. An item holding a reserved attribute that is not is written by another
     /// deployment too.
     pub fn is_own(&self, attribute: &str) -> bool {
-        let exact = [
-            self.version_attribute(),
-            self.floor_attribute(),
-            self.open_attribute(),
-            self.measures_attribute(),
-            self.hold_attribute(),
-            self.fold_attribute(),
-        ];
         self.is_entry(attribute)
-            || attribute.starts_with(&self.derived_prefix())
-            || attribute.starts_with(&self.cursor_prefix())
-            || attribute.starts_with(&format!("_aggn:{}:", self.namespace))
-            || attribute.starts_with(&format!("_aggw:{}:", self.namespace))
-            || attribute.starts_with(&self.log_prefix())
-            || exact.iter().any(|a| a == attribute)
+            || self.0.prefixes.iter().any(|p| attribute.starts_with(p.as_str()))
+            || self.0.exact.iter().any(|a| a == attribute)
     }
 
     /// Whether an attribute is one of this namespace's entries, compact or older.
     pub fn is_entry(&self, attribute: &str) -> bool {
         let compact =
-            attribute.strip_prefix("_agg").and_then(|r| r.strip_prefix(self.namespace.as_str())).is_some_and(|r| r.starts_with('.'));
-        let named =
-            attribute.strip_prefix(ENTRY_PREFIX).and_then(|r| r.strip_prefix(self.namespace.as_str())).is_some_and(|r| r.starts_with(':'));
+            attribute.strip_prefix("_agg").and_then(|r| r.strip_prefix(self.0.namespace.as_str())).is_some_and(|r| r.starts_with('.'));
+        let named = attribute
+            .strip_prefix(ENTRY_PREFIX)
+            .and_then(|r| r.strip_prefix(self.0.namespace.as_str()))
+            .is_some_and(|r| r.starts_with(':'));
         compact || named
     }
 }
@@ -736,6 +794,36 @@ mod tests {
             values: values.iter().map(|(n, v)| (n.to_string(), Decimal::parse(v).unwrap())).collect(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_namespace_owns_its_reserved_names_and_no_others() {
+        let (ours, theirs) = (Ledger::new("ns"), Ledger::new("ns2"));
+        let d = ours.derivation_names();
+        let names = [
+            ours.entry_name("shardId-00000001764460800000-0000000a"),
+            ours.named_entry("shardId-00000001764460800000-0000000a"),
+            ours.version_attribute(),
+            ours.floor_attribute(),
+            ours.open_attribute(),
+            ours.measures_attribute(),
+            ours.hold_attribute(),
+            ours.fold_attribute(),
+            format!("{}orders_max", d.counters),
+            format!("{}orders_max", d.cursors),
+            format!("{}uniq", d.counts),
+            format!("{}uniq", d.walked),
+            format!("{}h1:item", ours.log_prefix()),
+        ];
+        for n in &names {
+            assert!(ours.is_own(n), "{n}");
+            assert!(!theirs.is_own(n), "{n} is not ns2's");
+        }
+        assert_eq!(
+            (ours.version_name(), ours.floor_name(), ours.measures_name(), ours.hold_name(), ours.log_prefix_name()),
+            ("_aggv:ns", "_aggfloor:ns", "_aggm:ns", "_agghold:ns", "_agglog:ns:")
+        );
+        assert!(!ours.is_own("_aggv:ns:x") && !ours.is_own("orders") && !ours.is_own("_aggvx"));
     }
 
     #[test]

@@ -715,7 +715,7 @@ impl World {
         // The fold loop of a sharded rule's totals: it ends with the process (a crash too).
         let folds = CancellationToken::new();
         if !b && self.p.daily_shards.is_some() {
-            let targets = Arc::new(reconcile::SimTargets { store: self.aggregates.clone(), namespace });
+            let targets = Arc::new(reconcile::SimTargets::new(self.aggregates.clone(), &namespace));
             tokio::spawn(ddb_aggregator::worker::fold::run_folds(worker.shared().clone(), targets, fold_interval, folds.clone()));
         }
         let c = cancel.clone();

@@ -341,7 +341,7 @@ impl World {
     fn passes(&self) -> SimPasses {
         SimPasses {
             config: self.new.clone(),
-            targets: SimTargets { store: self.aggregates.clone(), namespace: self.new.ledger_namespace.clone() },
+            targets: SimTargets::new(self.aggregates.clone(), &self.new.ledger_namespace),
             sources: self.sources.clone(),
             consumer: SimConsumer {
                 stream: self.stream.clone(),

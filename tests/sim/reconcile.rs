@@ -22,15 +22,19 @@ use ddb_aggregator::stream::sim::SimStream;
 
 /// One deployment's view of the aggregates table (its ledger namespace).
 pub struct SimTargets {
-    pub store: Arc<MemoryAggregates>,
-    pub namespace: String,
+    store: Arc<MemoryAggregates>,
+    ledger: Ledger,
 }
 
 impl SimTargets {
+    pub fn new(store: Arc<MemoryAggregates>, namespace: &str) -> SimTargets {
+        SimTargets { store, ledger: Ledger::new(namespace) }
+    }
+
     fn view(&self) -> MemoryTargets<'_> {
         MemoryTargets {
             store: &self.store,
-            ledger: Ledger::new(&self.namespace),
+            ledger: self.ledger.clone(),
             expiry: Some(Expiry { set: false, ..Expiry::new(super::TTL_ATTRIBUTE) }),
         }
     }
@@ -118,7 +122,7 @@ pub async fn reconcile_all(
     fence_all: bool,
     only: Option<&Retry>,
 ) -> Result<Report, ReconcileError> {
-    let targets = SimTargets { store: aggregates.clone(), namespace: config.ledger_namespace.clone() };
+    let targets = SimTargets::new(aggregates.clone(), &config.ledger_namespace);
     let consumer = SimConsumer {
         stream: stream.clone(),
         leases: leases.clone(),

@@ -326,7 +326,7 @@ impl World {
         stop: &CancellationToken,
         judgements: Arc<Mutex<Judgements>>,
     ) -> tokio::task::JoinHandle<Vec<Result<Report, ReconcileError>>> {
-        let targets = SimTargets { store: self.aggregates.clone(), namespace: self.config.ledger_namespace.clone() };
+        let targets = SimTargets::new(self.aggregates.clone(), &self.config.ledger_namespace);
         let consumer = Watched {
             stream: self.stream.clone(),
             leases: self.leases.clone(),
