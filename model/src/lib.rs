@@ -286,6 +286,9 @@ pub struct Bugs {
     /// (l) With [`ProtocolModel::time_tokens`]: pruning keeps the entries of the straggler
     /// shards only, not of every shard their times admit.
     pub prune_by_shard: bool,
+    /// (m) With [`ProtocolModel::ids_for_shared_times`]: a straggler the item admits by its id
+    /// only may go back to being admitted by its creation time.
+    pub id_back_to_time: bool,
 }
 
 /// Which shards a pruning replica's view of the lease table lists (and so can count as open).
@@ -330,7 +333,19 @@ pub struct ProtocolModel {
     /// so one token admits both. Pruning then removes an entry only for a time that neither
     /// `F'` nor `O'` admits, and `F'` may go above both children (3).
     pub time_tokens: bool,
+    /// With [`ProtocolModel::time_tokens`]: a straggler may also be admitted by its id (the
+    /// code does so for a creation time whose finished shards' entries outnumber its open
+    /// ones, so those entries can go). The set then holds time tokens in bits 0 to 2 and id
+    /// tokens in bits 3 to 5 ([`id_token`]). A straggler the item admits by floor or time may
+    /// be kept either way; one it admits by id only stays by id, since its time could
+    /// re-admit a sibling whose entry went.
+    pub ids_for_shared_times: bool,
     pub bugs: Bugs,
+}
+
+/// The bit of shard `s`'s id token in a straggler set (see [`ProtocolModel::ids_for_shared_times`]).
+pub fn id_token(s: usize) -> Set {
+    bit(s + SHARDS)
 }
 
 impl Default for ProtocolModel {
@@ -347,6 +362,7 @@ impl Default for ProtocolModel {
             symmetry: false,
             listing: Listing::NotFinishedIsOpen,
             time_tokens: false,
+            ids_for_shared_times: false,
             bugs: Bugs::default(),
         }
     }
@@ -377,6 +393,7 @@ pub mod names {
     pub const EX_PRUNED: &str = "example: P's entry pruned and the floor raised";
     pub const EX_STRAGGLER: &str = "example: a straggler admitted below the floor";
     pub const EX_FENCED: &str = "example: a stale write fenced by the floor";
+    pub const EX_BY_ID: &str = "example: a straggler kept by id, its sibling of one millisecond pruned";
     pub const EX_DONE: &str = "example: every shard at SHARD_END";
     pub const EX_REPAIRED: &str = "example: reconcile repaired injected drift, everything read";
 }
@@ -420,13 +437,18 @@ impl ProtocolModel {
         if !self.time_tokens {
             return admitted(floor, stragglers, s);
         }
+        self.admits_by_time(floor, stragglers, s) || stragglers & id_token(s) != 0
+    }
+
+    /// Whether the item admits shard `s` by the floor or by a time token (not by its id).
+    fn admits_by_time(&self, floor: u8, stragglers: Set, s: usize) -> bool {
         self.created_at(s) >= floor || (0..SHARDS).any(|t| has(stragglers, t) && self.created_at(t) == self.created_at(s))
     }
 
     /// Whether a pruning write to `F'` with stragglers `keep` still admits shard `t`'s time.
     fn kept(&self, keep: Set, floor: u8, t: usize) -> bool {
         if self.bugs.prune_by_shard {
-            return has(keep, t);
+            return has(keep, t) || keep & id_token(t) != 0;
         }
         self.admits(floor, keep, t)
     }
@@ -479,14 +501,30 @@ impl ProtocolModel {
         let keep = if self.bugs.stragglers_unconstrained { unfinished & below } else { admitted_now & unfinished & below };
         let subsets = if self.bugs.stragglers_incomplete { keep } else { 0 };
         for drop in (0..=subsets).filter(|d| d & !subsets == 0) {
-            let keep = keep & !drop;
-            // Skip writes that change nothing beyond a plain write.
-            let pruned = set_of(|t| has(view & below, t) && !self.kept(keep, new_floor, t));
-            let prunes_entry = (0..SHARDS).any(|t| has(pruned, t) && st.item.entry[t] != 0);
-            if (new_floor, keep) != (st.item.floor, st.item.stragglers) || prunes_entry {
-                out.push(Prune { view, open: unfinished, floor: new_floor, keep });
+            for keep in self.token_choices(keep & !drop, (floor, stragglers)) {
+                // Skip writes that change nothing beyond a plain write.
+                let pruned = set_of(|t| has(view & below, t) && !self.kept(keep, new_floor, t));
+                let prunes_entry = (0..SHARDS).any(|t| has(pruned, t) && st.item.entry[t] != 0);
+                if (new_floor, keep) != (st.item.floor, st.item.stragglers) || prunes_entry {
+                    out.push(Prune { view, open: unfinished, floor: new_floor, keep });
+                }
             }
         }
+    }
+
+    /// The straggler sets that keep the shards `keep`: each by a time token, or (with
+    /// [`ProtocolModel::ids_for_shared_times`]) by its id; by time only if the item admits
+    /// it by floor or time now (bug (m): also if only by id).
+    fn token_choices(&self, keep: Set, (floor, stragglers): (u8, Set)) -> Vec<Set> {
+        if !self.ids_for_shared_times {
+            return vec![keep];
+        }
+        let mut out = vec![0];
+        for t in (0..SHARDS).filter(|&t| has(keep, t)) {
+            let by_time = self.bugs.id_back_to_time || self.admits_by_time(floor, stragglers, t);
+            out = out.iter().flat_map(|o| [Some(o | id_token(t)), by_time.then_some(o | bit(t))]).flatten().collect();
+        }
+        out
     }
 
     fn all_applied(st: &State, s: usize) -> bool {
@@ -763,6 +801,14 @@ impl Model for ProtocolModel {
             v.push(Property::sometimes(names::EX_STRAGGLER, |_, st: &State| st.item.stragglers != 0));
             v.push(Property::sometimes(names::EX_FENCED, |_, st: &State| st.fenced_finished));
         }
+        if self.pruning && self.ids_for_shared_times {
+            // C1 and C2 share a creation time: one listed by id, the other's entry pruned.
+            v.push(Property::sometimes(names::EX_BY_ID, |_, st: &State| {
+                let by_id = |s: usize| st.item.stragglers & id_token(s) != 0 && st.item.stragglers & (bit(C1) | bit(C2)) == 0;
+                (by_id(C1) && st.item.entry[C2] == 0 && st.applied[C2][0] > 0)
+                    || (by_id(C2) && st.item.entry[C1] == 0 && st.applied[C1][0] > 0)
+            }));
+        }
         if self.reconcile && self.corruption {
             v.push(Property::sometimes(names::EX_REPAIRED, |_, st: &State| st.recon_repaired && all_finished(st)));
         }
@@ -860,8 +906,9 @@ const SHARD_NAMES: [&str; SHARDS] = ["P", "C1", "C2"];
 const REPLICA_NAMES: [&str; REPLICAS] = ["A", "B"];
 
 fn set_name(set: Set) -> String {
-    let names: Vec<&str> = (0..SHARDS).filter(|&s| has(set, s)).map(|s| SHARD_NAMES[s]).collect();
-    format!("{{{}}}", names.join(","))
+    let times = (0..SHARDS).filter(|&s| has(set, s)).map(|s| SHARD_NAMES[s].to_string());
+    let ids = (0..SHARDS).filter(|&s| set & id_token(s) != 0).map(|s| format!("id:{}", SHARD_NAMES[s]));
+    format!("{{{}}}", times.chain(ids).collect::<Vec<_>>().join(","))
 }
 
 impl std::fmt::Display for Action {

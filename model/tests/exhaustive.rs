@@ -83,3 +83,21 @@ fn stragglers_by_creation_time_with_children_of_one_millisecond_are_exactly_once
     let s = check_all(model.clone(), 2);
     report("time-tokens", &model, &s);
 }
+
+/// As above, and a straggler may also be kept by its id (the code does so for a creation time
+/// whose finished shards' entries outnumber its open ones): the finished sibling's entry goes,
+/// and the item refuses it from then on.
+#[test]
+fn stragglers_by_id_for_a_shared_creation_time_are_exactly_once() {
+    let model = ProtocolModel {
+        shapes: all_shapes(),
+        crashes: 1,
+        expiries: 1,
+        symmetry: true,
+        time_tokens: true,
+        ids_for_shared_times: true,
+        ..Default::default()
+    };
+    let s = check_all(model.clone(), 2);
+    report("ids-for-shared-times", &model, &s);
+}

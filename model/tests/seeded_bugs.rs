@@ -124,3 +124,12 @@ fn l_pruning_by_shard_under_time_tokens_double_counts() {
     let model = ProtocolModel { time_tokens: true, ..with(Bugs { prune_by_shard: true, ..Bugs::default() }) };
     expect_found("l", model, names::NO_DOUBLE_APPLY);
 }
+
+/// (m) A straggler kept by its id (its finished sibling of the same millisecond pruned) goes
+/// back to a time token: the token re-admits the sibling, and its stalled former owner applies
+/// its batch again.
+#[test]
+fn m_an_id_straggler_back_to_its_time_double_counts() {
+    let model = ProtocolModel { time_tokens: true, ids_for_shared_times: true, ..with(Bugs { id_back_to_time: true, ..Bugs::default() }) };
+    expect_found("m", model, names::NO_DOUBLE_APPLY);
+}

@@ -21,7 +21,9 @@
 //! set `_aggopen:<namespace>` (`,<shard>,<shard>,`): a shard is admitted when it was created at
 //! or after the floor or is a straggler. Every shard created before the floor that is not a
 //! straggler is finished, so its entry can go. Stragglers let one slow shard stay open without
-//! holding the floor (and every other shard's entry) back. The admitted set only ever shrinks:
+//! holding the floor (and every other shard's entry) back. A straggler is admitted by its
+//! creation time (a token that admits every shard of that millisecond) or, where most shards
+//! of that time have finished, by its id, so theirs can go. The admitted set only ever shrinks:
 //! a pruning write compares-and-sets the floor and straggler set it last saw on the item and
 //! keeps only stragglers that set admits.
 //!
@@ -412,6 +414,8 @@ pub fn floor_value(created_ms: u64) -> String {
 /// an expression of constant size. Shards created in the same millisecond (a split's children)
 /// share a token: the item admits all of them and keeps all their entries, which is safe,
 /// because entries are pruned only for creation times neither the floor nor the set admits.
+/// Where the finished ones' entries outnumber the open ones, [`prune_for`] lists the open ones
+/// by id instead, and the finished ones' entries go.
 pub fn open_value(stragglers: &[String]) -> String {
     let tokens: std::collections::BTreeSet<String> = stragglers.iter().map(|x| time_token(x)).collect();
     let mut s = String::from(",");
@@ -461,17 +465,40 @@ pub struct FloorPlan {
     pub floor: String,
     /// Shard suffixes of the open shards created before the floor.
     pub stragglers: Vec<String>,
-    /// The floor and the stragglers' creation times as numbers (every write's pruning asks).
+    /// The floor as a number, and per straggler (in `stragglers`' order) what every write's
+    /// pruning asks of it, worked out once.
     floor_ms: u64,
-    straggler_times: std::collections::BTreeSet<u64>,
+    straggler_info: Vec<Straggler>,
+    /// Open stragglers per creation time.
+    open_at: std::collections::BTreeMap<u64, usize>,
+    suffixes: std::collections::HashSet<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Straggler {
+    created: u64,
+    /// Its token in a straggler set ([`time_token`]) and its creation time as a floor value.
+    token: String,
+    floor: String,
 }
 
 impl FloorPlan {
     /// A plan with this floor value and these stragglers (shard suffixes).
     pub fn new(floor: String, stragglers: Vec<String>) -> FloorPlan {
         let floor_ms = floor.parse().unwrap_or(0);
-        let straggler_times = stragglers.iter().map(|x| suffix_created_ms(x).unwrap_or(0)).collect();
-        FloorPlan { floor, stragglers, floor_ms, straggler_times }
+        let straggler_info: Vec<Straggler> = stragglers
+            .iter()
+            .map(|x| {
+                let created = suffix_created_ms(x).unwrap_or(0);
+                Straggler { created, token: time_token(x), floor: floor_value(created) }
+            })
+            .collect();
+        let mut open_at = std::collections::BTreeMap::new();
+        for s in &straggler_info {
+            *open_at.entry(s.created).or_insert(0) += 1;
+        }
+        let suffixes = stragglers.iter().cloned().collect();
+        FloorPlan { floor, stragglers, floor_ms, straggler_info, open_at, suffixes }
     }
 }
 
@@ -521,44 +548,63 @@ pub struct Prune {
 /// What the next write to an item may prune, given what was seen on it and the current plan;
 /// `own` is the writing shard's entry (never pruned). None when there is nothing to prune or
 /// the plan would lower the item's floor (another replica saw further).
+///
+/// A straggler stays admitted by its creation time (one token admits every shard of that
+/// millisecond, so their entries stay), except where the entries of that time's finished
+/// shards outnumber its open ones (a stream's first shards are created at once and finish one
+/// by one): those open ones are then listed by id, and the finished ones' entries go.
 pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     if seen.floor.as_ref().is_some_and(|f| *f > plan.floor) {
         return None;
     }
     let plan_floor = plan.floor_ms;
-    // Most writes have nothing to prune: only entries of shards created before the floor at
-    // times no straggler of the plan holds can go (the new set holds at most those times).
-    let prunable =
-        |e: &&String| e.as_str() != own && entry_created_ms(e).is_some_and(|c| c < plan_floor && !plan.straggler_times.contains(&c));
-    if !seen.entries.iter().any(|e| prunable(&e)) {
+    // Entries the plan lets go: below the floor, of a time no straggler holds or of a shard
+    // that is no straggler (finished), counted per straggler time. Most writes have none.
+    let mut any = false;
+    let mut finished_at: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
+    for e in seen.entries.iter().filter(|e| e.as_str() != own) {
+        let Some(c) = entry_created_ms(e).filter(|c| *c < plan_floor) else { continue };
+        if !plan.open_at.contains_key(&c) {
+            any = true;
+        } else if entry_shard(e).is_some_and(|s| !plan.suffixes.contains(&s)) {
+            any = true;
+            *finished_at.entry(c).or_insert(0) += 1;
+        }
+    }
+    if !any {
         return None;
     }
+    // Times whose open shards go by id: their finished shards' entries outnumber them (so the
+    // item shrinks: an id token is about as long as an entry).
+    let by_id_times: std::collections::BTreeSet<u64> =
+        finished_at.into_iter().filter(|(c, n)| plan.open_at.get(c).is_some_and(|open| n > open)).map(|(c, _)| c).collect();
     // Keep only stragglers the item admits now: one it refuses was seen finished by someone.
     // (What `admits` decides, with the item's set read once: tokens hold no commas, so
     // `contains(set, ",t,")` is membership.)
     let seen_tokens: std::collections::HashSet<&str> = seen.open.as_deref().unwrap_or("").split(',').filter(|t| !t.is_empty()).collect();
     // A straggler the item admits by floor or by its time stays in by its time (every shard of
-    // that time is admitted already). One admitted only by its whole id (a set written before
-    // time tokens) stays in by its id: its time could re-admit a sibling of the same
-    // millisecond whose entry the earlier version pruned.
+    // that time is admitted already), unless its time goes by id. One admitted only by its
+    // whole id (listed so by an earlier write, or by a set written before time tokens) stays
+    // in by its id: its time could re-admit a sibling of the same millisecond whose entry went.
     let (mut by_time, mut by_id): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
-    for x in &plan.stragglers {
-        let created = suffix_created_ms(x).unwrap_or(0);
-        if seen.floor.as_deref().is_none_or(|f| f <= floor_value(created).as_str()) || seen_tokens.contains(time_token(x).as_str()) {
+    for (x, info) in plan.stragglers.iter().zip(&plan.straggler_info) {
+        let by_floor_or_time = seen.floor.as_deref().is_none_or(|f| f <= info.floor.as_str()) || seen_tokens.contains(info.token.as_str());
+        if by_floor_or_time && !by_id_times.contains(&info.created) {
             by_time.push(x.clone());
-        } else if seen_tokens.contains(x.as_str()) {
+        } else if by_floor_or_time || seen_tokens.contains(x.as_str()) {
             by_id.push(x.clone());
         }
     }
     // The creation times the new set admits (entries of shards created then stay), and the
     // shards it admits by id.
     let kept: std::collections::HashSet<u64> = by_time.iter().map(|x| suffix_created_ms(x).unwrap_or(0)).collect();
+    let ids: std::collections::HashSet<&str> = by_id.iter().map(String::as_str).collect();
     let entries: Vec<String> = seen
         .entries
         .iter()
         .filter(|e| e.as_str() != own)
         .filter(|e| entry_created_ms(e).is_some_and(|c| c < plan_floor && !kept.contains(&c)))
-        .filter(|e| entry_shard(e).is_none_or(|s| !by_id.contains(&s)))
+        .filter(|e| entry_shard(e).is_none_or(|s| !ids.contains(s.as_str())))
         .take(MAX_PRUNE_PER_WRITE)
         .cloned()
         .collect();
@@ -937,6 +983,42 @@ mod tests {
                 &open_tokens(o)
             ));
         }
+    }
+
+    #[test]
+    fn open_shards_of_a_mostly_finished_creation_time_are_kept_by_id() {
+        // A stream's first six shards share one creation time; four finished, two are open.
+        // Their time admits all six, so it goes: the two open ones are listed by id and the
+        // four finished ones' entries are pruned.
+        let l = Ledger::new("ns");
+        let roots: Vec<String> = (0..6).map(|i| id(1000, i)).collect();
+        let own = id(2000, 9);
+        let name = |x: &String| l.entry_name(x);
+        let suffix = |x: &String| crate::shard_id::suffix(x).to_string();
+        let plan = FloorPlan::new(floor_value(1500), vec![suffix(&roots[0]), suffix(&roots[1])]);
+        let entries: Vec<String> = roots.iter().chain([&own]).map(name).collect();
+        let seen = Seen { entries, floor: None, open: None };
+        let p = prune_for(&plan, &seen, &name(&own)).unwrap();
+        assert_eq!(p.entries, roots[2..].iter().map(name).collect::<Vec<_>>());
+        assert_eq!(p.open, format!(",{},{},", suffix(&roots[0]), suffix(&roots[1])), "by id, no time token");
+        let mine = floor_value(1000);
+        assert!(roots[..2].iter().all(|r| admits(Some(&p.floor), Some(&p.open), &mine, &open_tokens(r))));
+        assert!(roots[2..].iter().all(|r| !admits(Some(&p.floor), Some(&p.open), &mine, &open_tokens(r))), "finished roots refused");
+        // Root 0 finishes: its entry goes, root 1 stays by id (its time would re-admit roots
+        // 2 to 5), although one finished entry no longer outnumbers one open shard.
+        let seen = Seen { entries: vec![name(&roots[0]), name(&roots[1]), name(&own)], floor: Some(p.floor.clone()), open: Some(p.open) };
+        let later = FloorPlan::new(floor_value(1500), vec![suffix(&roots[1])]);
+        let q = prune_for(&later, &seen, &name(&own)).unwrap();
+        assert_eq!((q.entries, q.open.clone()), (vec![name(&roots[0])], format!(",{},", suffix(&roots[1]))));
+        // A stale plan that still holds root 0 open never brings it (or the time) back.
+        let seen =
+            Seen { entries: vec![name(&roots[1]), name(&id(1200, 7)), name(&own)], floor: Some(q.floor), open: Some(q.open.clone()) };
+        let r = prune_for(&plan, &seen, &name(&own)).unwrap();
+        assert_eq!((r.entries, r.open), (vec![name(&id(1200, 7))], q.open));
+        // Two open and one finished: the time stays (an id costs about what an entry does).
+        let plan = FloorPlan::new(floor_value(1500), vec![suffix(&roots[0]), suffix(&roots[1])]);
+        let seen = Seen { entries: [&roots[0], &roots[1], &roots[2], &own].map(name).to_vec(), floor: None, open: None };
+        assert_eq!(prune_for(&plan, &seen, &name(&own)), None);
     }
 
     #[test]
