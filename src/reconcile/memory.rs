@@ -17,6 +17,9 @@ use crate::sink::ledger::Ledger;
 use crate::sink::memory::{MemValue, MemoryAggregates};
 
 /// The aggregates table as reconcile sees it, over [`MemoryAggregates`].
+/// Attempts of a throttled read of one item ([`MemoryAggregates::read_item`]).
+pub const READ_ATTEMPTS: u32 = 10;
+
 pub struct MemoryTargets<'a> {
     pub store: &'a MemoryAggregates,
     pub ledger: Ledger,
@@ -29,8 +32,9 @@ fn key_of(key: &TargetKey) -> Vec<String> {
 }
 
 impl MemoryTargets<'_> {
-    fn item(&self, key: &[String]) -> TargetItem {
-        self.store.with_item(key, |item| item.map(|i| self.target_item(i)).unwrap_or_default())
+    /// A strongly consistent read, throttled as the store's read limit says.
+    fn item(&self, key: &[String]) -> Result<TargetItem, crate::sink::SinkError> {
+        self.store.read_item(key, |item| item.map(|i| self.target_item(i)).unwrap_or_default())
     }
 
     /// An item as reconcile reads it, from the stored attributes (read in place, not cloned
@@ -78,8 +82,20 @@ impl MemoryTargets<'_> {
 }
 
 impl TargetStore for MemoryTargets<'_> {
+    /// A throttled read is retried after a second, as the SDK retries a throttled GetItem, at
+    /// most [`READ_ATTEMPTS`] times.
     async fn read(&self, key: &TargetKey) -> Result<TargetItem, ReconcileError> {
-        Ok(self.item(&key_of(key)))
+        let key = key_of(key);
+        let mut attempt = 1;
+        loop {
+            match self.item(&key) {
+                Err(crate::sink::SinkError::Throttled(_)) if attempt < READ_ATTEMPTS => {
+                    attempt += 1;
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                }
+                done => return done.map_err(|e| ReconcileError::Aws(e.to_string())),
+            }
+        }
     }
 
     async fn scan(&self, rule: &Rule) -> Result<BTreeMap<TargetKey, TargetItem>, ReconcileError> {
@@ -138,10 +154,11 @@ impl TargetStore for MemoryTargets<'_> {
         let Some((sk, rest)) = owner.split_last() else { return Ok(BTreeMap::new()) };
         let prefix = format!("{sk}{}", crate::rules::helper::MARK);
         let mut out = BTreeMap::new();
+        // A Query (its capacity is per page, not per item): not counted as reads of one item.
         for k in self.store.keys_with_prefix(rest, &prefix) {
-            let parts: Vec<&str> = k.iter().map(String::as_str).collect();
-            if is_target(rule, &parts) {
-                out.insert(TargetKey(k.iter().map(|s| Box::from(s.as_str())).collect()), self.item(&k));
+            if is_target(rule, &k) {
+                let item = self.store.with_item(&k, |item| item.map(|i| self.target_item(i)).unwrap_or_default());
+                out.insert(TargetKey(k.iter().map(|s| Box::from(s.as_str())).collect()), item);
             }
         }
         Ok(out)
@@ -277,6 +294,29 @@ mod tests {
         }
         assert_eq!(queried(&sources, "CUST#c1", None).await, 1);
         assert_eq!(queried(&sources, "CUST#c1", Some("ORDER#")).await, 0, "a hash-only item has no sort key to match");
+    }
+
+    /// A read throttled over the store's read limit waits for the next second, as the SDK
+    /// retries, and gives up after [`READ_ATTEMPTS`].
+    #[tokio::test(start_paused = true)]
+    async fn a_throttled_read_is_retried_the_next_second() {
+        crate::state::simulate_clock(Some(1_764_460_800_000));
+        let store = MemoryAggregates::new();
+        store.put(&["SALES#d", "TOTAL"], "orders", MemValue::Num(Decimal::from_i64(3)));
+        let targets = MemoryTargets { store: &store, ledger: Ledger::new("t"), expiry: None };
+        let key = TargetKey(vec![Box::from("SALES#d"), Box::from("TOTAL")].into_boxed_slice());
+        store.set_read_limit(Some(1.0));
+        let started = tokio::time::Instant::now();
+        for _ in 0..2 {
+            let item = targets.read(&key).await.unwrap();
+            assert_eq!(item.values.get("orders"), Some(&Stored::Number(Decimal::from_i64(3))));
+        }
+        assert_eq!(started.elapsed(), std::time::Duration::from_secs(1), "the second read waited for the next second");
+        assert_eq!(store.take_read_figures().0, 1);
+        store.set_read_limit(Some(0.5));
+        assert!(matches!(targets.read(&key).await, Err(ReconcileError::Aws(_))), "every attempt throttled");
+        assert_eq!(store.take_read_figures().0, u64::from(READ_ATTEMPTS));
+        crate::state::simulate_clock(None);
     }
 
     /// What goes in comes back out, and the registry's item is kept but never counted.

@@ -65,6 +65,13 @@ struct State {
     /// limit), and the writes throttled since last asked.
     partition_limit: Option<f64>,
     throttled_since_asked: u64,
+    /// The same for strongly consistent reads of one item ([`MemoryAggregates::read_item`]):
+    /// RCU per partition key in the current second, the limit (DynamoDB's is about 3,000
+    /// RCU/s), the reads throttled and the most RCU one key took in a second since last asked.
+    read_second: std::collections::HashMap<String, (u64, f64)>,
+    read_limit: Option<f64>,
+    reads_throttled_since_asked: u64,
+    peak_read_since_asked: (f64, String),
     /// Per item: writes applied and the capacity they consumed.
     usage: HashMap<Vec<String>, (u64, f64)>,
 }
@@ -146,6 +153,44 @@ impl MemoryAggregates {
     /// `f` of the item with these key values (None: absent), read in place: nothing cloned.
     pub fn with_item<R>(&self, key: &[String], f: impl FnOnce(Option<&BTreeMap<String, MemValue>>) -> R) -> R {
         f(self.lock().items.get(key))
+    }
+
+    /// [`MemoryAggregates::with_item`] as a strongly consistent GetItem: 1 RCU per started
+    /// 4 KB (1 for an item that is not there) on the item's partition key, refused with
+    /// [`SinkError::Throttled`] if it would take that key over the read limit in this second
+    /// ([`MemoryAggregates::set_read_limit`]).
+    pub fn read_item<R>(&self, key: &[String], f: impl FnOnce(Option<&BTreeMap<String, MemValue>>) -> R) -> Result<R, SinkError> {
+        let mut s = self.lock();
+        let size = s.items.get(key).map_or(0, |item| item.iter().map(|(n, v)| attribute_size(n, v)).sum::<usize>());
+        let rcu = size.div_ceil(4096).max(1) as f64;
+        let partition = key.first().map_or("", String::as_str);
+        let second = crate::state::now_ms() / 1000;
+        let used = s.read_second.get(partition).filter(|b| b.0 == second).map_or(0.0, |b| b.1);
+        if s.read_limit.is_some_and(|limit| used + rcu > limit) {
+            s.reads_throttled_since_asked += 1;
+            return Err(SinkError::Throttled(format!(
+                "ProvisionedThroughputExceededException: partition {partition:?} over its read limit"
+            )));
+        }
+        s.read_second.insert(partition.to_string(), (second, used + rcu));
+        if used + rcu > s.peak_read_since_asked.0 {
+            s.peak_read_since_asked = (used + rcu, partition.to_string());
+        }
+        Ok(f(s.items.get(key)))
+    }
+
+    /// Throttles a strongly consistent read ([`MemoryAggregates::read_item`]) that would take
+    /// its partition key over `rcu` within one second, as DynamoDB does above about 3,000
+    /// RCU/s per partition (None: no limit, the default).
+    pub fn set_read_limit(&self, rcu: Option<f64>) {
+        self.lock().read_limit = rcu;
+    }
+
+    /// Reads throttled by the read limit since last asked, and the most RCU one partition key
+    /// took in one second, with the key.
+    pub fn take_read_figures(&self) -> (u64, (f64, String)) {
+        let mut s = self.lock();
+        (std::mem::take(&mut s.reads_throttled_since_asked), std::mem::take(&mut s.peak_read_since_asked))
     }
 
     /// `f` of every item whose key values `wanted` accepts, in key order, read in place.

@@ -765,6 +765,33 @@ mod tests {
         crate::state::simulate_clock(None);
     }
 
+    /// With a read limit the memory store throttles a strongly consistent read that would take
+    /// its partition key over it within one second: 1 RCU per started 4 KB, another key not
+    /// held back, the next second starting at zero.
+    #[tokio::test(start_paused = true)]
+    async fn the_memory_store_throttles_reads_of_a_partition_over_its_limit() {
+        crate::state::simulate_clock(Some(1_764_460_800_000));
+        let store = MemoryAggregates::new();
+        store.put(&["SALES#d", "TOTAL"], "note", MemValue::Str("x".repeat(5000)));
+        store.put(&["SALES#d", "OTHER"], "orders", MemValue::Num(Decimal::from_i64(1)));
+        store.set_read_limit(Some(4.0));
+        let key = |pk: &str, sk: &str| vec![pk.to_string(), sk.to_string()];
+        let size = |k: &[String]| store.read_item(k, |i| i.map_or(0, BTreeMap::len));
+        assert_eq!(size(&key("SALES#d", "TOTAL")).unwrap(), 1, "2 RCU: 5,000 bytes");
+        assert_eq!(size(&key("SALES#d", "OTHER")).unwrap(), 1, "1 RCU");
+        assert_eq!(size(&key("SALES#d", "NONE")).unwrap(), 0, "1 RCU for an item that is not there");
+        assert!(matches!(size(&key("SALES#d", "TOTAL")), Err(SinkError::Throttled(_))), "5 RCU in the second");
+        assert_eq!(size(&key("CUST#c1", "PROFILE")).unwrap(), 0, "another partition key");
+        assert_eq!(store.take_read_figures(), (1, (4.0, "SALES#d".to_string())));
+        tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        assert_eq!(size(&key("SALES#d", "TOTAL")).unwrap(), 1, "the next second starts at zero");
+        store.set_read_limit(None);
+        for _ in 0..10 {
+            assert!(size(&key("SALES#d", "TOTAL")).is_ok(), "no limit, no throttling");
+        }
+        crate::state::simulate_clock(None);
+    }
+
     #[tokio::test]
     async fn a_helper_at_zero_expires_and_a_raised_one_does_not() {
         use crate::rules::helper::REFS;

@@ -35,6 +35,8 @@ const DAY: u64 = 24 * HOUR;
 const EPOCH_MS: u64 = 1_798_761_600_000;
 /// Customers per partition: enough that every partition sees traffic.
 const CUSTOMERS_PER_PARTITION: u32 = 8;
+/// A partition takes about 3,000 RCU/s of strongly consistent reads for its 1,000 WCU/s.
+const READS_PER_WRITE_LIMIT: f64 = 3.0;
 /// The lease duration of the simulated deployments (maintenance every third of it): 10
 /// minutes (the most the config allows), so months of stream life cost minutes of CPU (each maintenance round lists the
 /// whole lease table and each renewal is a call); still short against a shard's 4 hours.
@@ -187,6 +189,11 @@ pub struct Report {
     pub throttled_steady: u64,
     pub throttled_catch_up: u64,
     pub throttled_peak: u64,
+    /// Strongly consistent reads of one item (folds of sharded totals, reconcile's reads of
+    /// one target) throttled over a partition's read limit, and the most RCU one partition
+    /// key took in one second, with the key.
+    pub reads_throttled: u64,
+    pub read_peak: (f64, String),
     /// The daily totals' partitions (`SALES#...`, written from every shard): their most WCU in
     /// one second, by phase (first 8 hours, steady, the peak-load hour, the outage's catch-up).
     pub daily_total_peak: [f64; 4],
@@ -311,6 +318,14 @@ impl std::fmt::Display for Report {
             self.throttled_steady,
             self.throttled_catch_up,
             self.throttled_peak
+        )?;
+        writeln!(
+            f,
+            "  strongly consistent reads of one item (folds, reconcile) ({}): {} throttled; the hottest partition {:.0} RCU/s ({})",
+            self.partition_limit.map_or("no limit".to_string(), |l| format!("{:.0} RCU/s", l * READS_PER_WRITE_LIMIT)),
+            self.reads_throttled,
+            self.read_peak.0,
+            self.read_peak.1
         )?;
         writeln!(
             f,
@@ -646,6 +661,7 @@ impl World {
                     aggregates.put(&[&format!("CUST#c{c}"), "PROFILE"], "orders_HELD", MemValue::Str("held: see the order's notes".into()));
                 }
                 aggregates.set_partition_limit(partition_limit);
+                aggregates.set_read_limit(partition_limit.map(|l| l * READS_PER_WRITE_LIMIT));
                 Arc::new(aggregates)
             },
             leases_a: Arc::new(MemoryLeases::new()),
@@ -1128,6 +1144,11 @@ impl World {
         let size = self.aggregates.take_largest_since();
         let hot = self.aggregates.take_peak_partition_wcu();
         let throttled = self.aggregates.take_throttled();
+        let (reads_throttled, read_peak) = self.aggregates.take_read_figures();
+        self.report.reads_throttled += reads_throttled;
+        if read_peak.0 > self.report.read_peak.0 {
+            self.report.read_peak = read_peak;
+        }
         let totals =
             self.aggregates.take_partition_peaks().into_iter().filter(|(k, _)| k.starts_with("SALES#")).fold(0.0, |m, (_, w)| w.max(m));
         let r = &mut self.report;
