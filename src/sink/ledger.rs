@@ -48,12 +48,19 @@ pub const SEQUENCE_WIDTH: usize = 40;
 /// Entries one write removes at most: each costs about 7 bytes of the update expression, and
 /// DynamoDB refuses expressions over 4 KB.
 pub const MAX_PRUNE_PER_WRITE: usize = 100;
-/// Open shards older than the floor that an item admits by creation time. Each costs 8 bytes
-/// of the item and lets the floor pass one more open shard, so the entries of shards that
-/// finished after that one was created (about 33 bytes each) can go. A global total of a
-/// stream with hundreds of shards whose lifetimes vary by an hour, a third of them stalled
-/// behind a dead replica for a while, needs about a hundred.
-pub const MAX_STRAGGLERS: usize = 100;
+/// Distinct creation times of open shards a floor plan may pass. Each item takes only as many
+/// as pay for themselves ([`prune_for`]): a time token costs 8 bytes of the item and lets the
+/// floor pass one more open shard, so the entries of shards that finished after it was created
+/// (about 34 bytes each) can go. A global total during the catch-up after a long outage, when
+/// each partition's backlog is a chain of unfinished shards, needs several hundred; an item
+/// written by a few shards takes a few.
+pub const MAX_STRAGGLERS: usize = 1000;
+/// What a straggler time token and a ledger entry cost an item, bytes (the per-item floor's
+/// trade: [`prune_for`]).
+const TOKEN_BYTES: usize = 8;
+const ENTRY_BYTES: usize = 34;
+/// A straggler listed by id: the shard id's suffix and a comma.
+const ID_BYTES: usize = 30;
 /// DynamoDB's limit on one expression string.
 pub const MAX_EXPRESSION_BYTES: usize = 4096;
 
@@ -469,8 +476,9 @@ pub struct FloorPlan {
     /// pruning asks of it, worked out once.
     floor_ms: u64,
     straggler_info: Vec<Straggler>,
-    /// Open stragglers per creation time.
+    /// Open stragglers per creation time, and those times in order.
     open_at: std::collections::BTreeMap<u64, usize>,
+    times: Vec<u64>,
     suffixes: std::collections::HashSet<String>,
 }
 
@@ -484,8 +492,10 @@ struct Straggler {
 
 impl FloorPlan {
     /// A plan with this floor value and these stragglers (shard suffixes).
-    pub fn new(floor: String, stragglers: Vec<String>) -> FloorPlan {
+    pub fn new(floor: String, mut stragglers: Vec<String>) -> FloorPlan {
         let floor_ms = floor.parse().unwrap_or(0);
+        // In creation order: an item's stragglers are those created before its own floor.
+        stragglers.sort_by_key(|x| (suffix_created_ms(x).unwrap_or(0), x.clone()));
         let straggler_info: Vec<Straggler> = stragglers
             .iter()
             .map(|x| {
@@ -498,7 +508,8 @@ impl FloorPlan {
             *open_at.entry(s.created).or_insert(0) += 1;
         }
         let suffixes = stragglers.iter().cloned().collect();
-        FloorPlan { floor, stragglers, floor_ms, straggler_info, open_at, suffixes }
+        let times = open_at.keys().copied().collect();
+        FloorPlan { floor, stragglers, floor_ms, straggler_info, open_at, times, suffixes }
     }
 }
 
@@ -557,27 +568,35 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     if seen.floor.as_ref().is_some_and(|f| *f > plan.floor) {
         return None;
     }
-    let plan_floor = plan.floor_ms;
-    // Entries the plan lets go: below the floor, of a time no straggler holds or of a shard
-    // that is no straggler (finished), counted per straggler time. Most writes have none.
-    let mut any = false;
+    // The entries below the plan's floor (most writes have none but the writer's): finished
+    // shards' at times no open shard has, and, per open shard's time, its finished shards'.
+    let mut finished: Vec<u64> = Vec::new();
     let mut finished_at: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
     for e in seen.entries.iter().filter(|e| e.as_str() != own) {
-        let Some(c) = entry_created_ms(e).filter(|c| *c < plan_floor) else { continue };
+        let Some(c) = entry_created_ms(e).filter(|c| *c < plan.floor_ms) else { continue };
         if !plan.open_at.contains_key(&c) {
-            any = true;
+            finished.push(c);
         } else if entry_shard(e).is_some_and(|s| !plan.suffixes.contains(&s)) {
-            any = true;
             *finished_at.entry(c).or_insert(0) += 1;
         }
     }
-    if !any {
+    if finished.is_empty() && finished_at.is_empty() {
         return None;
     }
+    finished.sort_unstable();
+    let lowest = seen.floor.as_deref().map_or(0, |f| f.parse::<u64>().unwrap_or(plan.floor_ms));
+    let plan_floor = item_floor(plan, lowest, &finished, &finished_at);
+    // The plan's stragglers created before this item's floor (a prefix: they are in creation
+    // order); every one of them stays admitted, whether it wrote this item or not.
+    let below = plan.straggler_info.partition_point(|i| i.created < plan_floor);
+    let (stragglers, straggler_info) = (&plan.stragglers[..below], &plan.straggler_info[..below]);
     // Times whose open shards go by id: their finished shards' entries outnumber them (so the
     // item shrinks: an id token is about as long as an entry).
-    let by_id_times: std::collections::BTreeSet<u64> =
-        finished_at.into_iter().filter(|(c, n)| plan.open_at.get(c).is_some_and(|open| n > open)).map(|(c, _)| c).collect();
+    let by_id_times: std::collections::BTreeSet<u64> = finished_at
+        .iter()
+        .filter(|(c, n)| **c < plan_floor && plan.open_at.get(c).is_some_and(|open| *n > open))
+        .map(|(c, _)| *c)
+        .collect();
     // Keep only stragglers the item admits now: one it refuses was seen finished by someone.
     // (What `admits` decides, with the item's set read once: tokens hold no commas, so
     // `contains(set, ",t,")` is membership.)
@@ -587,7 +606,7 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     // whole id (listed so by an earlier write, or by a set written before time tokens) stays
     // in by its id: its time could re-admit a sibling of the same millisecond whose entry went.
     let (mut by_time, mut by_id): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
-    for (x, info) in plan.stragglers.iter().zip(&plan.straggler_info) {
+    for (x, info) in stragglers.iter().zip(straggler_info) {
         let by_floor_or_time = seen.floor.as_deref().is_none_or(|f| f <= info.floor.as_str()) || seen_tokens.contains(info.token.as_str());
         if by_floor_or_time && !by_id_times.contains(&info.created) {
             by_time.push(x.clone());
@@ -615,9 +634,43 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
         entries,
         seen_floor: seen.floor.clone(),
         seen_open: seen.open.clone(),
-        floor: plan.floor.clone(),
+        floor: floor_value(plan_floor),
         open: open_value_with_ids(&by_time, &by_id),
     })
+}
+
+/// The floor an item takes (epoch ms): the plan's, or the creation time of one of the plan's
+/// open shards, at or above `lowest` (the item's floor: the admitted set only shrinks),
+/// whichever leaves the item smallest; on a tie, the higher. `finished`: the creation times
+/// (in order) of the item's entries of finished shards at times no open shard has;
+/// `finished_at`: per open shard's time, the item's entries of its finished shards.
+///
+/// Below the floor, an open shard's time costs a time token and keeps its finished shards'
+/// entries, or (where those outnumber its open shards) lists its open shards by id and drops
+/// them; at or above it, every finished shard's entry stays.
+fn item_floor(plan: &FloorPlan, lowest: u64, finished: &[u64], finished_at: &std::collections::BTreeMap<u64, usize>) -> u64 {
+    let siblings = |t: &u64| finished_at.get(t).copied().unwrap_or(0);
+    let below_cost = |t: &u64| {
+        let (n, open) = (siblings(t), plan.open_at.get(t).copied().unwrap_or(0));
+        if n > open {
+            open * ID_BYTES
+        } else {
+            TOKEN_BYTES + n * ENTRY_BYTES
+        }
+    };
+    // Walk the floor down from the plan's: each step moves one open time from below the floor
+    // (its token, or ids) to above it (its finished shards' entries kept), and keeps the
+    // entries of finished shards created at or after the new floor.
+    let mut cost: usize = plan.times.iter().map(below_cost).sum();
+    let (mut best, mut best_cost) = (plan.floor_ms, cost);
+    for t in plan.times.iter().rev().take_while(|t| **t >= lowest) {
+        cost = cost - below_cost(t) + siblings(t) * ENTRY_BYTES;
+        let kept = (finished.len() - finished.partition_point(|c| c < t)) * ENTRY_BYTES;
+        if cost + kept < best_cost {
+            (best, best_cost) = (*t, cost + kept);
+        }
+    }
+    best
 }
 
 /// What one conditional write carries.
@@ -967,10 +1020,10 @@ mod tests {
 
     #[test]
     fn shards_created_at_once_do_not_hold_the_floor() {
-        // A new stream's 200 first shards share one creation time; 150 of their children are
-        // open, 20 of those already finished. The floor passes the first shards' time.
+        // A new stream's 200 first shards share one creation time, and more of their children
+        // are open than the plan passes. The floor passes the first shards' time.
         let mut open: Vec<String> = (0..200).map(|i| id(1000, i)).collect();
-        open.extend((0..130).map(|i| id(2000 + i, 1000 + i as u32)));
+        open.extend((0..MAX_STRAGGLERS as u64 + 30).map(|i| id(2000 + i, 1000 + i as u32)));
         let plan = floor_plan(open.iter().map(String::as_str), u64::MAX).unwrap();
         assert_eq!(plan.floor, floor_value(2000 + MAX_STRAGGLERS as u64 - 1));
         assert_eq!(plan.stragglers.len(), 200 + MAX_STRAGGLERS - 1);
@@ -1114,8 +1167,9 @@ mod tests {
 
     #[test]
     fn one_slow_shard_does_not_hold_the_floor_back() {
-        // 200 open shards created at 1000..1200, one slow shard created at 10 still open.
-        let mut open: Vec<String> = (0..200).map(|i| id(1000 + i, i as u32)).collect();
+        // More open shards than the plan passes, created one per millisecond from 1000, and one
+        // slow shard created at 10 still open.
+        let mut open: Vec<String> = (0..MAX_STRAGGLERS as u64 + 100).map(|i| id(1000 + i, i as u32)).collect();
         open.push(id(10, 999));
         let plan = floor_plan(open.iter().map(String::as_str), u64::MAX).unwrap();
         assert_eq!(plan.floor, floor_value(1000 + MAX_STRAGGLERS as u64 - 1), "the floor passes the slow shard");
@@ -1187,5 +1241,126 @@ mod tests {
         let e = expressions(&w);
         assert!(e.longest() <= MAX_EXPRESSION_BYTES, "{} bytes", e.longest());
         assert!(e.update.contains(" REMOVE #p0,") && e.condition.contains("#f = :sf AND #o = :so"), "{e:?}");
+    }
+}
+
+/// The per-item floor: what it chooses, and a property check of [`prune_for`] against the
+/// rules the model checks (the floor never drops, no open shard is refused, no entry goes
+/// whose shard the item still admits).
+#[cfg(test)]
+mod floor_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn id(created: u64, n: u32) -> String {
+        format!("shardId-{created:020}-{n:08x}")
+    }
+
+    fn suffix(x: &str) -> String {
+        crate::shard_id::suffix(x).to_string()
+    }
+
+    #[test]
+    fn an_item_written_by_few_shards_takes_a_floor_that_needs_no_tokens() {
+        // 300 open shards created at 1000..1300 (another partition's chain); the item holds
+        // the entries of two finished shards of long ago and its writer's.
+        let l = Ledger::new("ns");
+        let open: Vec<String> = (0..300).map(|i| id(1000 + i, i as u32)).collect();
+        let plan = floor_plan(open.iter().map(String::as_str), u64::MAX).unwrap();
+        assert_eq!(plan.floor, floor_value(1299));
+        let (old, older, own) = (id(600, 1), id(500, 2), id(1250, 250));
+        let seen = Seen { entries: [&older, &old, &own].map(|x| l.entry_name(x)).to_vec(), floor: None, open: None };
+        let p = prune_for(&plan, &seen, &l.entry_name(&own)).unwrap();
+        assert_eq!((p.floor.as_str(), p.open.as_str()), (floor_value(1000).as_str(), ","), "no token: 299 would cost 2.4 KB");
+        assert_eq!(p.entries, vec![l.entry_name(&older), l.entry_name(&old)]);
+        assert!(open.iter().all(|o| admits(
+            Some(&p.floor),
+            Some(&p.open),
+            &floor_value(crate::shard_id::created_ms(o).unwrap()),
+            &open_tokens(o)
+        )));
+    }
+
+    #[test]
+    fn a_total_behind_a_chain_of_open_shards_takes_a_floor_above_the_chain() {
+        // Ten open shards at 1000, 1010, ..., 1090 (a catch-up's chains) and 30 finished
+        // shards' entries in between: nine tokens (72 bytes) instead of 30 entries.
+        let l = Ledger::new("ns");
+        let mut open: Vec<String> = (0..10).map(|i| id(1000 + 10 * i, i as u32)).collect();
+        let own = id(1100, 99);
+        open.push(own.clone());
+        let plan = floor_plan(open.iter().map(String::as_str), u64::MAX).unwrap();
+        let finished: Vec<String> = (0..30).map(|i| id(1001 + 3 * i, 100 + i as u32)).collect();
+        let seen = Seen { entries: finished.iter().chain([&own]).map(|x| l.entry_name(x)).collect(), floor: None, open: None };
+        let p = prune_for(&plan, &seen, &l.entry_name(&own)).unwrap();
+        assert_eq!(p.floor, floor_value(1090), "the 1090 shard's token (8 bytes) is kept by its own floor");
+        assert_eq!(p.open.matches(',').count(), 10, "nine time tokens: {}", p.open);
+        assert_eq!(p.entries.len(), 27, "three share an open shard's millisecond (1010, 1040, 1070): its token admits them");
+        // An item whose floor is 1050 already cannot go below it.
+        let seen = Seen { floor: Some(floor_value(1050)), open: Some(",".into()), ..seen };
+        let q = prune_for(&plan, &seen, &l.entry_name(&own)).unwrap();
+        assert!(q.floor >= floor_value(1050), "{}", q.floor);
+    }
+
+    /// Shards 0..n: creation times, which are open now, which were open when an earlier
+    /// prune ran (a superset), which wrote the item, the writer.
+    type Case = (Vec<u64>, Vec<bool>, Vec<bool>, Vec<bool>, usize);
+
+    fn case() -> impl Strategy<Value = Case> {
+        (2usize..40).prop_flat_map(|n| {
+            (
+                prop::collection::vec(1000u64..1060, n),
+                prop::collection::vec(any::<bool>(), n),
+                prop::collection::vec(any::<bool>(), n),
+                prop::collection::vec(any::<bool>(), n),
+                0..n,
+            )
+        })
+    }
+
+    /// Checks one prune against the rules; returns the item as it leaves it.
+    fn check(l: &Ledger, ids: &[String], unfinished: &[&str], seen: &Seen, p: &Prune, own: &str) -> Result<Seen, TestCaseError> {
+        let created = |x: &str| floor_value(crate::shard_id::created_ms(x).unwrap());
+        let before = |x: &str| admits(seen.floor.as_deref(), seen.open.as_deref(), &created(x), &open_tokens(x));
+        let after = |x: &str| admits(Some(&p.floor), Some(&p.open), &created(x), &open_tokens(x));
+        prop_assert!(seen.floor.as_ref().is_none_or(|f| p.floor >= *f), "the floor dropped");
+        for u in unfinished {
+            prop_assert!(!before(u) || after(u), "open shard {} refused: {:?}", u, p);
+        }
+        for x in ids {
+            prop_assert!(before(x) || !after(x), "{} admitted again: {:?}", x, p);
+        }
+        for e in &p.entries {
+            let shard = ids.iter().find(|x| l.entry_name(x) == *e).unwrap();
+            prop_assert!(!unfinished.contains(&shard.as_str()), "an open shard's entry went: {}", shard);
+            prop_assert!(!after(shard), "{} is still admitted after its entry went", shard);
+            prop_assert!(*e != l.entry_name(own));
+        }
+        let entries = seen.entries.iter().filter(|e| !p.entries.contains(e)).cloned().collect();
+        Ok(Seen { entries, floor: Some(p.floor.clone()), open: Some(p.open.clone()) })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+        /// Two prunes in a row, the first from an older view (more shards open), as two
+        /// replicas' writes land: neither refuses an open shard, re-admits a refused one, or
+        /// drops an entry its shard is still admitted with.
+        #[test]
+        fn a_prune_never_refuses_an_open_shard_nor_drops_an_admitted_entry((times, open, was_open, wrote, writer) in case()) {
+            let l = Ledger::new("ns");
+            let ids: Vec<String> = times.iter().enumerate().map(|(i, t)| id(*t, i as u32)).collect();
+            let own = ids[writer].clone();
+            let now: Vec<&str> = (0..ids.len()).filter(|i| open[*i] || *i == writer).map(|i| ids[i].as_str()).collect();
+            let then: Vec<&str> = (0..ids.len()).filter(|i| open[*i] || was_open[*i] || *i == writer).map(|i| ids[i].as_str()).collect();
+            let entries: Vec<String> = (0..ids.len()).filter(|i| wrote[*i] || *i == writer).map(|i| l.entry_name(&ids[i])).collect();
+            let mut seen = Seen { entries, floor: None, open: None };
+            for unfinished in [&then, &now] {
+                let plan = floor_plan(unfinished.iter().copied(), u64::MAX).unwrap();
+                if let Some(p) = prune_for(&plan, &seen, &l.entry_name(&own)) {
+                    seen = check(&l, &ids, unfinished, &seen, &p, &own)?;
+                }
+            }
+            let _ = suffix(&own);
+        }
     }
 }
