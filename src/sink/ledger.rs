@@ -479,7 +479,9 @@ pub struct FloorPlan {
     /// Open stragglers per creation time, and those times in order.
     open_at: std::collections::BTreeMap<u64, usize>,
     times: Vec<u64>,
+    /// The stragglers' suffixes, and their packed tags (as compact entry names end).
     suffixes: std::collections::HashSet<String>,
+    tags: std::collections::HashSet<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -508,8 +510,18 @@ impl FloorPlan {
             *open_at.entry(s.created).or_insert(0) += 1;
         }
         let suffixes = stragglers.iter().cloned().collect();
+        let tags = stragglers.iter().map(|x| shard_tag(x)).collect();
         let times = open_at.keys().copied().collect();
-        FloorPlan { floor, stragglers, floor_ms, straggler_info, open_at, times, suffixes }
+        FloorPlan { floor, stragglers, floor_ms, straggler_info, open_at, times, suffixes, tags }
+    }
+
+    /// Whether an entry (by name) is a straggler's: without allocating for a compact entry
+    /// (every write to a global total asks of the entries at the stragglers' times).
+    fn holds(&self, entry: &str) -> bool {
+        match compact_parts(entry) {
+            Some((_, tag)) => self.tags.contains(tag),
+            None => entry_shard(entry).is_some_and(|s| self.suffixes.contains(&s)),
+        }
     }
 }
 
@@ -565,7 +577,9 @@ pub struct Prune {
 /// shards outnumber its open ones (a stream's first shards are created at once and finish one
 /// by one): those open ones are then listed by id, and the finished ones' entries go.
 pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
-    if seen.floor.as_ref().is_some_and(|f| *f > plan.floor) {
+    // A floor this code did not write (not 20 digits) is compared as text by the write
+    // condition but would be read as a number here: prune nothing.
+    if seen.floor.as_ref().is_some_and(|f| *f > plan.floor || f.len() != 20 || !f.bytes().all(|b| b.is_ascii_digit())) {
         return None;
     }
     // The entries below the plan's floor (most writes have none but the writer's): finished
@@ -576,7 +590,7 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
         let Some(c) = entry_created_ms(e).filter(|c| *c < plan.floor_ms) else { continue };
         if !plan.open_at.contains_key(&c) {
             finished.push(c);
-        } else if entry_shard(e).is_some_and(|s| !plan.suffixes.contains(&s)) {
+        } else if !plan.holds(e) {
             *finished_at.entry(c).or_insert(0) += 1;
         }
     }
@@ -590,24 +604,35 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     // order); every one of them stays admitted, whether it wrote this item or not.
     let below = plan.straggler_info.partition_point(|i| i.created < plan_floor);
     let (stragglers, straggler_info) = (&plan.stragglers[..below], &plan.straggler_info[..below]);
-    // Times whose open shards go by id: their finished shards' entries outnumber them (so the
-    // item shrinks: an id token is about as long as an entry).
-    let by_id_times: std::collections::BTreeSet<u64> = finished_at
-        .iter()
-        .filter(|(c, n)| **c < plan_floor && plan.open_at.get(c).is_some_and(|open| *n > open))
-        .map(|(c, _)| *c)
-        .collect();
     // Keep only stragglers the item admits now: one it refuses was seen finished by someone.
     // (What `admits` decides, with the item's set read once: tokens hold no commas, so
     // `contains(set, ",t,")` is membership.)
     let seen_tokens: std::collections::HashSet<&str> = seen.open.as_deref().unwrap_or("").split(',').filter(|t| !t.is_empty()).collect();
+    let by_floor_or_time =
+        |i: &Straggler| seen.floor.as_deref().is_none_or(|f| f <= i.floor.as_str()) || seen_tokens.contains(i.token.as_str());
+    // Times whose open shards go by id: those the item admits by id only already, and those
+    // whose finished shards' entries outnumber them (so the item shrinks: an id token is
+    // about as long as an entry).
+    let by_id_times: std::collections::BTreeSet<u64> = finished_at
+        .iter()
+        .filter(|(c, _)| **c < plan_floor)
+        .filter(|(c, n)| {
+            let outnumbered = plan.open_at.get(c).is_some_and(|open| **n > *open);
+            outnumbered || straggler_info.iter().find(|i| i.created == **c).is_some_and(|i| !by_floor_or_time(i))
+        })
+        .map(|(c, _)| *c)
+        .collect();
+    // Nothing this floor lets go: no finished shard's entry below it, no time going by id.
+    if finished.first().is_none_or(|c| *c >= plan_floor) && by_id_times.is_empty() {
+        return None;
+    }
     // A straggler the item admits by floor or by its time stays in by its time (every shard of
     // that time is admitted already), unless its time goes by id. One admitted only by its
     // whole id (listed so by an earlier write, or by a set written before time tokens) stays
     // in by its id: its time could re-admit a sibling of the same millisecond whose entry went.
     let (mut by_time, mut by_id): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
     for (x, info) in stragglers.iter().zip(straggler_info) {
-        let by_floor_or_time = seen.floor.as_deref().is_none_or(|f| f <= info.floor.as_str()) || seen_tokens.contains(info.token.as_str());
+        let by_floor_or_time = by_floor_or_time(info);
         if by_floor_or_time && !by_id_times.contains(&info.created) {
             by_time.push(x.clone());
         } else if by_floor_or_time || seen_tokens.contains(x.as_str()) {
@@ -1300,6 +1325,20 @@ mod floor_tests {
         let seen = Seen { floor: Some(floor_value(1050)), open: Some(",".into()), ..seen };
         let q = prune_for(&plan, &seen, &l.entry_name(&own)).unwrap();
         assert!(q.floor >= floor_value(1050), "{}", q.floor);
+    }
+
+    /// A floor this code did not write (not 20 digits) is not read as a number: nothing is
+    /// pruned, so no shard the write condition refuses as text is admitted again.
+    #[test]
+    fn a_floor_of_another_form_prunes_nothing() {
+        let l = Ledger::new("ns");
+        let (open, finished, own) = (id(500, 1), id(400, 2), id(1500, 3));
+        let plan = floor_plan([open.as_str(), own.as_str()], u64::MAX).unwrap();
+        let entries = vec![l.entry_name(&finished), l.entry_name(&own)];
+        let seen = Seen { entries, floor: Some("00000000000000001".into()), open: Some(",".into()) };
+        assert_eq!(prune_for(&plan, &seen, &l.entry_name(&own)), None);
+        let seen = Seen { floor: Some(floor_value(1)), ..seen };
+        assert!(prune_for(&plan, &seen, &l.entry_name(&own)).is_some(), "the same floor in 20 digits");
     }
 
     /// Shards 0..n: creation times, which are open now, which were open when an earlier

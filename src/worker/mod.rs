@@ -655,7 +655,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         // Every shard this replica has not seen is newer than its last listing: by the local
         // clock less a margin, and by the server's clock, the newest listed shard's creation.
         let known_until = self.last_discovery_ms.saturating_sub(LISTING_MARGIN_MS).min(self.newest_listed_ms);
-        let plan = crate::sink::ledger::floor_plan(leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()), known_until);
+        let plan = crate::sink::ledger::floor_plan(plan::unfinished(leases, &self.shards), known_until);
         *shared.floor_plan.lock().unwrap_or_else(|e| e.into_inner()) = plan.map(Arc::new);
         metrics::gauge!(names::LEASES_HELD).set(self.running.len() as f64);
         metrics::gauge!(names::SHARDS, "state" => names::ShardState::Reading.as_str()).set(ready.len() as f64);

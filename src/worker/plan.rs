@@ -72,6 +72,14 @@ pub fn deletable_leases<'a>(listed: &BTreeSet<&str>, leases: &'a BTreeMap<String
     leases.values().filter(|l| l.finished() && !listed.contains(l.shard_id.as_str()) && !waiting.contains(l.shard_id.as_str())).collect()
 }
 
+/// The shards that may still write, as a floor plan needs them: every lease not finished, and
+/// every listed shard without a lease (its lease's creation failed this round, or another
+/// replica's is not seen yet). A floor must never pass a shard that has not started.
+pub fn unfinished<'a>(leases: &'a BTreeMap<String, Lease>, listed: &'a [ShardInfo]) -> impl Iterator<Item = &'a str> {
+    let unleased = listed.iter().filter(|s| !leases.contains_key(&s.shard_id)).map(|s| s.shard_id.as_str());
+    leases.values().filter(|l| !l.finished()).map(|l| l.shard_id.as_str()).chain(unleased)
+}
+
 /// A new lease for a listed shard. A shard whose child already holds a checkpoint was read to
 /// its end (its lease was deleted; an eventually consistent listing showed it again), so it
 /// starts finished instead of being read twice.
@@ -133,6 +141,25 @@ mod tests {
 
     fn lease(id: &str, parent: Option<&str>, cp: Option<Checkpoint>) -> Lease {
         Lease { checkpoint: cp, ..Lease::new(id, parent) }
+    }
+
+    /// A listed shard whose lease could not be created (a throttled PutItem) still holds the
+    /// floor back: pruning past it would refuse every write it makes once it starts.
+    #[test]
+    fn a_listed_shard_without_a_lease_counts_as_unfinished() {
+        let (done, open, unleased) = (id(1000, 1), id(1100, 2), id(1050, 3));
+        let leases: BTreeMap<String, Lease> = [lease(&done, None, Some(Checkpoint::ShardEnd)), lease(&open, None, None)]
+            .into_iter()
+            .map(|l| (l.shard_id.clone(), l))
+            .collect();
+        let listed: Vec<ShardInfo> =
+            [&done, &open, &unleased].iter().map(|s| ShardInfo { shard_id: s.to_string(), parent: None, closed: false }).collect();
+        let mut got: Vec<&str> = unfinished(&leases, &listed).collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![unleased.as_str(), open.as_str()]);
+        let plan = crate::sink::ledger::floor_plan(unfinished(&leases, &listed), u64::MAX).unwrap();
+        assert_eq!(plan.floor, crate::sink::ledger::floor_value(1100), "the floor stops at the open lease, keeping the unleased shard");
+        assert_eq!(plan.stragglers, vec![crate::shard_id::suffix(&unleased).to_string()]);
     }
 
     fn map(ls: Vec<Lease>) -> BTreeMap<String, Lease> {
