@@ -231,8 +231,6 @@ impl SourceItems for MemorySources {
 
     async fn scan(&self, rule: &Rule, _opts: &Options, truth: &mut Truth) -> Result<(), ReconcileError> {
         // Read in place (a simulated reconcile of everything reads every item, per rule).
-        // Items are kept as they are, not as records: a record per item holds about 3 KB
-        // more, and a simulated year holds hundreds of thousands of items.
         for item in self.lock().values() {
             truth.add_item(rule, &self.key_names, item);
         }

@@ -632,10 +632,10 @@ pub fn prune_for(plan: &FloorPlan, seen: &Seen, own: &str) -> Option<Prune> {
     // in by its id: its time could re-admit a sibling of the same millisecond whose entry went.
     let (mut by_time, mut by_id): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
     for (x, info) in stragglers.iter().zip(straggler_info) {
-        let by_floor_or_time = by_floor_or_time(info);
-        if by_floor_or_time && !by_id_times.contains(&info.created) {
+        let admitted = by_floor_or_time(info);
+        if admitted && !by_id_times.contains(&info.created) {
             by_time.push(x.clone());
-        } else if by_floor_or_time || seen_tokens.contains(x.as_str()) {
+        } else if admitted || seen_tokens.contains(x.as_str()) {
             by_id.push(x.clone());
         }
     }
@@ -1281,10 +1281,6 @@ mod floor_tests {
         format!("shardId-{created:020}-{n:08x}")
     }
 
-    fn suffix(x: &str) -> String {
-        crate::shard_id::suffix(x).to_string()
-    }
-
     #[test]
     fn an_item_written_by_few_shards_takes_a_floor_that_needs_no_tokens() {
         // 300 open shards created at 1000..1300 (another partition's chain); the item holds
@@ -1325,6 +1321,25 @@ mod floor_tests {
         let seen = Seen { floor: Some(floor_value(1050)), open: Some(",".into()), ..seen };
         let q = prune_for(&plan, &seen, &l.entry_name(&own)).unwrap();
         assert!(q.floor >= floor_value(1050), "{}", q.floor);
+    }
+
+    /// DynamoDB's limits at the worst: more open creation times than a plan passes, each with
+    /// finished shards in between. The set is a value (not part of the 4 KB expression), at
+    /// most a token per time the plan passes, and smaller than the entries it lets go; one
+    /// write removes at most MAX_PRUNE_PER_WRITE entries.
+    #[test]
+    fn the_largest_straggler_set_stays_within_its_bound() {
+        let l = Ledger::new("ns");
+        let open: Vec<String> = (0..MAX_STRAGGLERS as u64 + 100).map(|i| id(10_000 + 10 * i, i as u32)).collect();
+        let own = open[MAX_STRAGGLERS + 50].clone();
+        let plan = floor_plan(open.iter().map(String::as_str), u64::MAX).unwrap();
+        let finished: Vec<String> = (0..3 * MAX_STRAGGLERS as u64).map(|i| id(10_001 + 10 * (i / 3) + i % 3, 100_000 + i as u32)).collect();
+        let seen = Seen { entries: finished.iter().chain([&own]).map(|x| l.entry_name(x)).collect(), floor: None, open: None };
+        let p = prune_for(&plan, &seen, &l.entry_name(&own)).unwrap();
+        assert_eq!(p.floor, plan.floor, "3 entries between each pair of times: every token pays for itself");
+        assert_eq!(p.open.len(), 1 + TOKEN_BYTES * MAX_STRAGGLERS);
+        assert!(p.open.len() < finished.len() * ENTRY_BYTES / 10);
+        assert_eq!(p.entries.len(), MAX_PRUNE_PER_WRITE);
     }
 
     /// A floor this code did not write (not 20 digits) is not read as a number: nothing is
@@ -1399,7 +1414,6 @@ mod floor_tests {
                     seen = check(&l, &ids, unfinished, &seen, &p, &own)?;
                 }
             }
-            let _ = suffix(&own);
         }
     }
 }

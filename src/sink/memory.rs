@@ -161,20 +161,19 @@ impl MemoryAggregates {
     /// ([`MemoryAggregates::set_read_limit`]).
     pub fn read_item<R>(&self, key: &[String], f: impl FnOnce(Option<&BTreeMap<String, MemValue>>) -> R) -> Result<R, SinkError> {
         let mut s = self.lock();
-        let size = s.items.get(key).map_or(0, |item| item.iter().map(|(n, v)| attribute_size(n, v)).sum::<usize>());
+        let size = s.items.get(key).map_or(0, |item| item_size(&[], item));
         let rcu = size.div_ceil(4096).max(1) as f64;
         let partition = key.first().map_or("", String::as_str);
         let second = crate::state::now_ms() / 1000;
-        let used = s.read_second.get(partition).filter(|b| b.0 == second).map_or(0.0, |b| b.1);
-        if s.read_limit.is_some_and(|limit| used + rcu > limit) {
+        if s.read_limit.is_some_and(|limit| used_in(&s.read_second, partition, second) + rcu > limit) {
             s.reads_throttled_since_asked += 1;
             return Err(SinkError::Throttled(format!(
                 "ProvisionedThroughputExceededException: partition {partition:?} over its read limit"
             )));
         }
-        s.read_second.insert(partition.to_string(), (second, used + rcu));
-        if used + rcu > s.peak_read_since_asked.0 {
-            s.peak_read_since_asked = (used + rcu, partition.to_string());
+        let used = charge_in(&mut s.read_second, partition, second, rcu);
+        if used > s.peak_read_since_asked.0 {
+            s.peak_read_since_asked = (used, partition.to_string());
         }
         Ok(f(s.items.get(key)))
     }
@@ -563,6 +562,25 @@ fn helper_state(item: &BTreeMap<String, MemValue>) -> HelperState {
     }
 }
 
+/// Capacity `partition` took in `second` so far, by a per-partition (second, capacity) map.
+fn used_in(per_second: &HashMap<String, (u64, f64)>, partition: &str, second: u64) -> f64 {
+    per_second.get(partition).filter(|b| b.0 == second).map_or(0.0, |b| b.1)
+}
+
+/// Adds `capacity` to `partition`'s in `second` (a new second starts at zero); the total.
+fn charge_in(per_second: &mut HashMap<String, (u64, f64)>, partition: &str, second: u64, capacity: f64) -> f64 {
+    match per_second.get_mut(partition) {
+        Some(b) if b.0 == second => {
+            b.1 += capacity;
+            b.1
+        }
+        _ => {
+            per_second.insert(partition.to_string(), (second, capacity));
+            capacity
+        }
+    }
+}
+
 impl State {
     /// Whether `capacity` more would take `partition` over the limit in the current second.
     fn over_partition_limit(&self, partition: &str, capacity: f64) -> bool {
@@ -571,22 +589,12 @@ impl State {
 
     /// WCU `partition` took in `second` so far.
     fn used_this_second(&self, partition: &str, second: u64) -> f64 {
-        self.partition_second.get(partition).filter(|b| b.0 == second).map_or(0.0, |b| b.1)
+        used_in(&self.partition_second, partition, second)
     }
 
     /// Adds `capacity` to `partition`'s WCU in the current second.
     fn charge_partition(&mut self, partition: &str, capacity: f64) {
-        let second = crate::state::now_ms() / 1000;
-        let used = match self.partition_second.get_mut(partition) {
-            Some(b) if b.0 == second => {
-                b.1 += capacity;
-                b.1
-            }
-            _ => {
-                self.partition_second.insert(partition.to_string(), (second, capacity));
-                capacity
-            }
-        };
+        let used = charge_in(&mut self.partition_second, partition, crate::state::now_ms() / 1000, capacity);
         if used > self.peak_partition_since_asked.0 {
             self.peak_partition_since_asked = (used, partition.to_string());
         }
