@@ -74,6 +74,12 @@ fn scale() {
             partitions: env("SIM_PARTITIONS", 200) as usize,
             days: env("SIM_DAYS", 365),
             progress: true,
+            // Deployment A's reconcile of everything every SIM_RECONCILE_HOURS (default 24).
+            reconcile_every_hours: env("SIM_RECONCILE_HOURS", 24).max(1),
+            // Orders deleted SIM_ORDER_DAYS after they were placed (default 30).
+            order_lifetime_days: env("SIM_ORDER_DAYS", sim::ORDER_LIFETIME_DAYS).max(1),
+            // Every replica call answers SIM_CALL_LATENCY_MS simulated ms after its effect.
+            call_latency_ms: env("SIM_CALL_LATENCY_MS", 0),
             empty_runs_per_partition_hour: std::env::var("SIM_EMPTY_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0),
             own_expiry: std::env::var("SIM_EXPIRY").is_ok_and(|v| v == "own"),
             // DynamoDB's per-partition limit (0: none, to compare).

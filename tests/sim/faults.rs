@@ -33,6 +33,10 @@ pub struct Faults {
     rate: AtomicU64,
     pub injected: AtomicU64,
     pub calls: AtomicU64,
+    /// Simulated milliseconds each call takes to answer after it took effect (0: none). With
+    /// none, a reader behind runs batches back to back within one simulated millisecond, so
+    /// the writes a key takes "in one second" are bounded only by the throttle.
+    latency_ms: AtomicU64,
 }
 
 /// A fault for one call.
@@ -52,7 +56,12 @@ impl Faults {
             rate: AtomicU64::new(rate.to_bits()),
             injected: AtomicU64::new(0),
             calls: AtomicU64::new(0),
+            latency_ms: AtomicU64::new(0),
         }
+    }
+
+    pub fn set_latency_ms(&self, ms: u64) {
+        self.latency_ms.store(ms, Ordering::Relaxed);
     }
 
     pub fn set_rate(&self, rate: f64) {
@@ -104,6 +113,10 @@ async fn call<T, E, F: std::future::Future<Output = Result<T, E>>>(
         return Err(refused());
     }
     let out = inner.await;
+    let latency = faults.latency_ms.load(Ordering::Relaxed);
+    if latency > 0 {
+        tokio::time::sleep(Duration::from_millis(latency)).await;
+    }
     // A crash right after the call took effect: the caller never learns of it.
     gate(fate).await;
     if fault == Fault::After {

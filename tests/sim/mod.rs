@@ -49,8 +49,13 @@ pub const TTL_ATTRIBUTE: &str = "expiresAt";
 /// contribution of the batch, of both rules on the item, still lands.
 const REFUSING: u32 = 3;
 /// Orders older than this are deleted from the source table (their REMOVE records stream like
-/// any other): a year's reconciles and checks then read a table of bounded size.
-const ORDER_LIFETIME_MS: u64 = 30 * DAY;
+/// any other): a year's reconciles and checks then read a table of bounded size. The default
+/// of [`Params::order_lifetime_days`].
+pub const ORDER_LIFETIME_DAYS: u64 = 30;
+/// Orders placed in the peak-load phase (hundreds of thousands at 200 partitions) are deleted
+/// after a day, like a flash sale's carts: otherwise a month of reconciles and checks reads
+/// them all, and the peak's orders cost more real time than the rest of the year.
+const PEAK_ORDER_LIFETIME_MS: u64 = DAY;
 /// A pause lasts this long at least: longer than the lease, so it moves while the replica sleeps.
 const PAUSE_MIN_MS: u64 = 700_000;
 
@@ -92,6 +97,13 @@ pub struct Params {
     pub peak: Option<Peak>,
     /// `write_shards` of the daily totals (`SALES#<day>` / `TOTAL`, written from every shard).
     pub daily_shards: Option<u16>,
+    /// Orders are deleted this many days after they were placed (those of the peak-load
+    /// phase after [`PEAK_ORDER_LIFETIME_MS`]): the source table, and with it the time a
+    /// reconcile or a check takes, is about this many days of orders.
+    pub order_lifetime_days: u64,
+    /// Simulated milliseconds every call of the replicas (stream, leases, aggregates) takes
+    /// to answer; 0: calls answer at once.
+    pub call_latency_ms: u64,
 }
 
 /// A peak-load phase: `per_partition_per_s` records a second per partition for `minutes`,
@@ -123,6 +135,8 @@ impl Default for Params {
             partition_limit_wcu: Some(1000.0),
             peak: None,
             daily_shards: None,
+            order_lifetime_days: ORDER_LIFETIME_DAYS,
+            call_latency_ms: 0,
         }
     }
 }
@@ -132,6 +146,10 @@ impl Default for Params {
 pub struct Report {
     pub seed: u64,
     pub partitions: usize,
+    /// [`Params::order_lifetime_days`].
+    pub order_days: u64,
+    /// [`Params::call_latency_ms`].
+    pub call_latency_ms: u64,
     pub days: u64,
     pub partition_limit: Option<f64>,
     pub shards: u64,
@@ -255,10 +273,13 @@ pub struct Report {
 impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "simulation seed {}: {} partitions, {} simulated days in {:.1} s", self.seed, self.partitions, self.days, self.wall_s)?;
+        if self.call_latency_ms > 0 {
+            writeln!(f, "  every replica call answers {} simulated ms after it took effect", self.call_latency_ms)?;
+        }
         writeln!(
             f,
-            "  shards {} (splits {}), records {} ({} poison, {} orders archived at 30 days), dead letters {}",
-            self.shards, self.splits, self.records, self.poison, self.archived, self.letters
+            "  shards {} (splits {}), records {} ({} poison, {} orders archived: at {} days, the peak's at 1), dead letters {}",
+            self.shards, self.splits, self.records, self.poison, self.archived, self.order_days, self.letters
         )?;
         writeln!(f, "  runs of empty pages mid-shard {} ({} pages)", self.empty_runs, self.empty_run_pages)?;
         if self.start_up_skips_flagged > 0 {
@@ -563,8 +584,12 @@ struct World {
     next_order: u64,
     /// Orders in the order they were placed, with the time: the oldest are archived (deleted
     /// from the source table, as a retention job or a TTL would), so the table stays the size
-    /// of [`ORDER_LIFETIME_MS`] of orders however long the run.
+    /// of [`Params::order_lifetime_days`] of orders however long the run.
     placed: std::collections::VecDeque<(u64, (u32, String, u64))>,
+    /// Orders placed in the peak-load phase, archived after [`PEAK_ORDER_LIFETIME_MS`].
+    placed_in_peak: std::collections::VecDeque<(u64, (u32, String, u64))>,
+    /// The peak-load phase is writing.
+    peaking: bool,
     leaves: Vec<Leaf>,
     events: Vec<(u64, Event)>,
     /// Poison records' sequence numbers, with their append time.
@@ -643,6 +668,8 @@ impl World {
         let report = Report {
             seed: p.seed,
             partitions: p.partitions,
+            order_days: p.order_lifetime_days,
+            call_latency_ms: p.call_latency_ms,
             days: p.days,
             partition_limit: p.partition_limit_wcu,
             daily_shards: p.daily_shards,
@@ -650,7 +677,11 @@ impl World {
             ..Report::default()
         };
         World {
-            faults: Arc::new(Faults::new(p.seed ^ 0x5eed, p.fault_rate)),
+            faults: {
+                let faults = Faults::new(p.seed ^ 0x5eed, p.fault_rate);
+                faults.set_latency_ms(p.call_latency_ms);
+                Arc::new(faults)
+            },
             replicas: (0..=p.replicas).map(|_| None).collect(),
             p,
             rng,
@@ -675,6 +706,8 @@ impl World {
             items: BTreeMap::new(),
             next_order: 0,
             placed: std::collections::VecDeque::new(),
+            placed_in_peak: std::collections::VecDeque::new(),
+            peaking: false,
             leaves,
             events: Vec::new(),
             poison: Vec::new(),
@@ -1393,6 +1426,7 @@ impl World {
     /// a second at a time over the step.
     async fn peak_step(&mut self, step: Duration, per_s: f64) {
         let n = (per_s * self.p.partitions as f64).round() as u64;
+        self.peaking = true;
         for _ in 0..step.as_secs() {
             for _ in 0..n {
                 self.write_one();
@@ -1400,6 +1434,7 @@ impl World {
             self.report.peak_records += n;
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
+        self.peaking = false;
         self.archive();
     }
 
@@ -1415,16 +1450,26 @@ impl World {
         self.archive();
     }
 
-    /// Deletes orders placed more than [`ORDER_LIFETIME_MS`] ago (poison orders are never
-    /// placed here: they never change), a bounded number a step.
+    /// Deletes orders placed more than [`Params::order_lifetime_days`] ago, a hundred a step,
+    /// and those of the peak-load phase after [`PEAK_ORDER_LIFETIME_MS`], a thousand a step
+    /// (poison orders are never placed here: they never change).
     fn archive(&mut self) {
-        let cutoff = now_ms().saturating_sub(ORDER_LIFETIME_MS);
-        for _ in 0..100 {
-            let Some((placed, _)) = self.placed.front() else { break };
-            if *placed >= cutoff {
+        let now = now_ms();
+        let mut placed = std::mem::take(&mut self.placed);
+        self.archive_from(&mut placed, now.saturating_sub(self.p.order_lifetime_days.saturating_mul(DAY)), 100);
+        self.placed = placed;
+        let mut placed = std::mem::take(&mut self.placed_in_peak);
+        self.archive_from(&mut placed, now.saturating_sub(PEAK_ORDER_LIFETIME_MS), 1_000);
+        self.placed_in_peak = placed;
+    }
+
+    fn archive_from(&mut self, placed: &mut std::collections::VecDeque<(u64, (u32, String, u64))>, cutoff: u64, most: usize) {
+        for _ in 0..most {
+            let Some((at, _)) = placed.front() else { break };
+            if *at >= cutoff {
                 break;
             }
-            let Some((_, key)) = self.placed.pop_front() else { break };
+            let Some((_, key)) = placed.pop_front() else { break };
             if self.held.contains(&key) {
                 continue;
             }
@@ -1479,7 +1524,7 @@ impl World {
                 let key = (customer, day, self.next_order);
                 self.emit("INSERT", &key, None, Some(&order));
                 self.sources.put(source_item(&key, &order));
-                self.placed.push_back((now, key.clone()));
+                if self.peaking { &mut self.placed_in_peak } else { &mut self.placed }.push_back((now, key.clone()));
                 self.items.insert(key, order);
             }
             Some(key) => {
