@@ -817,12 +817,18 @@ impl World {
             let now = now_ms();
             if self.p.progress && now >= next_progress {
                 next_progress += DAY;
+                // With the figures so far, so a long run that is stopped still says how it went.
                 eprintln!(
-                    "  day {}: {:.0} s, {} leases, {} source items",
+                    "  day {}: {:.0} s, {} leases, {} source items; {} checks, {} values compared, {} wrong, {} problems; largest item since hour 8 {} B",
                     (now - start) / DAY,
                     wall.elapsed().as_secs_f64(),
                     self.leases_a.snapshot().len(),
-                    self.items.len()
+                    self.items.len(),
+                    self.report.checks,
+                    self.report.values_compared,
+                    self.report.values_wrong,
+                    self.report.problems.len(),
+                    self.aggregates.largest_item()
                 );
             }
             self.due_events(now);
