@@ -1461,21 +1461,25 @@ impl World {
     /// (poison orders are never placed here: they never change).
     fn archive(&mut self) {
         let now = now_ms();
-        let mut placed = std::mem::take(&mut self.placed);
-        self.archive_from(&mut placed, now.saturating_sub(self.p.order_lifetime_days.saturating_mul(DAY)), 100);
-        self.placed = placed;
-        let mut placed = std::mem::take(&mut self.placed_in_peak);
-        self.archive_from(&mut placed, now.saturating_sub(PEAK_ORDER_LIFETIME_MS), 1_000);
-        self.placed_in_peak = placed;
+        self.archive_from(false, now.saturating_sub(self.p.order_lifetime_days.saturating_mul(DAY)), 100);
+        self.archive_from(true, now.saturating_sub(PEAK_ORDER_LIFETIME_MS), 1_000);
     }
 
-    fn archive_from(&mut self, placed: &mut std::collections::VecDeque<(u64, (u32, String, u64))>, cutoff: u64, most: usize) {
+    /// The orders placed in the peak-load phase (`peak`), or the others, oldest first.
+    fn placed(&mut self, peak: bool) -> &mut std::collections::VecDeque<(u64, (u32, String, u64))> {
+        if peak {
+            &mut self.placed_in_peak
+        } else {
+            &mut self.placed
+        }
+    }
+
+    fn archive_from(&mut self, peak: bool, cutoff: u64, most: usize) {
         for _ in 0..most {
-            let Some((at, _)) = placed.front() else { break };
-            if *at >= cutoff {
+            if self.placed(peak).front().is_none_or(|(at, _)| *at >= cutoff) {
                 break;
             }
-            let Some((_, key)) = placed.pop_front() else { break };
+            let Some((_, key)) = self.placed(peak).pop_front() else { break };
             if self.held.contains(&key) {
                 continue;
             }
@@ -1530,7 +1534,8 @@ impl World {
                 let key = (customer, day, self.next_order);
                 self.emit("INSERT", &key, None, Some(&order));
                 self.sources.put(source_item(&key, &order));
-                if self.peaking { &mut self.placed_in_peak } else { &mut self.placed }.push_back((now, key.clone()));
+                let peak = self.peaking;
+                self.placed(peak).push_back((now, key.clone()));
                 self.items.insert(key, order);
             }
             Some(key) => {
