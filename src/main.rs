@@ -11,6 +11,7 @@ use anyhow::{anyhow, Context};
 use clap::{Parser, Subcommand};
 use ddb_aggregator::config::Config;
 use ddb_aggregator::pattern::{Pattern, PatternOptions};
+use ddb_aggregator::rules::copy::CopyBatch;
 use ddb_aggregator::rules::helper::{self, Scalar};
 use ddb_aggregator::rules::{Coalescer, Engine, TargetKey};
 use serde::ser::{SerializeMap, Serializer};
@@ -747,6 +748,44 @@ fn sub_items(engine: &Engine, target: &TargetKey, attribute: &str) -> Option<Sub
     Some(SubItems { write_shards: n, first: pk(0), last: pk(n - 1) })
 }
 
+/// One line of `simulate` for a copy rule: the copies one source's last change sets on the
+/// items `to` finds, and those it removes.
+#[derive(serde::Serialize)]
+struct CopyLine<'a> {
+    rule: &'a str,
+    source: &'a BTreeMap<String, serde_json::Value>,
+    to: serde_json::Map<String, serde_json::Value>,
+    set: serde_json::Map<String, serde_json::Value>,
+    remove: &'a [String],
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    deleted: bool,
+}
+
+/// Prints a line per source whose copies change, by rule and source key: how many.
+fn print_copies(engine: &Engine, copies: CopyBatch, out: &mut impl Write) -> anyhow::Result<u64> {
+    use ddb_aggregator::rules::copy::SortValue;
+    let mut lines = 0;
+    for (i, change, _) in copies.into_changes() {
+        let Some(rule) = engine.copies.get(i) else { continue };
+        let mut to = serde_json::Map::new();
+        if let Some(index) = &change.find.index {
+            to.insert("index".into(), index.clone().into());
+        }
+        to.insert(change.find.partition.0.clone(), change.find.partition.1.clone().into());
+        match &change.find.sort {
+            Some((name, SortValue::Equals(v))) => drop(to.insert(name.clone(), v.clone().into())),
+            Some((name, SortValue::BeginsWith(v))) => drop(to.insert(format!("{name}_begins_with"), v.clone().into())),
+            None => {}
+        }
+        let set = change.set.iter().cloned().collect();
+        let line = CopyLine { rule: &rule.name, source: &change.source, to, set, remove: &change.remove, deleted: change.deleted };
+        serde_json::to_writer(&mut *out, &line).context("writing output")?;
+        out.write_all(b"\n")?;
+        lines += 1;
+    }
+    Ok(lines)
+}
+
 /// `validate --against-state`: whether `run` would start or refuse, from the ledger registry
 /// in the aggregates table; a refusal exits 2 with run's message.
 fn print_registry(config: &Config) -> anyhow::Result<()> {
@@ -860,12 +899,16 @@ fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {
     let (mut matched, mut poisoned) = (0u64, 0u64);
     let stderr = std::io::stderr();
     let mut err = stderr.lock();
+    let mut copies = CopyBatch::default();
     for (origin, record) in &records {
         let report = engine.apply(record, &mut batch);
-        if !report.matched.is_empty() {
+        // A record file does not say which shard a record came from: its version is ordered
+        // by sequence number alone.
+        let copied = engine.apply_copies(record, 0, &mut copies);
+        if !report.matched.is_empty() || !copied.matched.is_empty() {
             matched += 1;
         }
-        for p in &report.poisons {
+        for p in report.poisons.iter().chain(&copied.poisons) {
             poisoned += 1;
             writeln!(err, "{origin}: poison record: {p}")?;
         }
@@ -900,8 +943,13 @@ fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {
         out.write_all(b"\n")?;
         lines += 1;
     }
+    let copy_lines = print_copies(engine, copies, &mut out)?;
     out.flush()?;
-    writeln!(err, "simulate: {} records, {matched} matched a rule, {poisoned} poison, {lines} target attributes changed", records.len())?;
+    writeln!(
+        err,
+        "simulate: {} records, {matched} matched a rule, {poisoned} poison, {lines} target attributes changed, {copy_lines} sources' copies changed",
+        records.len()
+    )?;
     if records.is_empty() && !text.trim().is_empty() {
         return Err(anyhow!("no records read"));
     }

@@ -131,6 +131,12 @@ async fn watch_stream(
 }
 
 pub async fn run(config: Config) -> Result<(), ServiceError> {
+    if let Some(rule) = config.engine.copies.first() {
+        return Err(ServiceError::Setup(format!(
+            "rule {}: copy rules are checked by validate and shown by simulate; this build does not apply them yet",
+            rule.name
+        )));
+    }
     let cancel = CancellationToken::new();
     let health = Arc::new(Health::default());
     let lease_ms = u64::try_from(config.state.lease_duration.as_millis()).unwrap_or(u64::MAX);

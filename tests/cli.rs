@@ -568,3 +568,56 @@ fn simulate_and_validate_understand_sharded_targets() {
         assert!(stderr(&out).contains(says), "{}", stderr(&out));
     }
 }
+
+/// A copy rule as a user meets it offline: `simulate` prints, per source, the copies its last
+/// change sets and removes and where they are found; a change of other attributes prints
+/// nothing; `validate` refuses a `to` that would find the source itself, with the path and
+/// exit 2.
+#[test]
+fn simulate_and_validate_understand_copy_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let rule = r#"  - name: customer-name-on-orders
+    filter: { dynamodb: { Keys: { SK: { S: [PROFILE] } } } }
+    source_key: { PK: "CUST#{customer}", SK: PROFILE }
+    copy:
+      attributes: { customerName: name, customerTier: tier }
+      to: { PK: "CUST#{customer}", SK_begins_with: "ORDER#" }
+"#;
+    let text = std::fs::read_to_string(demo()).unwrap() + rule;
+    let config = write(dir.path(), "copies.yaml", &text);
+    let profile = |c: &str, fields: &str| format!(r#"{{"PK":{{"S":"CUST#{c}"}},"SK":{{"S":"PROFILE"}}{fields}}}"#);
+    let rec = |event: &str, c: &str, seq: u32, old: Option<&str>, new: Option<&str>| {
+        let keys = format!(r#"{{"PK":{{"S":"CUST#{c}"}},"SK":{{"S":"PROFILE"}}}}"#);
+        let old = old.map(|o| format!(r#","OldImage":{}"#, profile(c, o))).unwrap_or_default();
+        let new = new.map(|n| format!(r#","NewImage":{}"#, profile(c, n))).unwrap_or_default();
+        format!(r#"{{"eventName":"{event}","dynamodb":{{"Keys":{keys}{old}{new},"SequenceNumber":"{seq}"}}}}"#)
+    };
+    let ann = r#","name":{"S":"Ann"},"tier":{"S":"gold"}"#;
+    let bea = r#","name":{"S":"Bea"},"tier":{"S":"gold"}"#;
+    let records = [
+        rec("INSERT", "c1", 1, None, Some(ann)),
+        rec("MODIFY", "c1", 2, Some(ann), Some(bea)),
+        rec("MODIFY", "c2", 3, Some(r#","name":{"S":"Cy"},"visits":{"N":"1"}"#), Some(r#","name":{"S":"Cy"},"visits":{"N":"2"}"#)),
+        rec("REMOVE", "c3", 4, Some(ann), None),
+    ];
+    let out = run(&["simulate", "--config", &config, "--records", &write(dir.path(), "r.jsonl", &records.join("\n"))]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<String> = stdout(&out).lines().map(str::to_string).collect();
+    assert_eq!(
+        lines,
+        vec![
+            r#"{"rule":"customer-name-on-orders","source":{"PK":{"S":"CUST#c1"},"SK":{"S":"PROFILE"}},"to":{"PK":"CUST#c1","SK_begins_with":"ORDER#"},"set":{"customerName":{"S":"Bea"},"customerTier":{"S":"gold"}},"remove":[]}"#,
+            r#"{"rule":"customer-name-on-orders","source":{"PK":{"S":"CUST#c3"},"SK":{"S":"PROFILE"}},"to":{"PK":"CUST#c3","SK_begins_with":"ORDER#"},"set":{},"remove":["customerName","customerTier"],"deleted":true}"#,
+        ],
+        "c1's last change, c2's none (only visits changed), c3's delete"
+    );
+    assert!(
+        stderr(&out).contains("4 records, 4 matched a rule, 0 poison, 0 target attributes changed, 2 sources' copies changed"),
+        "{}",
+        stderr(&out)
+    );
+    let looping = text.replace(r#"SK_begins_with: "ORDER#" }"#, r#"SK_begins_with: "P" }"#);
+    let out = run(&["validate", "--config", &write(dir.path(), "loop.yaml", &looping)]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("rules[2].copy.to: could find the source item itself"), "{}", stderr(&out));
+}

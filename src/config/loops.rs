@@ -4,7 +4,9 @@
 
 use serde_json::{json, Map, Value};
 
+use super::raw::RawRule;
 use super::{err, ConfigError};
+use crate::rules::copy::{Finder, SortCondition};
 use crate::rules::template::{Part, Template, DELIMITER};
 use crate::rules::{Engine, Rule};
 
@@ -26,6 +28,57 @@ pub(super) fn check(engine: &Engine) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// Copy rules: two may not keep one attribute, and when aggregates live in the source table a
+/// `to` on the table may not find the target or helper items of a rule (copies would be
+/// written onto them). A `to` on an index cannot be judged here: its items are the ones that
+/// carry the index's key attributes, and the fan-out never writes onto the source itself.
+pub(super) fn check_copies(raw: &[RawRule], engine: &Engine, aggregates_in_source: bool) -> Result<(), ConfigError> {
+    let path_of = |name: &str| raw.iter().position(|r| r.name == name).map_or_else(String::new, |i| format!("rules[{i}]"));
+    for (i, c) in engine.copies.iter().enumerate() {
+        let at = format!("{}.copy", path_of(&c.name));
+        for other in &engine.copies[..i] {
+            if let Some(a) = c.attributes.iter().find(|a| other.attributes.iter().any(|b| b.copy == a.copy)) {
+                return Err(err(
+                    format!("{at}.attributes.{}", a.copy),
+                    format!("rule {:?} keeps {} too: each copy attribute belongs to one rule", other.name, a.copy),
+                ));
+            }
+        }
+        if !aggregates_in_source || c.to.index.is_some() {
+            continue;
+        }
+        for rule in &engine.rules {
+            if let Some(shape) = shapes(rule).into_iter().find(|s| finds(&c.to, &s.key)) {
+                let what = if shape.helper { "helper items" } else { "target items" };
+                return Err(err(
+                    format!("{at}.to"),
+                    format!(
+                        "could find the {what} of rule {:?} (aggregates live in the source table), so copies would be written onto them; narrow it with a sort-key condition they cannot meet",
+                        rule.name
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether `to` could find an item with this key shape.
+fn finds(to: &Finder, key: &[(String, Template)]) -> bool {
+    let template_of = |name: &str| key.iter().find(|(k, _)| k == name).map(|(_, t)| t);
+    let Some(pk) = template_of(&to.partition.0) else { return false };
+    if !may_overlap(pk, &to.partition.1) {
+        return false;
+    }
+    match &to.sort {
+        None => true,
+        Some((name, condition)) => template_of(name).is_some_and(|t| match condition {
+            SortCondition::Equals(e) => may_overlap(t, e),
+            SortCondition::BeginsWith(p) => super::copy::may_begin_with(t, p),
+        }),
+    }
 }
 
 /// One shape of item a rule writes: its key templates and its attributes.

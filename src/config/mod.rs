@@ -3,6 +3,7 @@
 //!
 //! Every error names the path of the offending setting: `rules[1].measures.revenue.sum: ...`.
 
+mod copy;
 mod doc;
 mod loops;
 pub mod raw;
@@ -535,14 +536,21 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if raw.rules.is_empty() {
         return Err(err("rules", "at least one rule is needed"));
     }
-    let key_names: Vec<String> = target_key_names(&raw.rules[0]).cloned().collect();
+    // The aggregates table's key attributes, as the first rule with a target names them.
+    let key_names: Vec<String> =
+        raw.rules.iter().find(|r| r.copy.is_none()).map(|r| target_key_names(r).cloned().collect()).unwrap_or_default();
     let mut rules = Vec::with_capacity(raw.rules.len());
+    let mut copies = Vec::new();
     for (i, r) in raw.rules.iter().enumerate() {
         let path = format!("rules[{i}]");
-        if rules.iter().any(|x: &Rule| *x.name == *r.name) {
+        rule_name(&path, &r.name)?;
+        if raw.rules[..i].iter().any(|x| x.name == r.name) {
             return Err(err(format!("{path}.name"), format!("{:?} is used by an earlier rule", r.name)));
         }
-        rules.push(validate_rule(&path, r, &key_names)?);
+        match &r.copy {
+            Some(c) => copies.push(copy::validate(&path, r, c)?),
+            None => rules.push(validate_rule(&path, r, &key_names)?),
+        }
     }
     if let Some(message) = shared_attribute(&rules) {
         return Err(err("rules", message));
@@ -551,22 +559,23 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         return Err(err("rules", message));
     }
     // Rules with the same filter (and options) share one evaluation per record.
-    let filter_of = raw
-        .rules
+    let aggregating: Vec<&RawRule> = raw.rules.iter().filter(|r| r.copy.is_none()).collect();
+    let filter_of = aggregating
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            raw.rules[..i]
+            aggregating[..i]
                 .iter()
                 .position(|e| r.filter.is_some() && e.filter == r.filter && e.numeric_strings == r.numeric_strings)
                 .unwrap_or(i)
         })
         .collect();
     let pattern_warnings = raw.rules.iter().enumerate().flat_map(|(i, r)| numeric_on_numbers(&format!("rules[{i}]"), r)).collect();
-    let engine = Engine { rules, key_names, filter_of };
+    let engine = Engine { rules, copies, key_names, filter_of };
     if aggregates_table == source_table {
         loops::check(&engine)?;
     }
+    loops::check_copies(&raw.rules, &engine, aggregates_table == source_table)?;
     Ok(Config {
         source: SourceConfig {
             table: source_table,
@@ -721,15 +730,16 @@ pub fn stream_only_fields(filter: &serde_json::Value) -> Vec<String> {
     out
 }
 
-fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, ConfigError> {
-    if r.name.is_empty() || r.name.len() > 64 || !r.name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')) {
-        return Err(err(format!("{path}.name"), format!("{:?}: 1-64 letters, digits, _ - . (it is a metric label)", r.name)));
+/// A rule's name: it is a metric label.
+fn rule_name(path: &str, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')) {
+        return Err(err(format!("{path}.name"), format!("{name:?}: 1-64 letters, digits, _ - . (it is a metric label)")));
     }
-    let options = PatternOptions { numeric_strings: r.numeric_strings };
-    let filter = match &r.filter {
-        None => None,
-        Some(v) => Some(PatternSet::compile(v, options).map_err(|e| pattern_err(&format!("{path}.filter"), e))?),
-    };
+    Ok(())
+}
+
+/// A rule's `source_key`: capturing templates, partition key first.
+fn source_key(path: &str, r: &RawRule) -> Result<Vec<(String, Template)>, ConfigError> {
     if r.source_key.is_empty() {
         return Err(err(format!("{path}.source_key"), "name at least the partition key, e.g. PK: \"CUST#{customer}\""));
     }
@@ -740,6 +750,22 @@ fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, 
         t.check_capturing().map_err(|m| err(&at, m))?;
         source_key.push((attr.clone(), t));
     }
+    Ok(source_key)
+}
+
+fn validate_rule(path: &str, r: &RawRule, key_names: &[String]) -> Result<Rule, ConfigError> {
+    let options = PatternOptions { numeric_strings: r.numeric_strings };
+    let filter = match &r.filter {
+        None => None,
+        Some(v) => Some(PatternSet::compile(v, options).map_err(|e| pattern_err(&format!("{path}.filter"), e))?),
+    };
+    if r.target.is_empty() {
+        return Err(err(
+            format!("{path}.target"),
+            "is missing: give the target item's key as templates (e.g. PK: \"CUST#{customer}\", SK: PROFILE), or copy: for a copy rule",
+        ));
+    }
+    let source_key = source_key(path, r)?;
     let captures: BTreeSet<&str> = source_key.iter().flat_map(|(_, t)| t.variables()).collect();
     // Targets: the same key attributes as every other rule, put in the table's key order.
     let mut names: Vec<&String> = target_key_names(r).collect();
@@ -876,6 +902,7 @@ pub fn rule_from_definition(name: &str, definition: &str, key_names: &[String]) 
             .collect(),
         measures: measures.iter().map(|(k, m)| (k.clone(), m.clone())).collect(),
         reconcile: None,
+        copy: None,
         ttl_deletes: v.get("ttl_deletes").and_then(|t| t.as_str()).map(str::to_string),
     };
     validate_rule(&at, &raw, key_names)

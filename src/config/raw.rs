@@ -272,12 +272,19 @@ pub struct RawRule {
     pub source_key: IndexMap<String, String>,
     /// The target item's key attributes as templates of those variables
     /// (`PK: "SALES#{date|day}"`), and optionally `write_shards: N` (2 to 100) to spread a hot
-    /// target over N sub-items.
+    /// target over N sub-items. Every rule but a `copy` rule has one.
+    #[serde(default)]
     #[schemars(with = "schema::Target")]
     pub target: IndexMap<String, serde_json::Value>,
     /// Attribute name (template) -> `count` or `{count: true | sum: ATTR | avg: ATTR, where: PATTERN}`.
+    /// Every rule but a `copy` rule has at least one.
+    #[serde(default)]
     #[schemars(with = "IndexMap<String, schema::Measure>")]
     pub measures: IndexMap<String, serde_json::Value>,
+    /// Keep copies of the source item's attributes on the items that display them (the
+    /// customer's name on each order), in place of `target` and `measures`.
+    #[serde(default)]
+    pub copy: Option<RawCopy>,
     /// How reconcile finds this rule's source items: a query or a scan.
     #[serde(default)]
     pub reconcile: Option<RawRuleReconcile>,
@@ -285,6 +292,21 @@ pub struct RawRule {
     #[serde(default)]
     #[schemars(with = "Option<schema::TtlDeletes>")]
     pub ttl_deletes: Option<String>,
+}
+
+/// A `copy` rule's copies: which source attributes, and the items that hold them.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(rename = "Copy")]
+pub struct RawCopy {
+    /// Copy attribute (on the items `to` finds) -> the source attribute it copies:
+    /// `{customerName: name}`.
+    pub attributes: IndexMap<String, String>,
+    /// The items that hold the copies, as a query of templates of `source_key`'s variables:
+    /// `{PK: "CUST#{customer}", SK_begins_with: "ORDER#"}` on the table, or
+    /// `{index: GSI1, GSI1PK: "CUST#{customer}"}` on a global secondary index (with its
+    /// partition key, and optionally its sort key or `<sort key>_begins_with`).
+    pub to: IndexMap<String, String>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]

@@ -561,3 +561,136 @@ fn sub_items_are_loop_checked_like_targets() {
     assert!(e.contains("loop") || e.contains("feedback"), "{e}");
     assert!(load(&text.replacen("write_shards: 4 ", "", 1)).is_ok(), "unsharded, nothing writes such keys");
 }
+
+/// The demo config with a copy rule appended (`copy` holds its `copy:` block, indented).
+fn demo_with_copy(extra: &str, copy: &str) -> String {
+    format!(
+        "{DEMO}  - name: customer-name-on-orders\n    filter: {{ dynamodb: {{ Keys: {{ SK: {{ S: [PROFILE] }} }} }} }}\n    source_key: {{ PK: \"CUST#{{customer}}\", SK: PROFILE }}\n{extra}    copy:\n{copy}"
+    )
+}
+
+const COPY: &str =
+    "      attributes: { customerName: name, customerTier: tier }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n";
+
+#[test]
+fn copy_rules_are_validated_apart_from_the_aggregating_rules() {
+    let c = load(&demo_with_copy("", COPY)).unwrap();
+    assert_eq!(c.engine.rules.len(), 2, "copy rules are not aggregating rules");
+    assert_eq!(c.engine.copies.len(), 1);
+    let rule = &c.engine.copies[0];
+    let pairs: Vec<(&str, &str)> = rule.attributes.iter().map(|a| (a.copy.as_str(), a.source.as_str())).collect();
+    assert_eq!(pairs, vec![("customerName", "name"), ("customerTier", "tier")]);
+    assert_eq!(rule.to.partition.0, "PK");
+    assert!(matches!(&rule.to.sort, Some((sk, crate::rules::copy::SortCondition::BeginsWith(t))) if sk == "SK" && t.text() == "ORDER#"));
+    // The filter-sharing table covers the aggregating rules only.
+    assert_eq!(c.engine.filter_of.len(), 2);
+    let on_index = demo_with_copy(
+        "",
+        "      attributes: { title: name }\n      to: { index: GSI1, GSI1PK: \"CUST#{customer}\", GSI1SK_begins_with: LINE }\n",
+    );
+    let c = load(&on_index).unwrap();
+    let to = &c.engine.copies[0].to;
+    assert_eq!((to.index.as_deref(), to.partition.0.as_str()), (Some("GSI1"), "GSI1PK"));
+    assert!(matches!(&to.sort, Some((sk, _)) if sk == "GSI1SK"));
+}
+
+#[test]
+fn copy_rule_errors_name_the_path_and_the_fix() {
+    let cases: &[(&str, &str, &str)] = &[
+        ("    target: { PK: X, SK: Y }\n", COPY, "rules[2].target: a copy rule writes the items its copy.to finds"),
+        ("    measures: { n: count }\n", COPY, "rules[2].measures: a copy rule keeps copies, not measures"),
+        ("    ttl_deletes: ignore\n", COPY, "rules[2].ttl_deletes"),
+        (
+            "",
+            "      attributes: {}\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n",
+            "rules[2].copy.attributes: name at least one",
+        ),
+        (
+            "",
+            "      attributes: { _aggx: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n",
+            "rules[2].copy.attributes._aggx",
+        ),
+        (
+            "",
+            "      attributes: { SK: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n",
+            "rules[2].copy.attributes.SK: a copy is a top-level attribute",
+        ),
+        (
+            "",
+            "      attributes: { \"a.b\": name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n",
+            "rules[2].copy.attributes.a.b",
+        ),
+        (
+            "",
+            "      attributes: { n: \"x.y\" }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n",
+            "rules[2].copy.attributes.n: \"x.y\"",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { SK_begins_with: \"ORDER#\" }\n",
+            "rules[2].copy.to: the table's partition key PK is required",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", GSI1SK: x }\n",
+            "rules[2].copy.to.GSI1SK: unknown key: on the table, give PK and optionally SK or SK_begins_with",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{region}\", SK_begins_with: \"ORDER#\" }\n",
+            "rules[2].copy.to: {region} is not captured by source_key",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\" }\n",
+            "rules[2].copy.to: could find the source item itself",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK: PROFILE }\n",
+            "rules[2].copy.to: could find the source item itself",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: PRO }\n",
+            "rules[2].copy.to: could find the source item itself",
+        ),
+        ("", "      attributes: { n: name }\n      to: { index: G, GSI1PK: x }\n", "rules[2].copy.to.index: \"G\" is not an index name"),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { index: GSI1, GSI1SK_begins_with: x }\n",
+            "rules[2].copy.to: index GSI1's partition key is required",
+        ),
+        ("", "      attributes: { n: name }\n      to: { index: GSI1, GSI1PK: x, GSI1SK: y, Z: z }\n", "rules[2].copy.to.Z: unknown key"),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n      fan_out: 3\n",
+            "unknown field `fan_out`",
+        ),
+    ];
+    for (extra, copy, expected) in cases {
+        let text = demo_with_copy(extra, copy);
+        let e = load_err(&text);
+        assert!(e.contains(expected), "{extra}{copy}\n  expected: {expected}\n  got: {e}");
+    }
+    // A rule with neither a target nor copy says what it misses.
+    let e = load_err(&demo_with("    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }\n", ""));
+    assert!(e.contains("rules[1].target: is missing") && e.contains("copy:"), "{e}");
+}
+
+#[test]
+fn copies_are_never_written_onto_aggregates_or_kept_by_two_rules() {
+    // Aggregates live in the source table: a `to` that could find the PROFILE item (which
+    // holds customer-orders' measures) is refused.
+    let e = load_err(&demo_with_copy("", "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: P }\n"));
+    assert!(e.contains("copy.to: could find the source item itself"), "{e}");
+    let sales = "  - name: sales-note\n    source_key: { PK: \"CUST#{customer}\", SK: \"NOTE#{n}\" }\n    copy:\n      attributes: { note: text }\n      to: { PK: \"SALES#{customer}\", SK_begins_with: TOT }\n";
+    let e = load_err(&format!("{DEMO}{sales}"));
+    assert!(e.contains("rules[2].copy.to: could find the target items of rule \"daily-sales\""), "{e}");
+    // In a table of their own, the aggregates are out of reach.
+    let apart = format!("{DEMO}{sales}").replacen("aggregates:\n  table: commerce-main", "aggregates:\n  table: commerce-aggregates", 1);
+    assert_eq!(load(&apart).unwrap().engine.copies.len(), 1);
+    let twice = format!("{}{}", demo_with_copy("", COPY), "  - name: tier-again\n    source_key: { PK: \"CUST#{customer}\", SK: PROFILE }\n    copy:\n      attributes: { customerTier: level }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"LINE#\" }\n");
+    let e = load_err(&twice);
+    assert!(e.contains("rules[3].copy.attributes.customerTier: rule \"customer-name-on-orders\" keeps customerTier too"), "{e}");
+}

@@ -6,6 +6,7 @@
 //! [`Poison`] naming the rule, the measure and the attribute, never a silent zero.
 
 pub mod coalesce;
+pub mod copy;
 pub mod fingerprint;
 pub mod helper;
 pub mod item;
@@ -527,6 +528,8 @@ fn merge(
 #[derive(Debug, Clone)]
 pub struct Engine {
     pub rules: Vec<Rule>,
+    /// The `copy` rules, in config order ([`copy`]).
+    pub copies: Vec<copy::CopyRule>,
     pub key_names: Vec<String>,
     /// Per rule, the first rule with the same filter: its result is reused for this record.
     pub filter_of: Vec<usize>,
@@ -585,6 +588,33 @@ impl Engine {
             });
             if let Err(p) = result {
                 report.poisons.push(p);
+            }
+        }
+        report
+    }
+
+    /// Evaluates `record` against every copy rule and adds its changes to `batch`
+    /// ([`copy::CopyRule::change`]; `shard_created_ms`: the creation time of the shard it came
+    /// from). `matched` holds indexes into [`Engine::copies`]. A malformed record is reported
+    /// by [`Engine::apply`], so here it is only skipped.
+    pub fn apply_copies(&self, record: &Value, shard_created_ms: u64, batch: &mut copy::CopyBatch) -> RecordReport {
+        let mut report = RecordReport::default();
+        if self.copies.is_empty() {
+            return report;
+        }
+        let Ok(decoded) = StreamRecord::decode(record) else { return report };
+        if crate::registry::is_reserved_key(decoded.keys.values().filter_map(|v| v.get("S").and_then(Value::as_str))) {
+            return report;
+        }
+        for (i, rule) in self.copies.iter().enumerate() {
+            if !rule.filter_matches(record) {
+                continue;
+            }
+            report.matched.push(i);
+            match rule.change(&decoded, shard_created_ms) {
+                Ok(Some(change)) => batch.add(i, change, record),
+                Ok(None) => {}
+                Err(p) => report.poisons.push(p),
             }
         }
         report

@@ -1,0 +1,248 @@
+use proptest::prelude::*;
+use serde_json::{json, Value};
+
+use super::*;
+
+fn t(s: &str) -> Template {
+    Template::parse(s).unwrap()
+}
+
+/// The example of DESIGN.md: a customer's name and tier on each of their orders.
+fn rule() -> CopyRule {
+    CopyRule {
+        name: "customer-name-on-orders".into(),
+        filter: None,
+        source_key: vec![("PK".into(), t("CUST#{customer}")), ("SK".into(), t("PROFILE"))],
+        attributes: vec![
+            CopyAttribute { copy: "customerName".into(), source: "name".into() },
+            CopyAttribute { copy: "customerTier".into(), source: "tier".into() },
+        ],
+        to: Finder {
+            index: None,
+            partition: ("PK".into(), t("CUST#{customer}")),
+            sort: Some(("SK".into(), SortCondition::BeginsWith(t("ORDER#")))),
+        },
+    }
+}
+
+fn record(event: &str, seq: &str, old: Option<Value>, new: Option<Value>) -> Value {
+    let mut ddb = json!({"Keys": {"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}}, "SequenceNumber": seq});
+    if let Some(o) = old {
+        ddb["OldImage"] = o;
+    }
+    if let Some(n) = new {
+        ddb["NewImage"] = n;
+    }
+    json!({"eventName": event, "dynamodb": ddb})
+}
+
+fn profile(name: Option<&str>, tier: Option<&str>, visits: u32) -> Value {
+    let mut image = json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}, "visits": {"N": visits.to_string()}});
+    if let Some(n) = name {
+        image["name"] = json!({"S": n});
+    }
+    if let Some(t) = tier {
+        image["tier"] = json!({"S": t});
+    }
+    image
+}
+
+fn change_of(raw: &Value, created: u64) -> Option<CopyChange> {
+    rule().change(&StreamRecord::decode(raw).unwrap(), created).unwrap()
+}
+
+#[test]
+fn a_rename_sets_every_copy_attribute_and_finds_the_orders() {
+    let raw = record("MODIFY", "300", Some(profile(Some("Ann"), Some("gold"), 1)), Some(profile(Some("Bea"), Some("gold"), 1)));
+    let c = change_of(&raw, 1_796_001_337_266).unwrap();
+    assert_eq!(c.set, vec![("customerName".into(), json!({"S": "Bea"})), ("customerTier".into(), json!({"S": "gold"}))]);
+    assert!(c.remove.is_empty() && !c.deleted);
+    assert_eq!(
+        c.find,
+        FindQuery {
+            index: None,
+            partition: ("PK".into(), "CUST#c1".into()),
+            sort: Some(("SK".into(), SortValue::BeginsWith("ORDER#".into())))
+        }
+    );
+    assert_eq!(c.version.text(), format!("00000001796001337266.{}300", "0".repeat(37)));
+    assert_eq!(c.source["PK"], json!({"S": "CUST#c1"}));
+}
+
+#[test]
+fn other_changes_write_nothing_and_inserts_and_deletes_always_do() {
+    let quiet = record("MODIFY", "1", Some(profile(Some("Ann"), None, 1)), Some(profile(Some("Ann"), None, 2)));
+    assert_eq!(change_of(&quiet, 0), None, "only visits changed");
+    let removed_tier = record("MODIFY", "2", Some(profile(Some("Ann"), Some("gold"), 1)), Some(profile(Some("Ann"), None, 1)));
+    let c = change_of(&removed_tier, 0).unwrap();
+    assert_eq!(c.remove, vec!["customerTier".to_string()]);
+    let insert = record("INSERT", "3", None, Some(profile(None, None, 0)));
+    let c = change_of(&insert, 0).unwrap();
+    assert_eq!((c.set.len(), c.remove.len(), c.deleted), (0, 2, false), "a recreated source must win over its tombstone");
+    let delete = record("REMOVE", "4", Some(profile(Some("Ann"), Some("gold"), 1)), None);
+    let c = change_of(&delete, 0).unwrap();
+    assert_eq!((c.set.len(), c.remove.len(), c.deleted), (0, 2, true));
+}
+
+#[test]
+fn items_the_source_key_does_not_capture_are_not_sources() {
+    let mut raw = record("INSERT", "1", None, Some(profile(Some("Ann"), None, 0)));
+    raw["dynamodb"]["Keys"]["SK"] = json!({"S": "ORDER#1"});
+    assert_eq!(change_of(&raw, 0), None);
+}
+
+#[test]
+fn a_record_without_a_usable_sequence_number_is_poison() {
+    let mut raw = record("INSERT", "1", None, Some(profile(Some("Ann"), None, 0)));
+    raw["dynamodb"].as_object_mut().unwrap().remove("SequenceNumber");
+    let p = rule().change(&StreamRecord::decode(&raw).unwrap(), 0).unwrap_err();
+    assert_eq!(p.code, PoisonCode::MalformedRecord);
+    assert!(p.message.contains("SequenceNumber"), "{p}");
+    assert_eq!(p.variables["customer"], "c1");
+}
+
+#[test]
+fn versions_order_by_shard_creation_then_sequence_number_as_numbers() {
+    let v = |ms, s: &str| Version::new(ms, s).unwrap();
+    // A longer sequence number is larger even where its text sorts first.
+    assert!(v(1, "9") < v(1, "10"));
+    assert!(v(1, "9").text() < v(1, "10").text());
+    // A child shard's records follow its parent's, whatever their sequence numbers.
+    assert!(v(1, "99999999999999999999999") < v(2, "1"));
+    assert!(v(1, "99999999999999999999999").text() < v(2, "1").text());
+    assert_eq!(v(5, "00042"), v(5, "42"));
+    let max = "9".repeat(SEQUENCE_DIGITS);
+    assert_eq!(Version::parse(&v(u64::MAX, &max).text()), Some(v(u64::MAX, &max)));
+    assert_eq!(Version::new(0, &"1".repeat(41)), Err(VersionError::TooLong(41)));
+    assert_eq!(Version::new(0, "12a"), Err(VersionError::NotDigits));
+    assert_eq!(Version::new(0, ""), Err(VersionError::Missing));
+    assert_eq!(Version::parse("1.2"), None);
+}
+
+#[test]
+fn a_batch_keeps_the_newest_change_per_source() {
+    let a = change_of(&record("MODIFY", "5", Some(profile(Some("A"), None, 0)), Some(profile(Some("B"), None, 0))), 1).unwrap();
+    let b = change_of(&record("MODIFY", "7", Some(profile(Some("B"), None, 0)), Some(profile(Some("C"), None, 0))), 1).unwrap();
+    let mut batch = CopyBatch::default();
+    batch.add(0, b.clone(), &json!("b"));
+    batch.add(0, a, &json!("a"));
+    let out: Vec<_> = batch.into_changes().collect();
+    assert_eq!(out, vec![(0, b, json!("b"))]);
+}
+
+/// One change of the profile in a generated history.
+#[derive(Debug, Clone)]
+enum Op {
+    Name(Option<&'static str>),
+    Tier(Option<&'static str>),
+    Visit,
+    Delete,
+    /// The stream's shard rolls over: later records are in a child shard, whose sequence
+    /// numbers start anywhere.
+    Split(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        prop::option::of(prop::sample::select(vec!["Ann", "Bea", "Cy"])).prop_map(Op::Name),
+        prop::option::of(prop::sample::select(vec!["gold", "blue"])).prop_map(Op::Tier),
+        Just(Op::Visit),
+        Just(Op::Delete),
+        // Sequence numbers just below a power of ten, so that a shard's numbers gain a digit.
+        (1u32..25, 0u64..30).prop_map(|(k, d)| Op::Split(10u64.pow(k % 19 + 1).saturating_sub(d).max(1))),
+    ]
+}
+
+/// The records of a history, each with the creation time of its shard.
+fn history(ops: &[Op]) -> (Vec<(Value, u64)>, Option<Value>) {
+    let (mut created, mut seq) = (1_700_000_000_000u64, 90u64);
+    let mut item: Option<Value> = None;
+    let mut out = Vec::new();
+    for op in ops {
+        if let Op::Split(start) = op {
+            created += 1 + start % 5;
+            seq = *start;
+            continue;
+        }
+        seq += 1;
+        let mut next = item.clone().unwrap_or_else(|| profile(None, None, 0));
+        match op {
+            Op::Name(n) | Op::Tier(n) => {
+                let attr = if matches!(op, Op::Name(_)) { "name" } else { "tier" };
+                match n {
+                    Some(v) => next[attr] = json!({"S": v}),
+                    None => drop(next.as_object_mut().and_then(|o| o.remove(attr))),
+                }
+            }
+            Op::Visit => next["visits"] = json!({"N": seq.to_string()}),
+            Op::Delete | Op::Split(_) => {}
+        }
+        let raw = match (op, &item) {
+            (Op::Delete, None) => continue,
+            (Op::Delete, Some(old)) => record("REMOVE", &seq.to_string(), Some(old.clone()), None),
+            (_, None) => record("INSERT", &seq.to_string(), None, Some(next.clone())),
+            (_, Some(old)) => record("MODIFY", &seq.to_string(), Some(old.clone()), Some(next.clone())),
+        };
+        item = if matches!(op, Op::Delete) { None } else { Some(next) };
+        out.push((raw, created));
+    }
+    (out, item)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Any cut of the history into batches, any replays from an earlier point (a crash before
+    /// the checkpoint, a lost lease), and any order in which the resulting writes land on a
+    /// copy item (a slow writer's write arriving late) leave the copy equal to the final
+    /// source: its copied attributes, or none once it was deleted.
+    #[test]
+    fn any_cut_replay_and_write_order_leaves_the_copies_of_the_final_source(
+        ops in prop::collection::vec(op(), 1..40),
+        cuts in prop::collection::vec((0usize..40, 1usize..8), 1..12),
+        order in prop::collection::vec(any::<prop::sample::Index>(), 0..64),
+    ) {
+        let (records, last) = history(&ops);
+        prop_assume!(!records.is_empty());
+        let n = records.len();
+        // Deliveries: each starts at or before the furthest point reached (a replay), and the
+        // last one runs to the end, so every record is delivered at least once.
+        let mut deliveries = Vec::new();
+        let mut reached: usize = 0;
+        for (back, len) in &cuts {
+            let start = reached.saturating_sub(*back);
+            let end = (start + len).min(n);
+            deliveries.push(start..end);
+            reached = reached.max(end);
+        }
+        deliveries.push(reached.saturating_sub(cuts[0].0)..n);
+        let mut writes = Vec::new();
+        for range in deliveries {
+            let mut batch = CopyBatch::default();
+            for (raw, created) in &records[range] {
+                if let Some(c) = rule().change(&StreamRecord::decode(raw).unwrap(), *created).unwrap() {
+                    batch.add(0, c, raw);
+                }
+            }
+            writes.extend(batch.into_changes().map(|(_, c, _)| c));
+        }
+        // The writes land in a shuffled order.
+        for (i, pick) in order.iter().enumerate() {
+            let n = writes.len();
+            if n > 1 {
+                writes.swap(i % n, pick.index(n));
+            }
+        }
+        let mut copy = CopyState::default();
+        for w in &writes {
+            copy.apply(w);
+        }
+        let mut expected = BTreeMap::new();
+        for (copy_name, source) in [("customerName", "name"), ("customerTier", "tier")] {
+            if let Some(v) = last.as_ref().and_then(|item| item.get(source)) {
+                expected.insert(copy_name.to_string(), v.clone());
+            }
+        }
+        prop_assert_eq!(&copy.values, &expected, "ops {:?}", ops);
+    }
+}
