@@ -93,8 +93,12 @@ def write(seed):
         key = {"PK": {"S": f"CUST#{cust}"}, "SK": {"S": f"ORDER#{day}#o{n:03d}"}}
         total = Decimal(rng.randint(100, 20000)) / 100
         status = rng.choice(["PENDING", "PAID"])
+        # The application copies the customer's name onto the order it places; the copy rule
+        # (customer-name-on-orders) keeps it in sync afterwards.
+        name = {"S": f"Customer {cust[1:]}"}
         c.put_item(
-            TableName=TABLE, Item={**key, "status": {"S": status}, "total": {"N": str(total)}}
+            TableName=TABLE,
+            Item={**key, "status": {"S": status}, "total": {"N": str(total)}, "customerName": name},
         )
         orders[n] = key
         writes += 1
@@ -202,6 +206,35 @@ def truth(items):
     return {k: v for k, v in t.items() if v != 0}
 
 
+RENAMED = "Ada (renamed)"
+
+
+def rename():
+    # UpdateItem, not PutItem: the profile also holds the customer's aggregates.
+    ddb().update_item(
+        TableName=TABLE,
+        Key={"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}},
+        UpdateExpression="SET #n = :n",
+        ExpressionAttributeNames={"#n": "name"},
+        ExpressionAttributeValues={":n": {"S": RENAMED}},
+    )
+    print(f"renamed customer c1 to {RENAMED!r}")
+
+
+def copies(check):
+    items = scan()
+    names = {it["PK"]["S"]: it.get("name", {}).get("S") for it in items if it["SK"]["S"] == "PROFILE"}
+    orders = [it for it in items if it["SK"]["S"].startswith("ORDER#")]
+    stale = [o for o in orders if o.get("customerName", {}).get("S") != names.get(o["PK"]["S"])]
+    if check:
+        sys.exit(1 if stale or names.get("CUST#c1") != RENAMED else 0)
+    for o in orders:
+        if o["PK"]["S"] == "CUST#c1":
+            print(f"{o['PK']['S'] + ' / ' + o['SK']['S']:<36} customerName = {o.get('customerName', {}).get('S')}")
+    print(f"\n{len(orders)} orders; {len(orders) - len(stale)} carry their customer's current name")
+    return not stale
+
+
 def show(check):
     items = scan()
     want = truth(items)
@@ -230,7 +263,7 @@ def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("command", choices=["setup", "write", "poison", "drift", "show"])
+    p.add_argument("command", choices=["setup", "write", "poison", "drift", "show", "rename", "copies"])
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--check", action="store_true")
     a = p.parse_args()
@@ -242,6 +275,10 @@ def main():
         poison()
     elif a.command == "drift":
         drift()
+    elif a.command == "rename":
+        rename()
+    elif a.command == "copies":
+        sys.exit(0 if copies(a.check) else 1)
     else:
         sys.exit(0 if show(a.check) else 1)
 

@@ -142,3 +142,58 @@ macro_rules! attribute_json {
 
 attribute_json!(attribute_to_json, aws_sdk_dynamodb);
 attribute_json!(stream_attribute_to_json, aws_sdk_dynamodbstreams);
+
+/// An SDK attribute value from typed DynamoDB JSON (`{"S": "x"}`, `{"M": {...}}`, binary as
+/// base64), the inverse of [`attribute_to_json`]. Anything else is an error naming what is
+/// wrong, never a panic.
+pub fn json_to_attribute(v: &serde_json::Value) -> Result<aws_sdk_dynamodb::types::AttributeValue, String> {
+    use aws_sdk_dynamodb::primitives::Blob;
+    use aws_sdk_dynamodb::types::AttributeValue as A;
+    use base64::Engine as _;
+    use serde_json::Value;
+    let typed = v.as_object().filter(|m| m.len() == 1).ok_or("a typed value is an object with one type key")?;
+    let Some((ty, inner)) = typed.iter().next() else { return Err("a typed value is an object with one type key".into()) };
+    let text = |v: &Value| v.as_str().map(str::to_string).ok_or_else(|| format!("{ty} holds a string"));
+    let texts =
+        |v: &Value| -> Result<Vec<String>, String> { v.as_array().ok_or_else(|| format!("{ty} holds a list"))?.iter().map(text).collect() };
+    let blob =
+        |s: String| base64::engine::general_purpose::STANDARD.decode(s).map(Blob::new).map_err(|e| format!("{ty}: not base64 ({e})"));
+    Ok(match ty.as_str() {
+        "S" => A::S(text(inner)?),
+        "N" => A::N(text(inner)?),
+        "B" => A::B(blob(text(inner)?)?),
+        "BOOL" => A::Bool(inner.as_bool().ok_or("BOOL holds true or false")?),
+        "NULL" => A::Null(inner.as_bool().ok_or("NULL holds true")?),
+        "SS" => A::Ss(texts(inner)?),
+        "NS" => A::Ns(texts(inner)?),
+        "BS" => A::Bs(texts(inner)?.into_iter().map(blob).collect::<Result<_, _>>()?),
+        "L" => A::L(inner.as_array().ok_or("L holds a list")?.iter().map(json_to_attribute).collect::<Result<_, _>>()?),
+        "M" => A::M(
+            inner
+                .as_object()
+                .ok_or("M holds an object")?
+                .iter()
+                .map(|(k, v)| json_to_attribute(v).map(|a| (k.clone(), a)).map_err(|e| format!("{k}: {e}")))
+                .collect::<Result<_, _>>()?,
+        ),
+        other => return Err(format!("{other:?} is not a DynamoDB type")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn typed_json_goes_to_the_sdk_and_back_unchanged() {
+        let v = json!({"M": {"a": {"L": [{"S": "x"}, {"N": "1.5"}, {"BOOL": true}, {"NULL": true}]}, "b": {"B": "AAEC"}, "s": {"SS": ["p", "q"]}, "n": {"NS": ["1"]}, "bs": {"BS": ["AA=="]}}});
+        assert_eq!(attribute_to_json(&json_to_attribute(&v).unwrap()).unwrap(), v);
+        for bad in
+            [json!("x"), json!({"S": 1}), json!({"Q": "x"}), json!({"B": "%%"}), json!({"S": "a", "N": "1"}), json!({"M": {"k": {"N": 2}}})]
+        {
+            assert!(json_to_attribute(&bad).is_err(), "{bad}");
+        }
+    }
+}

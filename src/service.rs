@@ -131,18 +131,16 @@ async fn watch_stream(
 }
 
 pub async fn run(config: Config) -> Result<(), ServiceError> {
-    if let Some(rule) = config.engine.copies.first() {
-        return Err(ServiceError::Setup(format!(
-            "rule {}: copy rules are checked by validate and shown by simulate; this build does not apply them yet",
-            rule.name
-        )));
-    }
     let cancel = CancellationToken::new();
     let health = Arc::new(Health::default());
     let lease_ms = u64::try_from(config.state.lease_duration.as_millis()).unwrap_or(u64::MAX);
     let handle = telemetry::install_metrics(std::time::Duration::from_millis(lease_ms.saturating_mul(3).max(30_000)))
         .map_err(ServiceError::Runtime)?;
-    telemetry::names::init_series(&config.engine.rules.iter().map(|r| r.name.to_string()).collect::<Vec<_>>());
+    let names = |rules: &mut dyn Iterator<Item = &str>| rules.map(str::to_string).collect::<Vec<_>>();
+    telemetry::names::init_series(
+        &names(&mut config.engine.rules.iter().map(|r| &*r.name)),
+        &names(&mut config.engine.copies.iter().map(|r| &*r.name)),
+    );
     let listener = telemetry::bind(config.metrics_listen).await.map_err(ServiceError::Setup)?;
     let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     tokio::spawn(telemetry::serve(listener, handle, health.clone(), cancel.clone()));
@@ -194,10 +192,46 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     }
 }
 
+/// The source table's keys and indexes, with every copy rule's `to` checked against them, and
+/// the store that writes the copies; None without copy rules.
+async fn copy_store(
+    ddb: &aws_sdk_dynamodb::Client,
+    config: &Config,
+) -> Result<Option<Arc<dyn crate::sink::copy::CopyStore>>, ServiceError> {
+    use crate::rules::copy::{check_table, TableKeys};
+    if config.engine.copies.is_empty() {
+        return Ok(None);
+    }
+    let table = &config.source.table;
+    let desc = ddb
+        .describe_table()
+        .table_name(table)
+        .send()
+        .await
+        .map_err(|e| ServiceError::Runtime(format!("describing source table {table}: {}", classify(&e))))?;
+    let t = desc.table().ok_or_else(|| ServiceError::Runtime(format!("DescribeTable {table} returned no table")))?;
+    let keys_of = |schema: &[aws_sdk_dynamodb::types::KeySchemaElement]| -> Vec<String> {
+        let mut keys: Vec<&aws_sdk_dynamodb::types::KeySchemaElement> = schema.iter().collect();
+        keys.sort_by_key(|k| *k.key_type() != aws_sdk_dynamodb::types::KeyType::Hash);
+        keys.iter().map(|k| k.attribute_name().to_string()).collect()
+    };
+    let keys = TableKeys {
+        table: keys_of(t.key_schema()),
+        indexes: t.global_secondary_indexes().iter().filter_map(|i| Some((i.index_name()?.to_string(), keys_of(i.key_schema())))).collect(),
+    };
+    for rule in &config.engine.copies {
+        check_table(rule, &keys, table).map_err(ServiceError::Setup)?;
+    }
+    Ok(Some(Arc::new(crate::sink::copy::dynamodb::DynamoDbCopies::new(ddb.clone(), table.clone(), keys.table))))
+}
+
 /// Refuses a start that would count the stream's records again (a deployment moved to a new
 /// state table with the default ledger namespace), or registers this deployment in the ledger
 /// registry of the aggregates table ([`crate::registry`]).
 async fn register(ddb: &aws_sdk_dynamodb::Client, config: &Config, stream_arn: &str) -> Result<(), ServiceError> {
+    if config.engine.rules.is_empty() {
+        return Ok(()); // copy rules only: no ledger on any item
+    }
     let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.to_string());
     let state_is_new =
         !leases.has_read_a_stream().await.map_err(|e| ServiceError::Runtime(format!("reading state table {}: {e}", config.state.table)))?;
@@ -249,6 +283,7 @@ async fn run_stream(
     health: Arc<Health>,
     stop: CancellationToken,
 ) -> Result<(), ServiceError> {
+    let copies = copy_store(ddb, config).await?;
     let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.to_string());
     leases.prepare(config.state.create_table).await.map_err(|e| match e {
         crate::state::StateError::TableMissing(_) => ServiceError::Setup(e.to_string()),
@@ -283,6 +318,10 @@ async fn run_stream(
     let streams = aws_sdk_dynamodbstreams::Client::new(sdk);
     let shared = Shared::new(config.clone(), DynamoDbStream::new(streams, stream_arn.to_string()), leases, sink, owner, health)
         .with_dead_letters(dead_letters, stream_arn.to_string());
+    let shared = match copies {
+        Some(store) => shared.with_copies(store),
+        None => shared,
+    };
     let worker = Worker::new(shared);
     if let Some(attribute) = config.helper_expiry_attribute.clone().filter(|_| crate::sink::dynamodb::keeps_helpers(&config)) {
         tokio::spawn(watch_ttl(worker.shared().clone(), ddb.clone(), (config.aggregates_table.clone(), attribute.clone()), stop.clone()));

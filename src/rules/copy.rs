@@ -174,9 +174,11 @@ impl CopyRule {
     }
 
     /// The change `record` makes to this rule's copies: None for an item the rule's
-    /// `source_key` does not capture, and for a MODIFY that changes no copied attribute. An
-    /// INSERT and a REMOVE always write (a recreated source must win over its tombstone).
-    /// `shard_created_ms` is the creation time of the shard the record came from.
+    /// `source_key` does not capture, and for a record that changes no copied attribute (an
+    /// INSERT counts as a change from none; a new source without copied attributes has no
+    /// copies to set, and older changes are refused by the tombstone of its delete). A REMOVE
+    /// always writes: its version is the tombstone. `shard_created_ms` is the creation time of
+    /// the shard the record came from.
     pub fn change(&self, record: &StreamRecord<'_>, shard_created_ms: u64) -> Result<Option<CopyChange>, Poison> {
         let Some(captures) = self.capture(record) else { return Ok(None) };
         let poison = |code, message: String| Poison {
@@ -185,15 +187,17 @@ impl CopyRule {
             message,
             variables: captures.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         };
-        let new = record.new_image.map(|image| self.snapshot(image));
-        if record.event_name == EventName::Modify && new == record.old_image.map(|image| self.snapshot(image)) {
+        let none = || vec![None; self.attributes.len()];
+        let new = record.new_image.map_or_else(none, |image| self.snapshot(image));
+        let old = record.old_image.map_or_else(none, |image| self.snapshot(image));
+        if record.event_name != EventName::Remove && new == old {
             return Ok(None);
         }
         let version = Version::new(shard_created_ms, record.sequence_number.unwrap_or(""))
             .map_err(|e| poison(PoisonCode::MalformedRecord, e.to_string()))?;
         let find = self.find_query(&captures).map_err(|(code, m)| poison(code, m))?;
         let (mut set, mut remove) = (Vec::new(), Vec::new());
-        for (a, value) in self.attributes.iter().zip(new.unwrap_or_default().into_iter().chain(std::iter::repeat(None))) {
+        for (a, value) in self.attributes.iter().zip(new) {
             match value {
                 Some(v) => set.push((a.copy.clone(), v)),
                 None => remove.push(a.copy.clone()),
@@ -261,6 +265,41 @@ fn expand_error(at: &str, e: ExpandError) -> (PoisonCode, String) {
         ExpandError::Delimiter(name) => (PoisonCode::KeyDelimiter, format!("{at}: variable {{{name}}} contains the key delimiter '#'")),
         ExpandError::BadTimestamp { name, why } => (PoisonCode::BadTimestamp, format!("{at}: variable {{{name}}}: {why}")),
     }
+}
+
+/// A table's keys as DescribeTable gives them: the table's (partition key first), and each
+/// global secondary index's by name.
+#[derive(Debug, Clone, Default)]
+pub struct TableKeys {
+    pub table: Vec<String>,
+    pub indexes: Vec<(String, Vec<String>)>,
+}
+
+/// Checks a copy rule's `to` against the table it queries: the key attributes it names are
+/// the table's (or the index's), partition key first. The message says what to change.
+pub fn check_table(rule: &CopyRule, keys: &TableKeys, table: &str) -> Result<(), String> {
+    let (what, names) = match &rule.to.index {
+        None => (format!("table {table}"), keys.table.as_slice()),
+        Some(i) => match keys.indexes.iter().find(|(n, _)| n == i) {
+            Some((_, names)) => (format!("index {i} of table {table}"), names.as_slice()),
+            None => {
+                let known: Vec<&str> = keys.indexes.iter().map(|(n, _)| n.as_str()).collect();
+                return Err(format!(
+                    "rule {}: copy.to names index {i}, which table {table} does not have (its global secondary indexes: {known:?})",
+                    rule.name
+                ));
+            }
+        },
+    };
+    let pk_ok = names.first() == Some(&rule.to.partition.0);
+    let sk_ok = rule.to.sort.as_ref().is_none_or(|(sk, _)| names.get(1) == Some(sk));
+    if !pk_ok || !sk_ok {
+        return Err(format!(
+            "rule {}: copy.to's key attributes are not those of {what}: its keys are {names:?} (partition key first)",
+            rule.name
+        ));
+    }
+    Ok(())
 }
 
 /// `{"S": "x"}` -> ("S", "x").

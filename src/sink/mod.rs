@@ -1,6 +1,7 @@
 //! Writing aggregates: one conditional UpdateItem per target item and batch, guarded by the
 //! idempotency ledger ([`ledger`]), behind a narrow [`AggregateStore`] trait.
 
+pub mod copy;
 pub mod dead_letter;
 pub mod derive;
 pub mod distinct;

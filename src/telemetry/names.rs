@@ -29,6 +29,12 @@ pub const FOLDS: &str = "ddb_aggregator_folds_total";
 /// How far a rule's folded totals lag behind their sub-items: the age of the oldest write not
 /// folded yet, as of the last fold round (0: none).
 pub const FOLD_LAG: &str = "ddb_aggregator_fold_lag_seconds";
+/// Copy items written by copy rules, by rule and `outcome`: written, older (the item held this
+/// change's copies or a newer one's), gone (deleted after the query found it), rejected (the
+/// table refused it: dead-lettered), error (the batch is retried).
+pub const COPY_WRITES: &str = "ddb_aggregator_copy_writes_total";
+/// Items one source change's fan-out found, by rule.
+pub const COPY_FANOUT_ITEMS: &str = "ddb_aggregator_copy_fanout_items";
 pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
 /// 1 for the reason a replica holds no lease while its rule definitions differ from the
 /// committed ones (`reason`: committed_replicas_live, leases_held, conflicting_definitions,
@@ -165,6 +171,11 @@ pub fn describe() {
         FOLD_LAG,
         "Per rule with write_shards, on each replica: seconds from the oldest sub-item write not yet folded into its total to the last fold round (0: all folded). Growing: folds fail or fall behind."
     );
+    describe_counter!(
+        COPY_WRITES,
+        "Copy items written by copy rules, per rule: outcome written, older (the item held this change's copies or a newer one's), gone (deleted after the query found it), rejected (the table refused it: dead-lettered) or error (the batch is retried)."
+    );
+    describe_histogram!(COPY_FANOUT_ITEMS, "Items one source change's fan-out found, per copy rule.");
     describe_counter!(HELPER_WRITES_TOO_OLD, "Helper writes left out because their batch held a record older than 36 hours (a helper that expired meanwhile would count it again); a reconcile of everything is requested.");
     describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");
     describe_counter!(LEASES_DELETED, "Finished leases deleted once their shard left the stream and its children held checkpoints.");
@@ -187,9 +198,15 @@ pub fn describe() {
     describe_gauge!(BUILD_INFO, "Build information; the value is always 1.");
 }
 
+/// The dead-letter reason of a source record some of whose copies the table refused.
+pub const COPY_REJECTED: &str = "copy_rejected";
+
+/// The `outcome` values of [`COPY_WRITES`].
+pub const COPY_OUTCOMES: [&str; 5] = ["written", "older", "gone", "rejected", "error"];
+
 /// Creates every counter series with its fixed label values at zero, so dashboards and alerts
 /// (`increase()`, `rate()`) see the series before the first event.
-pub fn init_series(rules: &[String]) {
+pub fn init_series(rules: &[String], copy_rules: &[String]) {
     use metrics::counter;
     for name in [
         RECORDS_READ,
@@ -239,7 +256,7 @@ pub fn init_series(rules: &[String]) {
     for form in crate::sink::dead_letter::Delivery::ALL {
         counter!(DEAD_LETTER_DELIVERIES, "form" => form.as_str()).increment(0);
     }
-    let reasons = crate::rules::PoisonCode::ALL.iter().map(|c| c.as_str()).chain(["too_old", "write_rejected"]);
+    let reasons = crate::rules::PoisonCode::ALL.iter().map(|c| c.as_str()).chain(["too_old", "write_rejected", COPY_REJECTED]);
     for reason in reasons {
         counter!(DEAD_LETTERS, "reason" => reason).increment(0);
         counter!(RECORDS_SKIPPED, "reason" => reason).increment(0);
@@ -249,6 +266,12 @@ pub fn init_series(rules: &[String]) {
         counter!(RECONCILE_DRIFT, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_CORRECTIONS, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_FAILED_TARGETS, "rule" => rule.clone()).increment(0);
+    }
+    for rule in copy_rules {
+        counter!(RECORDS_MATCHED, "rule" => rule.clone()).increment(0);
+        for outcome in COPY_OUTCOMES {
+            counter!(COPY_WRITES, "rule" => rule.clone(), "outcome" => outcome).increment(0);
+        }
     }
 }
 

@@ -26,6 +26,8 @@ use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
 use crate::telemetry::names::{self, WriteOutcome};
 
+mod copies;
+
 /// Attempts at re-reading a refused record for its letter before the batch fails.
 const REREAD_ATTEMPTS: u32 = 5;
 
@@ -54,7 +56,8 @@ pub struct Applier<S, L, A> {
     ctx: ShardContext,
     /// How many target writes of a batch are in flight at once ([`WriteWindow`]).
     window: WriteWindow,
-    /// Sequence numbers this reader already queued, so a retried batch does not queue twice.
+    /// Letters (sequence number and reason) this reader already queued, so a retried batch
+    /// does not queue twice.
     dead_lettered: HashSet<String>,
 }
 
@@ -103,6 +106,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         // checkpoint moves: a crash in between replays the batch, which derives again.
         if let Err(e) = self.derive(&targets).await {
             return BatchOutcome::Failed(e);
+        }
+        // Copies after the targets, also before the checkpoint: a crash replays the batch, and
+        // the copies' versions skip what was written.
+        if let Err(outcome) = self.copy(&evaluated.copies).await {
+            return outcome;
         }
         phases.writes = lap(&mut mark);
         // The checkpoint moves only after every target write of the batch succeeded (or its
@@ -436,7 +444,9 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
             .unwrap_or_default();
         for l in letters {
-            if self.dead_lettered.contains(&l.sequence) {
+            // A record may take a letter for a rule and one for a copy it could not write.
+            let sent = format!("{}:{}", l.sequence, l.code);
+            if self.dead_lettered.contains(&sent) {
                 continue;
             }
             let rule = l.rules.first().cloned().unwrap_or_default();
@@ -468,7 +478,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
                     return Err(SinkError::Transient(format!("dead-letter queue: {e}")));
                 }
             }
-            self.dead_lettered.insert(l.sequence.clone());
+            self.dead_lettered.insert(sent);
             if self.shared.dead_letters.enabled() {
                 metrics::counter!(names::DEAD_LETTERS, "reason" => l.code.clone()).increment(1);
             }

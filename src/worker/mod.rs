@@ -87,6 +87,8 @@ pub struct Shared<S, L, A> {
     pub expiry_own: std::sync::atomic::AtomicBool,
     /// How long after reaching zero a helper expires (a test shortens it).
     pub expiry_after_ms: u64,
+    /// The table the copy rules write ([`crate::sink::copy`]); None: no copy rules.
+    pub copies: Option<Arc<dyn crate::sink::copy::CopyStore>>,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -121,7 +123,14 @@ impl<S, L, A> Shared<S, L, A> {
             expiry_on: Default::default(),
             expiry_own: Default::default(),
             expiry_after_ms: crate::sink::expiry::EXPIRE_AFTER_MS,
+            copies: None,
         }
+    }
+
+    /// Where the copy rules' copies are written.
+    pub fn with_copies(mut self, store: Arc<dyn crate::sink::copy::CopyStore>) -> Shared<S, L, A> {
+        self.copies = Some(store);
+        self
     }
 
     /// Starts a shard nobody ever read at its trim horizon. Reconcile's own consumer: the

@@ -70,15 +70,17 @@ fn a_rename_sets_every_copy_attribute_and_finds_the_orders() {
 }
 
 #[test]
-fn other_changes_write_nothing_and_inserts_and_deletes_always_do() {
+fn other_changes_write_nothing_and_deletes_always_do() {
     let quiet = record("MODIFY", "1", Some(profile(Some("Ann"), None, 1)), Some(profile(Some("Ann"), None, 2)));
     assert_eq!(change_of(&quiet, 0), None, "only visits changed");
     let removed_tier = record("MODIFY", "2", Some(profile(Some("Ann"), Some("gold"), 1)), Some(profile(Some("Ann"), None, 1)));
     let c = change_of(&removed_tier, 0).unwrap();
     assert_eq!(c.remove, vec!["customerTier".to_string()]);
-    let insert = record("INSERT", "3", None, Some(profile(None, None, 0)));
+    let bare = record("INSERT", "3", None, Some(profile(None, None, 0)));
+    assert_eq!(change_of(&bare, 0), None, "a new source without copied attributes has none to set");
+    let insert = record("INSERT", "3", None, Some(profile(None, Some("gold"), 0)));
     let c = change_of(&insert, 0).unwrap();
-    assert_eq!((c.set.len(), c.remove.len(), c.deleted), (0, 2, false), "a recreated source must win over its tombstone");
+    assert_eq!((c.set.len(), c.remove.len(), c.deleted), (1, 1, false), "a recreated source wins over its tombstone");
     let delete = record("REMOVE", "4", Some(profile(Some("Ann"), Some("gold"), 1)), None);
     let c = change_of(&delete, 0).unwrap();
     assert_eq!((c.set.len(), c.remove.len(), c.deleted), (0, 2, true));
@@ -245,4 +247,22 @@ proptest! {
         }
         prop_assert_eq!(&copy.values, &expected, "ops {:?}", ops);
     }
+}
+
+#[test]
+fn to_must_name_the_keys_of_the_table_or_of_an_existing_index() {
+    let keys = TableKeys { table: vec!["PK".into(), "SK".into()], indexes: vec![("GSI1".into(), vec!["GSI1PK".into(), "GSI1SK".into()])] };
+    assert_eq!(check_table(&rule(), &keys, "t"), Ok(()));
+    let mut wrong = rule();
+    wrong.to.partition.0 = "pk".into();
+    let e = check_table(&wrong, &keys, "t").unwrap_err();
+    assert!(e.contains("are not those of table t: its keys are [\"PK\", \"SK\"]"), "{e}");
+    let mut on_index = rule();
+    on_index.to.index = Some("GSI2".into());
+    let e = check_table(&on_index, &keys, "t").unwrap_err();
+    assert!(e.contains("names index GSI2, which table t does not have (its global secondary indexes: [\"GSI1\"])"), "{e}");
+    on_index.to.index = Some("GSI1".into());
+    on_index.to.partition.0 = "GSI1PK".into();
+    on_index.to.sort = Some(("GSI1SK".into(), SortCondition::BeginsWith(t("ORDER#"))));
+    assert_eq!(check_table(&on_index, &keys, "t"), Ok(()));
 }

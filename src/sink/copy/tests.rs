@@ -1,0 +1,117 @@
+use serde_json::{json, Map, Value};
+
+use super::*;
+use crate::rules::copy::{CopyAttribute, Finder, SortCondition, SortValue, Version};
+use crate::rules::template::Template;
+
+fn rule() -> CopyRule {
+    let t = |s: &str| Template::parse(s).unwrap();
+    CopyRule {
+        name: "names".into(),
+        filter: None,
+        source_key: vec![("PK".into(), t("CUST#{customer}")), ("SK".into(), t("PROFILE"))],
+        attributes: vec![CopyAttribute { copy: "customerName".into(), source: "name".into() }],
+        to: Finder {
+            index: None,
+            partition: ("PK".into(), t("CUST#{customer}")),
+            sort: Some(("SK".into(), SortCondition::BeginsWith(t("ORDER#")))),
+        },
+    }
+}
+
+fn key(pk: &str, sk: &str) -> ItemKey {
+    [("PK".to_string(), json!({"S": pk})), ("SK".to_string(), json!({"S": sk}))].into_iter().collect()
+}
+
+fn item(pk: &str, sk: &str, extra: Value) -> Map<String, Value> {
+    let mut m: Map<String, Value> = key(pk, sk).into_iter().collect();
+    m.extend(extra.as_object().cloned().unwrap_or_default());
+    m
+}
+
+fn change(seq: &str, name: Option<&str>, sort: Option<SortValue>) -> CopyChange {
+    CopyChange {
+        source: key("CUST#c1", "PROFILE"),
+        find: FindQuery { index: None, partition: ("PK".into(), "CUST#c1".into()), sort: sort.map(|s| ("SK".to_string(), s)) },
+        set: name.map(|n| vec![("customerName".to_string(), json!({"S": n}))]).unwrap_or_default(),
+        remove: if name.is_none() { vec!["customerName".to_string()] } else { vec![] },
+        version: Version::new(1_700_000_000_000, seq).unwrap(),
+        deleted: name.is_none(),
+    }
+}
+
+/// A customer with a profile, `n` orders and an order of another customer.
+fn store(n: usize) -> Arc<MemoryCopies> {
+    let s = MemoryCopies::new(&["PK", "SK"]);
+    s.put(item("CUST#c1", "PROFILE", json!({"name": {"S": "Ann"}})));
+    for i in 0..n {
+        s.put(item("CUST#c1", &format!("ORDER#{i:03}"), json!({"total": {"N": "1"}, "customerName": {"S": "Ann"}})));
+    }
+    s.put(item("CUST#c2", "ORDER#000", json!({"customerName": {"S": "Cy"}})));
+    s
+}
+
+fn name_on(s: &MemoryCopies, pk: &str, sk: &str) -> Option<Value> {
+    s.get(&key(pk, sk)).and_then(|i| i.get("customerName").cloned())
+}
+
+#[tokio::test]
+async fn a_rename_reaches_every_order_over_pages_and_a_replay_writes_nothing() {
+    let s = store(10);
+    let c = change("5", Some("Bea"), Some(SortValue::BeginsWith("ORDER#".into())));
+    let out = fan_out(s.as_ref(), &rule(), &c, 4).await.unwrap();
+    assert_eq!((out.found, out.written, out.older, out.gone), (10, 10, 0, 0));
+    assert_eq!(out.write_capacity, 10.0);
+    for i in 0..10 {
+        assert_eq!(name_on(&s, "CUST#c1", &format!("ORDER#{i:03}")), Some(json!({"S": "Bea"})));
+    }
+    assert_eq!(name_on(&s, "CUST#c1", "PROFILE"), None, "the source holds name, not the copy");
+    assert_eq!(name_on(&s, "CUST#c2", "ORDER#000"), Some(json!({"S": "Cy"})), "another customer's order");
+    let again = fan_out(s.as_ref(), &rule(), &c, 4).await.unwrap();
+    assert_eq!((again.found, again.written, again.older), (10, 0, 10), "skipped by the version read with the items");
+    // An older change arriving late changes nothing.
+    let late = fan_out(s.as_ref(), &rule(), &change("4", Some("Zed"), Some(SortValue::BeginsWith("ORDER#".into()))), 4).await.unwrap();
+    assert_eq!((late.written, late.older), (0, 10));
+    assert_eq!(name_on(&s, "CUST#c1", "ORDER#007"), Some(json!({"S": "Bea"})));
+}
+
+#[tokio::test]
+async fn a_delete_removes_the_copies_and_its_version_stays_as_a_tombstone() {
+    let s = store(3);
+    fan_out(s.as_ref(), &rule(), &change("9", None, Some(SortValue::BeginsWith("ORDER#".into()))), 2).await.unwrap();
+    let order = s.get(&key("CUST#c1", "ORDER#001")).unwrap();
+    assert!(!order.contains_key("customerName"));
+    assert_eq!(order["_aggc:names"], json!({"S": Version::new(1_700_000_000_000, "9").unwrap().text()}));
+    let late = fan_out(s.as_ref(), &rule(), &change("8", Some("Ann"), Some(SortValue::BeginsWith("ORDER#".into()))), 2).await.unwrap();
+    assert_eq!(late.written, 0, "a late older record does not bring the copies back");
+}
+
+#[tokio::test]
+async fn the_source_itself_is_never_written_and_a_refused_item_does_not_stop_the_others() {
+    let s = store(3);
+    s.put(item("CUST#c1", "ORDER#big", json!({"blob": {"S": "x".repeat(600)}})));
+    let small = MemoryCopies {
+        items: std::sync::Mutex::new(s.items.lock().unwrap().clone()),
+        key_names: s.key_names.clone(),
+        page_size: 2,
+        max_item_bytes: 500,
+    };
+    // A whole-partition query finds the profile too.
+    let out = fan_out(&small, &rule(), &change("5", Some("Bea"), None), 2).await.unwrap();
+    assert_eq!(out.found, 4, "three orders and the big one; the profile is the source");
+    assert_eq!(out.written, 3);
+    assert_eq!(out.rejected.len(), 1);
+    assert_eq!(out.rejected[0].0, key("CUST#c1", "ORDER#big"));
+    assert!(out.rejected[0].1.contains("maximum allowed size"), "{:?}", out.rejected);
+    assert_eq!(small.get(&key("CUST#c1", "PROFILE")).unwrap().get("customerName"), None);
+}
+
+#[tokio::test]
+async fn a_write_to_an_item_deleted_after_the_query_does_not_create_it() {
+    let s = store(1);
+    let gone = key("CUST#c1", "ORDER#000");
+    s.delete(&gone);
+    let c = change("5", Some("Bea"), None);
+    assert_eq!(s.write(&gone, &c, "_aggc:names").await.unwrap(), CopyOutcome::Gone);
+    assert!(s.get(&gone).is_none());
+}

@@ -1,0 +1,177 @@
+//! Copy rules end to end on DynamoDB Local: the real binary keeps the customer's name and tier
+//! on every order (config/commerce.yaml's customer-name-on-orders) while profiles are renamed,
+//! re-tiered and deleted, orders come and go, and the service is killed with SIGKILL.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use aws_sdk_dynamodb::Client;
+use common::*;
+
+const LEASE: &str = "2s";
+
+/// The writer's view of one customer's profile: (name, tier), or None once deleted.
+type Profiles = BTreeMap<usize, Option<(String, Option<String>)>>;
+
+fn s(v: &str) -> AttributeValue {
+    AttributeValue::S(v.to_string())
+}
+
+async fn put_profile(c: &Client, table: &str, customer: usize, name: &str, tier: Option<&str>) {
+    let mut req = c.put_item().table_name(table).item("PK", s(&format!("CUST#c{customer}"))).item("SK", s("PROFILE")).item("name", s(name));
+    if let Some(t) = tier {
+        req = req.item("tier", s(t));
+    }
+    req.send().await.unwrap_or_else(|e| panic!("profile c{customer}: {e:?}"));
+}
+
+/// An order, written as the application writes it: with a snapshot of its customer's profile.
+async fn put_order(c: &Client, table: &str, customer: usize, n: usize, profile: Option<&(String, Option<String>)>) {
+    let mut req = c
+        .put_item()
+        .table_name(table)
+        .item("PK", s(&format!("CUST#c{customer}")))
+        .item("SK", s(&format!("ORDER#2026-12-06#o{n}")))
+        .item("status", s("PAID"))
+        .item("total", AttributeValue::N(format!("{}.25", n % 90)));
+    if let Some((name, tier)) = profile {
+        req = req.item("customerName", s(name));
+        if let Some(t) = tier {
+            req = req.item("customerTier", s(t));
+        }
+    }
+    req.send().await.unwrap_or_else(|e| panic!("order {n}: {e:?}"));
+}
+
+/// Renames, re-tiers, drops and deletes profiles in bursts while orders are placed (with the
+/// profile as the writer knows it) and deleted: returns the final profiles.
+async fn churn(c: Client, table: String, customers: usize, steps: usize, seed: u64) -> Profiles {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut profiles: Profiles = BTreeMap::new();
+    let mut orders: Vec<(usize, usize)> = Vec::new();
+    let mut n = 0;
+    for k in 0..customers {
+        let p = (format!("Customer {k}"), Some("blue".to_string()));
+        put_profile(&c, &table, k, &p.0, p.1.as_deref()).await;
+        profiles.insert(k, Some(p));
+        for _ in 0..6 {
+            n += 1;
+            put_order(&c, &table, k, n, profiles[&k].as_ref()).await;
+            orders.push((k, n));
+        }
+    }
+    // The last customer's profile is deleted half way.
+    let doomed = customers - 1;
+    for step in 0..steps {
+        // Spread over a few seconds, so that the SIGKILLs land in the middle of it.
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        let k = rng.usize(..customers);
+        if step == steps / 2 {
+            c.delete_item().table_name(&table).key("PK", s(&format!("CUST#c{doomed}"))).key("SK", s("PROFILE")).send().await.unwrap();
+            profiles.insert(doomed, None);
+            continue;
+        }
+        match rng.u32(..10) {
+            // A burst of renames of one customer.
+            0..=2 if profiles[&k].is_some() => {
+                for b in 0..rng.usize(1..4) {
+                    let tier = if rng.bool() { Some(["gold", "blue", "green"][rng.usize(..3)].to_string()) } else { None };
+                    let p = (format!("Customer {k} v{step}.{b}"), tier);
+                    put_profile(&c, &table, k, &p.0, p.1.as_deref()).await;
+                    profiles.insert(k, Some(p));
+                }
+            }
+            3..=6 => {
+                n += 1;
+                put_order(&c, &table, k, n, profiles[&k].as_ref()).await;
+                orders.push((k, n));
+            }
+            // Deletes leave the doomed customer's orders, whose copies its delete removes.
+            _ if orders.iter().any(|(k, _)| *k != doomed) => {
+                let mut pick = rng.usize(..orders.len());
+                while orders[pick].0 == doomed {
+                    pick = (pick + 1) % orders.len();
+                }
+                let (k, o) = orders.swap_remove(pick);
+                let sk = format!("ORDER#2026-12-06#o{o}");
+                c.delete_item().table_name(&table).key("PK", s(&format!("CUST#c{k}"))).key("SK", s(&sk)).send().await.unwrap();
+            }
+            _ => {}
+        }
+    }
+    profiles
+}
+
+/// Orders whose copies differ from their customer's final profile: (order, what it holds).
+async fn wrong_copies(c: &Client, table: &str, profiles: &Profiles) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for item in scan(c, table).await {
+        let pk = item["PK"].as_s().unwrap();
+        let sk = item["SK"].as_s().unwrap();
+        if !sk.starts_with("ORDER#") {
+            continue;
+        }
+        let k: usize = pk.trim_start_matches("CUST#c").parse().unwrap();
+        let held =
+            (item.get("customerName").and_then(|v| v.as_s().ok()).cloned(), item.get("customerTier").and_then(|v| v.as_s().ok()).cloned());
+        let expected = match &profiles[&k] {
+            Some((name, tier)) => (Some(name.clone()), tier.clone()),
+            None => (None, None),
+        };
+        if held != expected {
+            wrong.push(format!("{pk} {sk}: holds {held:?}, expected {expected:?}"));
+        }
+    }
+    wrong
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renames_reach_every_order_through_sigkills_and_a_deleted_profile_takes_its_copies() {
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("copies");
+    let aggregates = format!("{table}-aggregates");
+    create_source_table(&c, &table).await;
+    // The aggregates in a table of their own: a deleted profile would take them with it.
+    create_aggregates_table(&c, &aggregates).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    let writer = tokio::spawn(churn(c.clone(), table.clone(), 6, 400, 11));
+    let mut svc = Service::start(&config, dir.path(), "svc", &[]);
+    let mut rng = fastrand::Rng::with_seed(5);
+    let mut kills = 0;
+    while !writer.is_finished() || kills < 3 {
+        tokio::time::sleep(Duration::from_millis(rng.u64(500..2500))).await;
+        svc.kill();
+        kills += 1;
+        svc = Service::start(&config, dir.path(), "svc", &[]);
+    }
+    let profiles = writer.await.unwrap();
+    let started = Instant::now();
+    let mut wrong = wrong_copies(&c, &table, &profiles).await;
+    while !wrong.is_empty() && started.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        wrong = wrong_copies(&c, &table, &profiles).await;
+    }
+    assert!(wrong.is_empty(), "{} orders with wrong copies after {kills} SIGKILLs:\n{}\n{}", wrong.len(), wrong.join("\n"), svc.log_tail());
+    // The service wrote them: the orders carry the version of the change their copies came from.
+    let versioned = scan(&c, &table).await.iter().filter(|i| i.contains_key("_aggc:customer-name-on-orders")).count();
+    assert!(versioned > 20, "{versioned} orders carry a copy version");
+    // The copy writes are order MODIFYs that change nothing the counters read.
+    let started = Instant::now();
+    loop {
+        let (want, got) = (truth(&scan(&c, &table).await), common::aggregates(&scan(&c, &aggregates).await));
+        if want == got {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "aggregates differ from the truth: {want:?}\n{got:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let m = svc.metrics();
+    let last_run: Vec<&str> = m.lines().filter(|l| l.starts_with("ddb_aggregator_copy_writes_total{")).collect();
+    println!("{kills} SIGKILLs: every order's copies equal its profile; {versioned} orders written by the service; the last run's copy writes: {last_run:?}");
+    assert!(kills >= 3);
+}
