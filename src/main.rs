@@ -904,7 +904,7 @@ fn simulate(config_path: &Path, records_path: &Path) -> anyhow::Result<()> {
         let report = engine.apply(record, &mut batch);
         // A record file does not say which shard a record came from: its version is ordered
         // by sequence number alone.
-        let copied = engine.apply_copies(record, 0, &mut copies);
+        let copied = engine.apply_copies(record, Some(0), &mut copies);
         if !report.matched.is_empty() || !copied.matched.is_empty() {
             matched += 1;
         }

@@ -192,39 +192,6 @@ pub async fn run(config: Config) -> Result<(), ServiceError> {
     }
 }
 
-/// The source table's keys and indexes, with every copy rule's `to` checked against them, and
-/// the store that writes the copies; None without copy rules.
-async fn copy_store(
-    ddb: &aws_sdk_dynamodb::Client,
-    config: &Config,
-) -> Result<Option<Arc<dyn crate::sink::copy::CopyStore>>, ServiceError> {
-    use crate::rules::copy::{check_table, TableKeys};
-    if config.engine.copies.is_empty() {
-        return Ok(None);
-    }
-    let table = &config.source.table;
-    let desc = ddb
-        .describe_table()
-        .table_name(table)
-        .send()
-        .await
-        .map_err(|e| ServiceError::Runtime(format!("describing source table {table}: {}", classify(&e))))?;
-    let t = desc.table().ok_or_else(|| ServiceError::Runtime(format!("DescribeTable {table} returned no table")))?;
-    let keys_of = |schema: &[aws_sdk_dynamodb::types::KeySchemaElement]| -> Vec<String> {
-        let mut keys: Vec<&aws_sdk_dynamodb::types::KeySchemaElement> = schema.iter().collect();
-        keys.sort_by_key(|k| *k.key_type() != aws_sdk_dynamodb::types::KeyType::Hash);
-        keys.iter().map(|k| k.attribute_name().to_string()).collect()
-    };
-    let keys = TableKeys {
-        table: keys_of(t.key_schema()),
-        indexes: t.global_secondary_indexes().iter().filter_map(|i| Some((i.index_name()?.to_string(), keys_of(i.key_schema())))).collect(),
-    };
-    for rule in &config.engine.copies {
-        check_table(rule, &keys, table).map_err(ServiceError::Setup)?;
-    }
-    Ok(Some(Arc::new(crate::sink::copy::dynamodb::DynamoDbCopies::new(ddb.clone(), table.clone(), keys.table))))
-}
-
 /// Refuses a start that would count the stream's records again (a deployment moved to a new
 /// state table with the default ledger namespace), or registers this deployment in the ledger
 /// registry of the aggregates table ([`crate::registry`]).
@@ -283,7 +250,10 @@ async fn run_stream(
     health: Arc<Health>,
     stop: CancellationToken,
 ) -> Result<(), ServiceError> {
-    let copies = copy_store(ddb, config).await?;
+    let copies = crate::sink::copy::dynamodb::for_config(ddb, config).await.map_err(|e| match e {
+        crate::sink::copy::dynamodb::SetupError::Refused(m) => ServiceError::Setup(m),
+        e @ crate::sink::copy::dynamodb::SetupError::Describe { .. } => ServiceError::Runtime(e.to_string()),
+    })?;
     let leases = DynamoDbLeases::new(ddb.clone(), config.state.table.clone(), stream_arn.to_string());
     leases.prepare(config.state.create_table).await.map_err(|e| match e {
         crate::state::StateError::TableMissing(_) => ServiceError::Setup(e.to_string()),

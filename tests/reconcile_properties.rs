@@ -281,7 +281,7 @@ impl Harness {
         let mut writes = 0;
         for (shard, records) in by_shard {
             let mut batch = PendingBatch::default();
-            batch.add_page(&self.engine, None, records, 0, 0);
+            batch.add_page(&self.engine, None, records, 0, Some(0));
             let ctx = ShardContext::new(&self.ledger, &shard);
             for (key, delta) in batch.finish(&self.engine, &shard).targets {
                 if crash_after.is_some_and(|c| writes >= c) {

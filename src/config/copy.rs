@@ -19,16 +19,25 @@ pub(super) fn validate(path: &str, r: &RawRule, copy: &RawCopy) -> Result<CopyRu
     let options = PatternOptions { numeric_strings: r.numeric_strings };
     let filter = match &r.filter {
         None => None,
-        Some(v) => Some(PatternSet::compile(v, options).map_err(|e| pattern_err(&format!("{path}.filter"), e))?),
+        Some(v) => {
+            keys_only(&format!("{path}.filter"), v)?;
+            Some(PatternSet::compile(v, options).map_err(|e| pattern_err(&format!("{path}.filter"), e))?)
+        }
     };
     let source_key = super::source_key(path, r)?;
     let captures: BTreeSet<&str> = source_key.iter().flat_map(|(_, t)| t.variables()).collect();
     let at = format!("{path}.copy.to");
     let to = finder(&at, &copy.to, &source_key)?;
-    for v in to.partition.1.variables().chain(to.sort.iter().flat_map(|(_, c)| condition_template(c).variables())) {
-        if !captures.contains(v) {
-            return Err(err(&at, format!("{{{v}}} is not captured by source_key: the copies are found from the source item's key")));
-        }
+    let used: BTreeSet<&str> =
+        to.partition.1.variables().chain(to.sort.iter().flat_map(|(_, c)| condition_template(c).variables())).collect();
+    if let Some(v) = used.difference(&captures).next() {
+        return Err(err(&at, format!("{{{v}}} is not captured by source_key: the copies are found from the source item's key")));
+    }
+    if let Some(v) = captures.difference(&used).next() {
+        return Err(err(
+            &at,
+            format!("does not use {{{v}}}, which source_key captures: sources that differ only in it would share one set of copies"),
+        ));
     }
     let key_names: Vec<&str> = source_key
         .iter()
@@ -125,11 +134,52 @@ fn finder(at: &str, to: &indexmap::IndexMap<String, String>, source_key: &[(Stri
     Ok(Finder { index, partition, sort })
 }
 
+/// Most attributes one copy rule keeps: each takes about 14 bytes of the write's update
+/// expression, which DynamoDB caps at 4 KB.
+pub const MAX_COPY_ATTRIBUTES: usize = 100;
+
+/// A copy rule's filter may test the record's keys (and `eventSource`) only: every change of a
+/// source item must reach the rule, its delete (which has no NewImage) among them.
+fn keys_only(at: &str, filter: &serde_json::Value) -> Result<(), ConfigError> {
+    use serde_json::Value;
+    let refuse = |field: &str| {
+        err(
+            at,
+            format!("a copy rule's filter may test dynamodb.Keys and eventSource only, not {field}: a source change the filter skips (a delete has no NewImage) would leave its copies stale"),
+        )
+    };
+    let patterns: Vec<&Value> = match filter {
+        Value::Array(list) => list.iter().collect(),
+        other => vec![other],
+    };
+    for p in patterns {
+        let Some(fields) = p.as_object() else { continue };
+        for (k, v) in fields {
+            match k.as_str() {
+                "eventSource" => {}
+                "dynamodb" => {
+                    if let Some(inner) = v.as_object().and_then(|o| o.keys().find(|k| k.as_str() != "Keys")) {
+                        return Err(refuse(&format!("dynamodb.{inner}")));
+                    }
+                }
+                other => return Err(refuse(other)),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `copy.attributes`: copy attribute -> source attribute, both top-level names; a copy is not a
 /// key attribute or one of the service's own.
 fn attributes(at: &str, copy: &RawCopy, key_names: &[&str]) -> Result<Vec<CopyAttribute>, ConfigError> {
     if copy.attributes.is_empty() {
         return Err(err(at, "name at least one, copy attribute: source attribute (e.g. customerName: name)"));
+    }
+    if copy.attributes.len() > MAX_COPY_ATTRIBUTES {
+        return Err(err(
+            at,
+            format!("{} attributes: at most {MAX_COPY_ATTRIBUTES} (a write's expression is capped at 4 KB)", copy.attributes.len()),
+        ));
     }
     let top_level = |s: &str| !s.is_empty() && !s.contains('.') && !s.contains('[');
     let mut out = Vec::with_capacity(copy.attributes.len());

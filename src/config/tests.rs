@@ -676,6 +676,30 @@ fn copy_rule_errors_name_the_path_and_the_fix() {
         let e = load_err(&text);
         assert!(e.contains(expected), "{extra}{copy}\n  expected: {expected}\n  got: {e}");
     }
+    // A filter that would skip some changes of a source (its delete has no NewImage).
+    let copy_filter =
+        "    filter: { dynamodb: { Keys: { SK: { S: [PROFILE] } } } }\n    source_key: { PK: \"CUST#{customer}\", SK: PROFILE }\n    copy:";
+    for (filter, field) in
+        [("{ dynamodb: { NewImage: { tier: { S: [gold] } } } }", "dynamodb.NewImage"), ("[{ eventName: [MODIFY] }]", "eventName")]
+    {
+        let text =
+            demo_with_copy("", COPY).replace(copy_filter, &copy_filter.replace("{ dynamodb: { Keys: { SK: { S: [PROFILE] } } } }", filter));
+        let e = load_err(&text);
+        assert!(
+            e.contains(&format!("rules[2].filter: a copy rule's filter may test dynamodb.Keys and eventSource only, not {field}")),
+            "{e}"
+        );
+    }
+    // Two profiles of a customer would share one set of copies.
+    let text = demo_with_copy("", COPY).replace("SK: PROFILE }\n    copy:", "SK: \"PROFILE#{p}\" }\n    copy:");
+    let e = load_err(&text);
+    assert!(e.contains("rules[2].copy.to: does not use {p}, which source_key captures"), "{e}");
+    let many: String = (0..101).map(|i| format!("a{i}: s{i}, ")).collect();
+    let e = load_err(&demo_with_copy(
+        "",
+        &format!("      attributes: {{ {many} }}\n      to: {{ PK: \"CUST#{{customer}}\", SK_begins_with: \"ORDER#\" }}\n"),
+    ));
+    assert!(e.contains("rules[2].copy.attributes: 101 attributes: at most 100"), "{e}");
     // A rule with neither a target nor copy says what it misses.
     let e = load_err(&demo_with("    target: { PK: \"SALES#{date|day}\", SK: \"TOTAL\" }\n", ""));
     assert!(e.contains("rules[1].target: is missing") && e.contains("copy:"), "{e}");
@@ -687,7 +711,7 @@ fn copies_are_never_written_onto_aggregates_or_kept_by_two_rules() {
     // holds customer-orders' measures) is refused.
     let e = load_err(&demo_with_copy("", "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: P }\n"));
     assert!(e.contains("copy.to: could find the source item itself"), "{e}");
-    let sales = "  - name: sales-note\n    source_key: { PK: \"CUST#{customer}\", SK: \"NOTE#{n}\" }\n    copy:\n      attributes: { note: text }\n      to: { PK: \"SALES#{customer}\", SK_begins_with: TOT }\n";
+    let sales = "  - name: sales-note\n    source_key: { PK: \"CUST#{customer}\", SK: NOTE }\n    copy:\n      attributes: { note: text }\n      to: { PK: \"SALES#{customer}\", SK_begins_with: TOT }\n";
     let e = load_err(&format!("{DEMO}{sales}"));
     assert!(e.contains("rules[3].copy.to: could find the target items of rule \"daily-sales\""), "{e}");
     // In a table of their own, the aggregates are out of reach.

@@ -59,6 +59,8 @@ pub struct Reconciler {
     own_consumer: bool,
     /// Consumed read capacity per second over both tables.
     budget: Arc<ReadBudget>,
+    /// Where its own consumer writes the copy rules' copies (None: no copy rules).
+    copies: Option<Arc<dyn crate::sink::copy::CopyStore>>,
     pub items_read: Arc<AtomicU64>,
     /// The aggregates table's TTL attribute: a corrected helper item's expiry follows its
     /// count ([`crate::sink::expiry`]).
@@ -102,7 +104,14 @@ impl Reconciler {
             .helper_expiry_attribute
             .as_deref()
             .map(|a| crate::sink::expiry::Expiry { set: false, ..crate::sink::expiry::Expiry::new(a) });
+        // Its own consumer applies the copy rules too: skipping them would move checkpoints
+        // past their changes.
+        let copies = crate::sink::copy::dynamodb::for_config(&ddb, &config).await.map_err(|e| match e {
+            crate::sink::copy::dynamodb::SetupError::Refused(m) => ReconcileError::BadInput(m),
+            e => ReconcileError::Aws(e.to_string()),
+        })?;
         Ok(Reconciler {
+            copies,
             expiry,
             ddb,
             config,
@@ -399,6 +408,10 @@ impl Reconciler {
                 .with_dead_letters(dead_letters, self.stream_arn.clone())
                 .without_balancing()
                 .reading_from_the_horizon();
+        let shared = match &self.copies {
+            Some(store) => shared.with_copies(store.clone()),
+            None => shared,
+        };
         let stop = CancellationToken::new();
         let worker = Worker::new(shared);
         let shared = worker.shared().clone();

@@ -3,18 +3,22 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use serde_json::{Map, Value};
+use futures::future::BoxFuture;
+use serde_json::{json, Map, Value};
 
 use super::protocol::{Correction, Placement, Removal, SourceItems, TargetItem, TargetStore};
 use super::report::Stored;
 use super::truth::{is_target, Truth};
 use super::{Options, ReconcileError};
 use crate::decimal::Decimal;
+use crate::rules::copy::{CopyChange, FindQuery, SortValue};
 use crate::rules::{Rule, TargetKey};
+use crate::sink::copy::{CopyOutcome, CopyStore, Found, FoundPage, ItemKey};
 use crate::sink::derive::DeriveTarget;
 use crate::sink::expiry::ExpiryChange;
 use crate::sink::ledger::Ledger;
 use crate::sink::memory::{MemValue, MemoryAggregates};
+use crate::sink::SinkError;
 
 /// The aggregates table as reconcile sees it, over [`MemoryAggregates`].
 /// Attempts of a throttled read of one item ([`MemoryAggregates::read_item`]).
@@ -180,17 +184,37 @@ impl TargetStore for MemoryTargets<'_> {
     }
 }
 
-/// A source table in memory: items (typed DynamoDB JSON) by their key values.
+/// A source table in memory: items (typed DynamoDB JSON) by their key values. It also holds
+/// copy rules' copies ([`CopyStore`]).
 #[derive(Debug, Default)]
 pub struct MemorySources {
     /// The table's key attributes, partition key first.
     pub key_names: Vec<String>,
     items: Mutex<BTreeMap<Vec<String>, Map<String, Value>>>,
+    /// Items a copy fan-out's query returns per page.
+    pub page_size: usize,
+    /// A copy write that would make an item larger than this (bytes of its JSON) is refused,
+    /// as DynamoDB refuses 400 KB.
+    pub max_item_bytes: usize,
 }
 
 impl MemorySources {
     pub fn new(key_names: Vec<String>) -> MemorySources {
-        MemorySources { key_names, items: Mutex::default() }
+        MemorySources { key_names, items: Mutex::default(), page_size: 100, max_item_bytes: 400 * 1024 }
+    }
+
+    /// The item with these key values.
+    pub fn get(&self, key: &[String]) -> Option<Map<String, Value>> {
+        self.lock().get(key).cloned()
+    }
+
+    /// The key values of a typed key (`{"PK": {"S": "x"}, ...}`), in key order.
+    fn key_values(&self, key: &ItemKey) -> Vec<String> {
+        self.key_names.iter().map(|k| key.get(k).and_then(|v| v.get("S")).and_then(Value::as_str).unwrap_or("").to_string()).collect()
+    }
+
+    fn typed_key(&self, values: &[String]) -> ItemKey {
+        self.key_names.iter().zip(values).map(|(k, v)| (k.clone(), json!({ "S": v }))).collect()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<Vec<String>, Map<String, Value>>> {
@@ -214,6 +238,78 @@ impl MemorySources {
 
     pub fn items(&self) -> Vec<Map<String, Value>> {
         self.lock().values().cloned().collect()
+    }
+}
+
+impl CopyStore for MemorySources {
+    fn find<'a>(
+        &'a self,
+        q: &'a FindQuery,
+        version_attribute: &'a str,
+        start: Option<&'a ItemKey>,
+    ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
+        Box::pin(async move {
+            let after = start.map(|k| self.key_values(k));
+            let sort_name = self.key_names.get(1);
+            let items = self.lock();
+            let from = vec![q.partition.1.clone()];
+            let partition = items.range(from..).take_while(|(k, _)| k.first() == Some(&q.partition.1));
+            let mut page = FoundPage::default();
+            for (k, item) in partition.filter(|(k, _)| after.as_ref().is_none_or(|a| *k > a)) {
+                let sort = k.get(1).map(String::as_str).unwrap_or("");
+                let meets = match &q.sort {
+                    None => true,
+                    Some((name, _)) if Some(name) != sort_name => false,
+                    Some((_, SortValue::Equals(v))) => sort == v,
+                    Some((_, SortValue::BeginsWith(p))) => sort.starts_with(p.as_str()),
+                };
+                if !meets || q.index.is_some() || q.partition.0 != self.key_names[0] {
+                    continue;
+                }
+                if page.items.len() == self.page_size.max(1) {
+                    page.next = page.items.last().map(|f: &Found| f.key.clone());
+                    break;
+                }
+                let version = item.get(version_attribute).and_then(|v| v.get("S")).and_then(Value::as_str).map(str::to_string);
+                page.items.push(Found { key: self.typed_key(k), version });
+            }
+            Ok(page)
+        })
+    }
+
+    fn source<'a>(&'a self, key: &'a ItemKey, _attributes: &'a [String]) -> BoxFuture<'a, Result<Option<Map<String, Value>>, SinkError>> {
+        Box::pin(async move { Ok(self.get(&self.key_values(key))) })
+    }
+
+    fn write<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        change: &'a CopyChange,
+        version_attribute: &'a str,
+    ) -> BoxFuture<'a, Result<CopyOutcome, SinkError>> {
+        Box::pin(async move {
+            let mut items = self.lock();
+            let Some(item) = items.get_mut(&self.key_values(key)) else { return Ok(CopyOutcome::Gone) };
+            let version = change.version.text();
+            let recorded = item.get(version_attribute).and_then(|v| v.get("S")).and_then(Value::as_str);
+            if recorded.is_some_and(|r| *r >= *version) {
+                return Ok(CopyOutcome::Older);
+            }
+            let mut next = item.clone();
+            for name in &change.remove {
+                next.remove(name);
+            }
+            for (name, value) in &change.set {
+                next.insert(name.clone(), value.clone());
+            }
+            next.insert(version_attribute.to_string(), json!({ "S": version }));
+            let size = serde_json::to_string(&next).map_or(0, |t| t.len());
+            if size > self.max_item_bytes {
+                return Ok(CopyOutcome::Rejected(format!("Item size has exceeded the maximum allowed size ({size} bytes)")));
+            }
+            *item = next;
+            Ok(CopyOutcome::Written { capacity: size.div_ceil(1024).max(1) as f64 })
+        })
     }
 }
 

@@ -84,7 +84,13 @@ async fn replay_one(reconciler: &Reconciler, body: &Value, opts: &Options) -> Re
         .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
         .unwrap_or_default();
     let mut corrected = 0;
+    let mut copy_rules = Vec::new();
     for name in &rules {
+        // A copy rule's part of a letter has no targets to reconcile (copies are not reconciled).
+        if reconciler.config().engine.copies.iter().any(|r| *r.name == **name) {
+            copy_rules.push(name.as_str());
+            continue;
+        }
         let rule = reconciler
             .config()
             .engine
@@ -118,6 +124,12 @@ async fn replay_one(reconciler: &Reconciler, body: &Value, opts: &Options) -> Re
             return Err(format!("rule {name}: drift remains ({} not corrected)", report.uncorrected()));
         }
         corrected += report.drifts.len() as u64;
+    }
+    if !copy_rules.is_empty() {
+        return Err(format!(
+            "names copy rule {}: copies are not replayed; fix the copies by hand (docs/dead-letters.md), then delete the letter",
+            copy_rules.join(", ")
+        ));
     }
     Ok(corrected)
 }

@@ -165,6 +165,18 @@ pub struct CopyChange {
     pub version: Version,
     /// The source was deleted: the copies go, and the version stays as a tombstone.
     pub deleted: bool,
+    /// The source's copied attributes after the change, in the rule's order (None: absent).
+    pub snapshot: Vec<Option<Value>>,
+}
+
+impl CopyChange {
+    /// Whether the source still holds what this change copies (`current`: [`CopyRule::current`]).
+    /// A fan-out writes a page only then: otherwise a newer change of the source exists, and a
+    /// writer that lost its lease and woke up late must not put this change's values on items
+    /// that carry no version yet (an item the application created after the newer change).
+    pub fn still_current(&self, current: &[Option<Value>]) -> bool {
+        self.snapshot == current
+    }
 }
 
 impl CopyRule {
@@ -178,8 +190,9 @@ impl CopyRule {
     /// INSERT counts as a change from none; a new source without copied attributes has no
     /// copies to set, and older changes are refused by the tombstone of its delete). A REMOVE
     /// always writes: its version is the tombstone. `shard_created_ms` is the creation time of
-    /// the shard the record came from.
-    pub fn change(&self, record: &StreamRecord<'_>, shard_created_ms: u64) -> Result<Option<CopyChange>, Poison> {
+    /// the shard the record came from (None: its id says none, and the record cannot be
+    /// ordered against the records of other shards: poison).
+    pub fn change(&self, record: &StreamRecord<'_>, shard_created_ms: Option<u64>) -> Result<Option<CopyChange>, Poison> {
         let Some(captures) = self.capture(record) else { return Ok(None) };
         let poison = |code, message: String| Poison {
             code,
@@ -193,18 +206,37 @@ impl CopyRule {
         if record.event_name != EventName::Remove && new == old {
             return Ok(None);
         }
-        let version = Version::new(shard_created_ms, record.sequence_number.unwrap_or(""))
-            .map_err(|e| poison(PoisonCode::MalformedRecord, e.to_string()))?;
+        let created = shard_created_ms.ok_or_else(|| {
+            poison(
+                PoisonCode::MalformedRecord,
+                "the record's shard id carries no creation time, which orders a source's changes across shards".into(),
+            )
+        })?;
+        let version =
+            Version::new(created, record.sequence_number.unwrap_or("")).map_err(|e| poison(PoisonCode::MalformedRecord, e.to_string()))?;
         let find = self.find_query(&captures).map_err(|(code, m)| poison(code, m))?;
         let (mut set, mut remove) = (Vec::new(), Vec::new());
-        for (a, value) in self.attributes.iter().zip(new) {
+        for (a, value) in self.attributes.iter().zip(&new) {
             match value {
-                Some(v) => set.push((a.copy.clone(), v)),
+                Some(v) => set.push((a.copy.clone(), v.clone())),
                 None => remove.push(a.copy.clone()),
             }
         }
         let source = record.keys.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        Ok(Some(CopyChange { source, find, set, remove, version, deleted: record.event_name == EventName::Remove }))
+        Ok(Some(CopyChange { source, find, set, remove, version, deleted: record.event_name == EventName::Remove, snapshot: new }))
+    }
+
+    /// The copied attributes of a source item as read from the table (None: it does not exist).
+    pub fn current(&self, item: Option<&serde_json::Map<String, Value>>) -> Vec<Option<Value>> {
+        match item {
+            Some(i) => self.snapshot(&Value::Object(i.clone())),
+            None => vec![None; self.attributes.len()],
+        }
+    }
+
+    /// The source attributes this rule copies.
+    pub fn source_attributes(&self) -> Vec<String> {
+        self.attributes.iter().map(|a| a.source.clone()).collect()
     }
 
     /// The variables `source_key` captures from the record's keys, or None if it does not
@@ -273,6 +305,8 @@ fn expand_error(at: &str, e: ExpandError) -> (PoisonCode, String) {
 pub struct TableKeys {
     pub table: Vec<String>,
     pub indexes: Vec<(String, Vec<String>)>,
+    /// Key attributes (of the table or an index) whose type is not S.
+    pub not_text: Vec<String>,
 }
 
 /// Checks a copy rule's `to` against the table it queries: the key attributes it names are
@@ -298,6 +332,10 @@ pub fn check_table(rule: &CopyRule, keys: &TableKeys, table: &str) -> Result<(),
             "rule {}: copy.to's key attributes are not those of {what}: its keys are {names:?} (partition key first)",
             rule.name
         ));
+    }
+    let used = std::iter::once(&rule.to.partition.0).chain(rule.to.sort.as_ref().map(|(k, _)| k));
+    if let Some(k) = used.into_iter().find(|k| keys.not_text.contains(k)) {
+        return Err(format!("rule {}: copy.to's key attribute {k} is not of type S in {what}: templates make text keys", rule.name));
     }
     Ok(())
 }

@@ -597,7 +597,7 @@ impl Engine {
     /// ([`copy::CopyRule::change`]; `shard_created_ms`: the creation time of the shard it came
     /// from). `matched` holds indexes into [`Engine::copies`]. A malformed record is reported
     /// by [`Engine::apply`], so here it is only skipped.
-    pub fn apply_copies(&self, record: &Value, shard_created_ms: u64, batch: &mut copy::CopyBatch) -> RecordReport {
+    pub fn apply_copies(&self, record: &Value, shard_created_ms: Option<u64>, batch: &mut copy::CopyBatch) -> RecordReport {
         let mut report = RecordReport::default();
         if self.copies.is_empty() {
             return report;

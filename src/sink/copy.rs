@@ -10,7 +10,6 @@
 //! again (the write requires the item to exist).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt};
@@ -67,6 +66,13 @@ pub trait CopyStore: Send + Sync + 'static {
         start: Option<&'a ItemKey>,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>>;
 
+    /// The source item `key`, strongly consistent, with `attributes` (None: it does not exist).
+    fn source<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        attributes: &'a [String],
+    ) -> BoxFuture<'a, Result<Option<serde_json::Map<String, Value>>, SinkError>>;
+
     /// Sets `change.set`, removes `change.remove` and records `change`'s version in
     /// `version_attribute` on the item `key`, if the item exists and records no version or an
     /// older one.
@@ -88,21 +94,43 @@ pub struct FanOut {
     pub gone: u64,
     /// Items the table refused, with why.
     pub rejected: Vec<(ItemKey, String)>,
+    /// The source no longer holds what the change copies: a newer change writes the rest.
+    pub superseded: bool,
+    /// The table refused the query itself (a key of another type than S, say): why.
+    pub query_refused: Option<String>,
     pub write_capacity: f64,
     pub read_capacity: f64,
 }
 
 /// Writes `change` onto every item its query finds, `in_flight` writes at a time, page by page.
+/// Each page is written only if the source, read after the page, still holds what the change
+/// copies ([`CopyChange::still_current`]): an item the page found existed before that read,
+/// so a newer change of the source comes after it, finds the item, and writes a newer version
+/// over this write or refuses it. That holds for a writer that lost its lease and wakes up
+/// late, whose old values would otherwise land on items that carry no version yet.
 /// A transient or throttled error ends the fan-out (the batch is retried, and the items already
 /// written are skipped then).
 pub async fn fan_out(store: &dyn CopyStore, rule: &CopyRule, change: &CopyChange, in_flight: usize) -> Result<FanOut, SinkError> {
     let attribute = version_attribute(&rule.name);
     let version = change.version.text();
+    let sources = rule.source_attributes();
     let mut out = FanOut::default();
     let mut start: Option<ItemKey> = None;
     loop {
-        let page = store.find(&change.find, &attribute, start.as_ref()).await?;
+        let page = match store.find(&change.find, &attribute, start.as_ref()).await {
+            Ok(page) => page,
+            Err(SinkError::Invalid(why)) => {
+                out.query_refused = Some(why);
+                return Ok(out);
+            }
+            Err(e) => return Err(e),
+        };
         out.read_capacity += page.read_capacity;
+        let source = store.source(&change.source, &sources).await?;
+        if !change.still_current(&rule.current(source.as_ref())) {
+            out.superseded = true;
+            return Ok(out);
+        }
         let due: Vec<&Found> = page.items.iter().filter(|f| f.key != change.source).collect();
         out.found += due.len() as u64;
         let (current, due): (Vec<&Found>, Vec<&Found>) =
@@ -130,120 +158,6 @@ pub async fn fan_out(store: &dyn CopyStore, rule: &CopyRule, change: &CopyChange
             Some(next) => start = Some(next),
             None => return Ok(out),
         }
-    }
-}
-
-/// Copy items in memory, for tests: items by key (in key order), each an attribute map of
-/// typed values. Pages hold `page_size` items.
-#[derive(Debug, Default)]
-pub struct MemoryCopies {
-    pub items: std::sync::Mutex<BTreeMap<String, serde_json::Map<String, Value>>>,
-    /// The table's key attribute names, partition key first.
-    pub key_names: Vec<String>,
-    pub page_size: usize,
-    /// Items larger than this (bytes of their JSON) are refused, as DynamoDB refuses 400 KB.
-    pub max_item_bytes: usize,
-}
-
-impl MemoryCopies {
-    pub fn new(key_names: &[&str]) -> Arc<MemoryCopies> {
-        Arc::new(MemoryCopies {
-            items: Default::default(),
-            key_names: key_names.iter().map(|s| s.to_string()).collect(),
-            page_size: 3,
-            max_item_bytes: 400 * 1024,
-        })
-    }
-
-    fn key_text(key: &ItemKey) -> String {
-        serde_json::to_string(key).unwrap_or_default()
-    }
-
-    /// Puts (replaces) an item; its key attributes are read from it.
-    pub fn put(&self, item: serde_json::Map<String, Value>) {
-        let key: ItemKey = self.key_names.iter().filter_map(|k| Some((k.clone(), item.get(k)?.clone()))).collect();
-        self.items.lock().unwrap_or_else(|e| e.into_inner()).insert(Self::key_text(&key), item);
-    }
-
-    pub fn delete(&self, key: &ItemKey) {
-        self.items.lock().unwrap_or_else(|e| e.into_inner()).remove(&Self::key_text(key));
-    }
-
-    pub fn get(&self, key: &ItemKey) -> Option<serde_json::Map<String, Value>> {
-        self.items.lock().unwrap_or_else(|e| e.into_inner()).get(&Self::key_text(key)).cloned()
-    }
-
-    fn matches(q: &FindQuery, item: &serde_json::Map<String, Value>) -> bool {
-        let text = |name: &str| item.get(name).and_then(|v| v.get("S")).and_then(Value::as_str);
-        if text(&q.partition.0) != Some(q.partition.1.as_str()) {
-            return false;
-        }
-        match &q.sort {
-            None => true,
-            Some((name, crate::rules::copy::SortValue::Equals(v))) => text(name) == Some(v.as_str()),
-            Some((name, crate::rules::copy::SortValue::BeginsWith(p))) => text(name).is_some_and(|s| s.starts_with(p.as_str())),
-        }
-    }
-}
-
-impl CopyStore for MemoryCopies {
-    fn find<'a>(
-        &'a self,
-        q: &'a FindQuery,
-        version_attribute: &'a str,
-        start: Option<&'a ItemKey>,
-    ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
-        Box::pin(async move {
-            let items = self.items.lock().unwrap_or_else(|e| e.into_inner());
-            let after = start.map(Self::key_text);
-            let mut page = FoundPage::default();
-            for (k, item) in items.iter().filter(|(k, _)| after.as_ref().is_none_or(|a| *k > a)) {
-                if !Self::matches(q, item) {
-                    continue;
-                }
-                if page.items.len() == self.page_size.max(1) {
-                    page.next = page.items.last().map(|f: &Found| f.key.clone());
-                    break;
-                }
-                let key: ItemKey = self.key_names.iter().filter_map(|n| Some((n.clone(), item.get(n)?.clone()))).collect();
-                debug_assert_eq!(Self::key_text(&key), *k);
-                let version = item.get(version_attribute).and_then(|v| v.get("S")).and_then(Value::as_str).map(str::to_string);
-                page.items.push(Found { key, version });
-            }
-            Ok(page)
-        })
-    }
-
-    fn write<'a>(
-        &'a self,
-        key: &'a ItemKey,
-        change: &'a CopyChange,
-        version_attribute: &'a str,
-    ) -> BoxFuture<'a, Result<CopyOutcome, SinkError>> {
-        Box::pin(async move {
-            let mut items = self.items.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(item) = items.get_mut(&Self::key_text(key)) else { return Ok(CopyOutcome::Gone) };
-            let version = change.version.text();
-            let recorded = item.get(version_attribute).and_then(|v| v.get("S")).and_then(Value::as_str);
-            if recorded.is_some_and(|r| *r >= *version) {
-                return Ok(CopyOutcome::Older);
-            }
-            let mut next = item.clone();
-            for name in &change.remove {
-                next.remove(name);
-            }
-            for (name, value) in &change.set {
-                next.insert(name.clone(), value.clone());
-            }
-            next.insert(version_attribute.to_string(), serde_json::json!({ "S": version }));
-            let size = serde_json::to_string(&next).map_or(0, |t| t.len());
-            if size > self.max_item_bytes {
-                return Ok(CopyOutcome::Rejected(format!("Item size has exceeded the maximum allowed size ({size} bytes)")));
-            }
-            let capacity = size.div_ceil(1024).max(1) as f64;
-            *item = next;
-            Ok(CopyOutcome::Written { capacity })
-        })
     }
 }
 

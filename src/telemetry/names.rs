@@ -31,7 +31,8 @@ pub const FOLDS: &str = "ddb_aggregator_folds_total";
 pub const FOLD_LAG: &str = "ddb_aggregator_fold_lag_seconds";
 /// Copy items written by copy rules, by rule and `outcome`: written, older (the item held this
 /// change's copies or a newer one's), gone (deleted after the query found it), rejected (the
-/// table refused it: dead-lettered), error (the batch is retried).
+/// table refused it: dead-lettered), error (the batch is retried); and fan-outs `superseded`
+/// (the source changed again: the newer change writes the copies).
 pub const COPY_WRITES: &str = "ddb_aggregator_copy_writes_total";
 /// Items one source change's fan-out found, by rule.
 pub const COPY_FANOUT_ITEMS: &str = "ddb_aggregator_copy_fanout_items";
@@ -173,7 +174,7 @@ pub fn describe() {
     );
     describe_counter!(
         COPY_WRITES,
-        "Copy items written by copy rules, per rule: outcome written, older (the item held this change's copies or a newer one's), gone (deleted after the query found it), rejected (the table refused it: dead-lettered) or error (the batch is retried)."
+        "Copy items written by copy rules, per rule: outcome written, older (the item held this change's copies or a newer one's), gone (deleted after the query found it), rejected (the table refused it: dead-lettered) or error (the batch is retried); and fan-outs superseded (the source changed again before they were done: the newer change writes the copies)."
     );
     describe_histogram!(COPY_FANOUT_ITEMS, "Items one source change's fan-out found, per copy rule.");
     describe_counter!(HELPER_WRITES_TOO_OLD, "Helper writes left out because their batch held a record older than 36 hours (a helper that expired meanwhile would count it again); a reconcile of everything is requested.");
@@ -202,7 +203,7 @@ pub fn describe() {
 pub const COPY_REJECTED: &str = "copy_rejected";
 
 /// The `outcome` values of [`COPY_WRITES`].
-pub const COPY_OUTCOMES: [&str; 5] = ["written", "older", "gone", "rejected", "error"];
+pub const COPY_OUTCOMES: [&str; 6] = ["written", "older", "gone", "rejected", "error", "superseded"];
 
 /// Creates every counter series with its fixed label values at zero, so dashboards and alerts
 /// (`increase()`, `rate()`) see the series before the first event.

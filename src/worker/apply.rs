@@ -444,8 +444,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
             .unwrap_or_default();
         for l in letters {
-            // A record may take a letter for a rule and one for a copy it could not write.
-            let sent = format!("{}:{}", l.sequence, l.code);
+            // A record may take a letter for a rule and one per copy rule that could not write.
+            let sent = format!("{}:{}:{}", l.sequence, l.code, l.rules.join(","));
             if self.dead_lettered.contains(&sent) {
                 continue;
             }

@@ -85,7 +85,7 @@ impl PendingBatch {
     /// Runs a page's records through the rules (pure but for metrics); records older than
     /// `max_age_ms` at `now` become letters of the rules whose filters match them.
     /// `shard_created_ms` (the shard's creation time) orders the copy rules' changes.
-    pub fn add_page(&mut self, engine: &Engine, max_age_ms: Option<u64>, records: Vec<Value>, now: u64, shard_created_ms: u64) {
+    pub fn add_page(&mut self, engine: &Engine, max_age_ms: Option<u64>, records: Vec<Value>, now: u64, shard_created_ms: Option<u64>) {
         let started = Instant::now();
         metrics::counter!(names::RECORDS_READ).increment(records.len() as u64);
         self.records += records.len();
@@ -96,7 +96,7 @@ impl PendingBatch {
         self.evaluate += started.elapsed();
     }
 
-    fn add_record(&mut self, engine: &Engine, max_age_ms: Option<u64>, record: Value, now: u64, shard_created_ms: u64) {
+    fn add_record(&mut self, engine: &Engine, max_age_ms: Option<u64>, record: Value, now: u64, shard_created_ms: Option<u64>) {
         let seq = sequence_of(&record);
         if !seq.is_empty() {
             self.last_seq = Some(seq.to_string());
@@ -106,28 +106,41 @@ impl PendingBatch {
             self.created.push(ms);
             self.newest_ms = Some(self.newest_ms.map_or(ms, |n| n.max(ms)));
         }
+        // Copy rules apply records of any age: their versions, not their age, keep a late one
+        // from overwriting a newer copy, and a skipped delete would leave its copies behind.
+        let copied = engine.apply_copies(&record, shard_created_ms, &mut self.copies);
         if let (Some(max), Some(ms)) = (max_age_ms, created) {
             if now.saturating_sub(ms) > max {
-                let aggregating = engine.rules.iter().filter(|r| r.filter_matches(&record)).map(|r| r.name.to_string());
-                let copying = engine.copies.iter().filter(|r| r.filter_matches(&record)).map(|r| r.name.to_string());
-                let rules: Vec<String> = aggregating.chain(copying).collect();
+                let rules: Vec<String> = engine.rules.iter().filter(|r| r.filter_matches(&record)).map(|r| r.name.to_string()).collect();
                 if !rules.is_empty() {
                     let message = format!("record is {} s old; source.max_record_age is {} s", now.saturating_sub(ms) / 1000, max / 1000);
-                    push_letter(&mut self.letters, Letter::new(record, "too_old", message, rules, 1));
+                    push_letter(&mut self.letters, Letter::new(record.clone(), "too_old", message, rules, 1));
                 }
+                self.copy_report(engine, &record, copied);
                 return;
             }
         }
         let report = engine.apply(&record, &mut self.coalescer);
-        let copied = engine.apply_copies(&record, shard_created_ms, &mut self.copies);
         if report.matched.is_empty() && report.poisons.is_empty() && copied.matched.is_empty() {
             metrics::counter!(names::RECORDS_FILTERED).increment(1);
         }
-        let matched = report.matched.iter().filter_map(|i| engine.rules.get(*i)).map(|r| &r.name);
-        for rule in matched.chain(copied.matched.iter().filter_map(|i| engine.copies.get(*i)).map(|r| &r.name)) {
-            metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.to_string()).increment(1);
+        for rule in report.matched.iter().filter_map(|i| engine.rules.get(*i)) {
+            metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
         }
-        for p in report.poisons.iter().chain(&copied.poisons) {
+        self.poisons(&record, &report.poisons);
+        self.copy_report(engine, &record, copied);
+    }
+
+    /// The copy rules' matches and poisons of one record.
+    fn copy_report(&mut self, engine: &Engine, record: &Value, copied: crate::rules::RecordReport) {
+        for rule in copied.matched.iter().filter_map(|i| engine.copies.get(*i)) {
+            metrics::counter!(names::RECORDS_MATCHED, "rule" => rule.name.to_string()).increment(1);
+        }
+        self.poisons(record, &copied.poisons);
+    }
+
+    fn poisons(&mut self, record: &Value, poisons: &[crate::rules::Poison]) {
+        for p in poisons {
             let mut letter =
                 Letter::new(record.clone(), p.code.as_str(), p.message.clone(), p.rule.iter().map(|r| r.to_string()).collect(), 1);
             letter.variables = p.variables.clone();
@@ -203,12 +216,12 @@ mod tests {
         let records: Vec<Value> =
             (1..=12).map(|n| record(n, ["c1", "c2", "c3"][(n % 3) as usize], if n == 5 { "ten" } else { "2.5" })).collect();
         let mut whole = PendingBatch::default();
-        whole.add_page(&e, None, records.clone(), 0, 0);
+        whole.add_page(&e, None, records.clone(), 0, Some(0));
         let whole = whole.finish(&e, "shardId-1");
         for cut in [1, 4, 5, 11] {
             let mut paged = PendingBatch::default();
-            paged.add_page(&e, None, records[..cut].to_vec(), 0, 0);
-            paged.add_page(&e, None, records[cut..].to_vec(), 0, 0);
+            paged.add_page(&e, None, records[..cut].to_vec(), 0, Some(0));
+            paged.add_page(&e, None, records[cut..].to_vec(), 0, Some(0));
             let paged = paged.finish(&e, "shardId-1");
             assert_eq!(
                 (paged.facts.records, paged.facts.last_seq.as_deref(), &paged.facts.created),
@@ -226,7 +239,7 @@ mod tests {
         let e = engine();
         let mut b = PendingBatch::default();
         let now = 1_764_460_800_000 + 3_600_000;
-        b.add_page(&e, Some(60_000), vec![record(1, "c1", "1")], now, 0);
+        b.add_page(&e, Some(60_000), vec![record(1, "c1", "1")], now, Some(0));
         let b = b.finish(&e, "shardId-1");
         assert!(b.targets.is_empty());
         assert_eq!(b.facts.letters.len(), 1);

@@ -302,7 +302,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
             self.shared.note_age(&self.lease.shard_id, |a| a.read(first));
             self.pending_since.get_or_insert_with(Instant::now);
             let max_age_ms = self.shared.config.source.max_record_age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-            let created = crate::shard_id::created_ms(&self.lease.shard_id).unwrap_or(0);
+            let created = crate::shard_id::created_ms(&self.lease.shard_id);
             self.pending.add_page(&self.shared.engine, max_age_ms, page.records, now_ms(), created);
         }
         let window = self.shared.config.source.batching_window;

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ddb_aggregator::rules::copy::{CopyChange, FindQuery};
 use ddb_aggregator::rules::helper::HelperScan;
+use ddb_aggregator::sink::copy::{CopyOutcome, CopyStore, FoundPage, ItemKey};
 use ddb_aggregator::sink::expiry::{DueQuery, Pending};
 use ddb_aggregator::sink::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperState, HelperStates, LedgerWrite, LiveHelpers, SettleWrite,
@@ -15,6 +17,7 @@ use ddb_aggregator::sink::{
 use ddb_aggregator::state::definitions::{Beat, Committed};
 use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
+use futures::future::BoxFuture;
 
 /// One replica process, as the world sees it.
 #[derive(Debug, Default)]
@@ -222,6 +225,34 @@ impl<L: LeaseStore> LeaseStore for Leases<L> {
     }
     async fn drop_beat(&self, owner: &str) -> Result<(), StateError> {
         call(&self.fate, &self.faults, self.inner.drop_beat(owner), state_fault, state_fault).await
+    }
+}
+
+/// The source table as copy rules write it, under the replica's fate and drawn faults.
+pub struct Copies<C> {
+    pub inner: Arc<C>,
+    pub fate: Arc<Fate>,
+    pub faults: Arc<Faults>,
+}
+
+impl<C: CopyStore> CopyStore for Copies<C> {
+    fn find<'a>(&'a self, q: &'a FindQuery, version: &'a str, start: Option<&'a ItemKey>) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
+        let t = || SinkError::Transient("simulated".into());
+        Box::pin(call(&self.fate, &self.faults, self.inner.find(q, version, start), t, t))
+    }
+
+    fn source<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        attributes: &'a [String],
+    ) -> BoxFuture<'a, Result<Option<serde_json::Map<String, serde_json::Value>>, SinkError>> {
+        let t = || SinkError::Transient("simulated".into());
+        Box::pin(call(&self.fate, &self.faults, self.inner.source(key, attributes), t, t))
+    }
+
+    fn write<'a>(&'a self, key: &'a ItemKey, change: &'a CopyChange, version: &'a str) -> BoxFuture<'a, Result<CopyOutcome, SinkError>> {
+        let t = || SinkError::Transient("simulated".into());
+        Box::pin(call(&self.fate, &self.faults, self.inner.write(key, change, version), t, t))
     }
 }
 

@@ -25,7 +25,7 @@ use ddb_aggregator::state::{now_ms, simulate_clock, Checkpoint, LeaseStore};
 use ddb_aggregator::stream::sim::SimStream;
 use ddb_aggregator::telemetry::Health;
 use ddb_aggregator::worker::{Polling, Shared, Worker};
-use faults::{Fate, Faults, Leases, Sink, Source};
+use faults::{Copies, Fate, Faults, Leases, Sink, Source};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
@@ -168,6 +168,12 @@ pub struct Report {
     pub checks: u64,
     pub values_compared: u64,
     pub values_wrong: u64,
+    /// Profile changes (the copy rule's sources), and the orders' copies compared at the
+    /// checks: wrong, and not judged (the profile's last change in a loss window).
+    pub profile_changes: u64,
+    pub copies_compared: u64,
+    pub copies_wrong: u64,
+    pub copies_unjudged: u64,
     /// Sharded runs: the folded daily totals compared at the quiescent checks, and those that
     /// differed from the truth.
     pub totals_compared: u64,
@@ -291,6 +297,11 @@ impl std::fmt::Display for Report {
             self.faults, self.calls, self.crashes, self.pauses, self.restarts, self.outages
         )?;
         writeln!(f, "  quiescent checks {}: {} values compared, {} wrong", self.checks, self.values_compared, self.values_wrong)?;
+        writeln!(
+            f,
+            "  copies: {} profile changes; {} order copies compared at the checks, {} wrong ({} not judged: the profile's last change was in a loss window)",
+            self.profile_changes, self.copies_compared, self.copies_wrong, self.copies_unjudged
+        )?;
         if let Some(n) = self.daily_shards {
             writeln!(f, "  daily totals over {n} sub-items: {} folded totals compared, {} stale", self.totals_compared, self.totals_stale)?;
         }
@@ -415,6 +426,8 @@ impl Report {
     pub fn assert_sound(&self) {
         assert!(self.problems.is_empty(), "seed {} replays this run: SIM_SEED={}\n{self}", self.seed, self.seed);
         assert!(self.checks > 0 && self.values_compared > 0, "the oracle compared nothing:\n{self}");
+        assert_eq!(self.copies_wrong, 0, "{self}");
+        assert!(self.profile_changes == 0 || self.copies_compared > 0, "the copy oracle compared nothing:\n{self}");
     }
 }
 
@@ -480,9 +493,28 @@ fn config_a(daily_shards: Option<u16>) -> Config {
     target: {{ PK: "SALES#{{date|day}}", SK: "TOTAL"{shards} }}
     measures: {{ orders: count, revenue: {{ sum: total }} }}
     reconcile: {{ scan: true }}
+  - name: {COPY_RULE}
+    filter: {{ dynamodb: {{ Keys: {{ SK: {{ S: [PROFILE] }} }} }} }}
+    source_key: {{ PK: "CUST#{{customer}}", SK: PROFILE }}
+    copy:
+      attributes: {{ customerName: name }}
+      to: {{ PK: "CUST#{{customer}}", SK_begins_with: "ORDER#" }}
 "#
         ),
     )
+}
+
+/// Deployment A's copy rule: each customer's name on their orders.
+const COPY_RULE: &str = "customer-name-on-orders";
+
+/// The share of item changes that change a customer's profile (its name, or a delete).
+const PROFILE_SHARE: f64 = 0.03;
+
+/// A customer's profile as the application last wrote it: its name (None: deleted), and when.
+#[derive(Debug, Clone)]
+struct Profile {
+    name: Option<String>,
+    changed_at: u64,
 }
 
 /// A second deployment (its own state table, so its own ledger namespace) that writes the same
@@ -590,6 +622,9 @@ struct World {
     placed_in_peak: std::collections::VecDeque<(u64, (u32, String, u64))>,
     /// The peak-load phase is writing.
     peaking: bool,
+    /// Customers' profiles, as the application last wrote them (the copy rule's sources).
+    profiles: BTreeMap<u32, Profile>,
+    next_name: u64,
     leaves: Vec<Leaf>,
     events: Vec<(u64, Event)>,
     /// Poison records' sequence numbers, with their append time.
@@ -708,6 +743,8 @@ impl World {
             placed: std::collections::VecDeque::new(),
             placed_in_peak: std::collections::VecDeque::new(),
             peaking: false,
+            profiles: BTreeMap::new(),
+            next_name: 0,
             leaves,
             events: Vec::new(),
             poison: Vec::new(),
@@ -747,7 +784,7 @@ impl World {
         let follows = self.report.streams_followed > 0;
         config.source.start_position = ddb_aggregator::service::start_of(config.source.start_position, follows);
         let leases = if b { self.leases_b.clone() } else { self.leases_a.clone() };
-        let mut shared = Shared::new(
+        let shared = Shared::new(
             config,
             Source { inner: self.stream.clone(), fate: fate.clone(), faults: self.faults.clone() },
             Leases { inner: leases, fate: fate.clone(), faults: self.faults.clone() },
@@ -757,6 +794,13 @@ impl World {
         )
         .with_dead_letters(DeadLetters::Memory(self.dlq.clone()), self.stream_arn.clone())
         .with_expiry(Some(Expiry { after_ms: self.p.helper_expiry_ms, own: self.p.own_expiry, ..Expiry::new(TTL_ATTRIBUTE) }));
+        // The copy rule writes the source table, under the replica's fate like its other calls.
+        let shared = if b {
+            shared
+        } else {
+            shared.with_copies(Arc::new(Copies { inner: self.sources.clone(), fate: fate.clone(), faults: self.faults.clone() }))
+        };
+        let mut shared = shared;
         // Idle shards are polled every few minutes: months of stream life in minutes of CPU.
         shared.polling = Polling { idle_min: Duration::from_secs(60), idle_max: Duration::from_secs(self.p.idle_poll_secs) };
         let worker = Worker::new(shared);
@@ -1491,8 +1535,53 @@ impl World {
         }
     }
 
+    /// An order changed by the application with an UpdateItem: its copies stay as they are.
+    fn update_order(&self, key: &(u32, String, u64), order: &Order) {
+        let mut item = source_item(key, order);
+        let stored = self.sources.get(&[format!("CUST#c{}", key.0), format!("ORDER#{}#o{}", key.1, key.2)]);
+        for (name, value) in stored.into_iter().flatten() {
+            if name == COPY_ATTRIBUTE || name.starts_with(ddb_aggregator::rules::copy::VERSION_PREFIX) {
+                item.insert(name, value);
+            }
+        }
+        self.sources.put(item);
+    }
+
+    /// A customer's profile created, renamed or deleted, as the source table would stream it.
+    fn profile_change(&mut self) {
+        let customer = self.rng.u32(..self.customers());
+        let old = self.profiles.get(&customer).and_then(|p| p.name.clone());
+        let new = match old {
+            Some(_) if self.rng.f64() < 0.1 => None,
+            _ => {
+                self.next_name += 1;
+                Some(format!("name-{}", self.next_name))
+            }
+        };
+        let event = match (&old, &new) {
+            (None, _) => "INSERT",
+            (Some(_), Some(_)) => "MODIFY",
+            (Some(_), None) => "REMOVE",
+        };
+        let image = |name: &Option<String>| {
+            name.as_ref().map(|n| json!({"PK": {"S": format!("CUST#c{customer}")}, "SK": {"S": "PROFILE"}, "name": {"S": n}}))
+        };
+        let keys = json!({"PK": {"S": format!("CUST#c{customer}")}, "SK": {"S": "PROFILE"}});
+        self.append(event, keys, image(&old), image(&new), customer);
+        match image(&new).and_then(|i| i.as_object().cloned()) {
+            Some(item) => drop(self.sources.put(item)),
+            None => drop(self.sources.delete(&[format!("CUST#c{customer}"), "PROFILE".into()])),
+        }
+        self.profiles.insert(customer, Profile { name: new, changed_at: now_ms() });
+        self.report.profile_changes += 1;
+    }
+
     /// One item change, as the source table would stream it.
     fn write_one(&mut self) {
+        if self.rng.f64() < PROFILE_SHARE {
+            self.profile_change();
+            return;
+        }
         let now = now_ms();
         let day = chrono_day(now);
         let roll = self.rng.f64();
@@ -1533,7 +1622,12 @@ impl World {
                 let order = Order { status: "PENDING", cents: Some(self.rng.i64(1..100_000)), updated: now };
                 let key = (customer, day, self.next_order);
                 self.emit("INSERT", &key, None, Some(&order));
-                self.sources.put(source_item(&key, &order));
+                // The application copies the customer's name onto the order it places.
+                let mut item = source_item(&key, &order);
+                if let Some(name) = self.profiles.get(&customer).and_then(|p| p.name.clone()) {
+                    item.insert(COPY_ATTRIBUTE.into(), json!({ "S": name }));
+                }
+                self.sources.put(item);
                 let peak = self.peaking;
                 self.placed(peak).push_back((now, key.clone()));
                 self.items.insert(key, order);
@@ -1551,7 +1645,7 @@ impl World {
                     let seq = self.emit("MODIFY", &key, Some(&old), Some(&new));
                     self.refused.push((seq, now_ms()));
                     self.report.refused += 1;
-                    self.sources.put(source_item(&key, &new));
+                    self.update_order(&key, &new);
                     self.held.insert(key.clone());
                     let count = (vec![format!("CUST#c{}", key.0), "PROFILE".into()], format!("orders_{}", old.status));
                     *self.held_from.entry(count.clone()).or_default() += 1;
@@ -1564,7 +1658,7 @@ impl World {
                         Order { cents: Some(self.rng.i64(1..100_000)), updated: now, ..old.clone() }
                     };
                     self.emit("MODIFY", &key, Some(&old), Some(&new));
-                    self.sources.put(source_item(&key, &new));
+                    self.update_order(&key, &new);
                     self.items.insert(key, new);
                 }
             }
@@ -1573,12 +1667,18 @@ impl World {
 
     fn emit(&mut self, event: &str, key: &(u32, String, u64), old: Option<&Order>, new: Option<&Order>) -> u64 {
         let keys = json!({"PK": {"S": format!("CUST#c{}", key.0)}, "SK": {"S": format!("ORDER#{}#o{}", key.1, key.2)}});
+        let image = |o: &Order| Value::Object(source_item(key, o));
+        self.append(event, keys, old.map(image), new.map(image), key.0)
+    }
+
+    /// Appends a record of one of `customer`'s items to the shard its partition key maps to.
+    fn append(&mut self, event: &str, keys: Value, old: Option<Value>, new: Option<Value>, customer: u32) -> u64 {
         let mut ddb = json!({"Keys": keys, "ApproximateCreationDateTime": now_ms() / 1000});
         if let Some(o) = old {
-            ddb["OldImage"] = Value::Object(source_item(key, o));
+            ddb["OldImage"] = o;
         }
-        if let Some(o) = new {
-            ddb["NewImage"] = Value::Object(source_item(key, o));
+        if let Some(n) = new {
+            ddb["NewImage"] = n;
         }
         let record: Value = json!({"eventName": event, "dynamodb": ddb});
         if self.disabled {
@@ -1586,7 +1686,7 @@ impl World {
             return 0; // never streamed: only a reconcile brings it in
         }
         self.report.records += 1;
-        let shard = self.leaf_for(key.0).to_string();
+        let shard = self.leaf_for(customer).to_string();
         self.stream.append_at(&shard, record, now_ms())
     }
 
@@ -1666,11 +1766,47 @@ impl World {
     /// it (the real reconcile needs DynamoDB) and sets the truth.
     async fn check(&mut self) {
         self.check_values().await;
+        self.check_copies();
         if self.p.daily_shards.is_some() {
             // The fold rounds due (a second after a write) run first; a repair folded what it read.
             tokio::time::sleep(Duration::from_secs(5)).await;
             let folded = numbers(&self.aggregates, true).1;
             self.check_folds(&self.truth(), &folded);
+        }
+    }
+
+    /// The copy oracle: every order's copy of its customer's name equals the profile as the
+    /// application last wrote it (none once deleted). A customer whose last profile change falls
+    /// in a window where records may be lost (an outage past the retention, a disabled stream,
+    /// a start-up skip) cannot be judged: copies are not reconciled, so a lost change stays
+    /// until the next one (docs/limits.md).
+    fn check_copies(&mut self) {
+        let mut wrong = Vec::new();
+        for item in self.sources.items() {
+            let (Some(pk), Some(sk)) = (text_of(&item, "PK"), text_of(&item, "SK")) else { continue };
+            let Some(customer) = sk.starts_with("ORDER#").then(|| pk.trim_start_matches("CUST#c").parse::<u32>().ok()).flatten() else {
+                continue;
+            };
+            let profile = self.profiles.get(&customer);
+            if profile.is_some_and(|p| self.loss_windows.iter().any(|&(from, to)| (from..to).contains(&p.changed_at))) {
+                self.report.copies_unjudged += 1;
+                continue;
+            }
+            self.report.copies_compared += 1;
+            let expected = profile.and_then(|p| p.name.clone());
+            let held = text_of(&item, COPY_ATTRIBUTE).map(str::to_string);
+            if held != expected {
+                wrong.push(format!("{pk} {sk}: holds {held:?}, profile {expected:?}"));
+            }
+        }
+        if !wrong.is_empty() {
+            self.report.copies_wrong += wrong.len() as u64;
+            let day = (now_ms() - EPOCH_MS) / DAY;
+            self.report.problems.push(format!(
+                "day {day}: {} copies wrong: {}",
+                wrong.len(),
+                wrong.iter().take(5).cloned().collect::<Vec<_>>().join("; ")
+            ));
         }
     }
 
@@ -1986,6 +2122,14 @@ fn split_round(
         Some(Err(e)) => (false, Some(Err(e))),
         None => (false, None),
     }
+}
+
+/// The copy rule's attribute on orders.
+const COPY_ATTRIBUTE: &str = "customerName";
+
+/// An S attribute's text.
+fn text_of<'a>(item: &'a serde_json::Map<String, Value>, name: &str) -> Option<&'a str> {
+    item.get(name).and_then(|v| v.get("S")).and_then(Value::as_str)
 }
 
 fn source_item(key: &(u32, String, u64), o: &Order) -> serde_json::Map<String, Value> {

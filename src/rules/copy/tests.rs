@@ -48,7 +48,7 @@ fn profile(name: Option<&str>, tier: Option<&str>, visits: u32) -> Value {
 }
 
 fn change_of(raw: &Value, created: u64) -> Option<CopyChange> {
-    rule().change(&StreamRecord::decode(raw).unwrap(), created).unwrap()
+    rule().change(&StreamRecord::decode(raw).unwrap(), Some(created)).unwrap()
 }
 
 #[test]
@@ -97,7 +97,7 @@ fn items_the_source_key_does_not_capture_are_not_sources() {
 fn a_record_without_a_usable_sequence_number_is_poison() {
     let mut raw = record("INSERT", "1", None, Some(profile(Some("Ann"), None, 0)));
     raw["dynamodb"].as_object_mut().unwrap().remove("SequenceNumber");
-    let p = rule().change(&StreamRecord::decode(&raw).unwrap(), 0).unwrap_err();
+    let p = rule().change(&StreamRecord::decode(&raw).unwrap(), Some(0)).unwrap_err();
     assert_eq!(p.code, PoisonCode::MalformedRecord);
     assert!(p.message.contains("SequenceNumber"), "{p}");
     assert_eq!(p.variables["customer"], "c1");
@@ -222,7 +222,7 @@ proptest! {
         for range in deliveries {
             let mut batch = CopyBatch::default();
             for (raw, created) in &records[range] {
-                if let Some(c) = rule().change(&StreamRecord::decode(raw).unwrap(), *created).unwrap() {
+                if let Some(c) = rule().change(&StreamRecord::decode(raw).unwrap(), Some(*created)).unwrap() {
                     batch.add(0, c, raw);
                 }
             }
@@ -251,7 +251,11 @@ proptest! {
 
 #[test]
 fn to_must_name_the_keys_of_the_table_or_of_an_existing_index() {
-    let keys = TableKeys { table: vec!["PK".into(), "SK".into()], indexes: vec![("GSI1".into(), vec!["GSI1PK".into(), "GSI1SK".into()])] };
+    let keys = TableKeys {
+        table: vec!["PK".into(), "SK".into()],
+        indexes: vec![("GSI1".into(), vec!["GSI1PK".into(), "GSI1SK".into()])],
+        not_text: vec!["GSI1SK".into()],
+    };
     assert_eq!(check_table(&rule(), &keys, "t"), Ok(()));
     let mut wrong = rule();
     wrong.to.partition.0 = "pk".into();
@@ -264,5 +268,153 @@ fn to_must_name_the_keys_of_the_table_or_of_an_existing_index() {
     on_index.to.index = Some("GSI1".into());
     on_index.to.partition.0 = "GSI1PK".into();
     on_index.to.sort = Some(("GSI1SK".into(), SortCondition::BeginsWith(t("ORDER#"))));
+    let e = check_table(&on_index, &keys, "t").unwrap_err();
+    assert!(e.contains("key attribute GSI1SK is not of type S in index GSI1 of table t"), "{e}");
+    on_index.to.sort = None;
     assert_eq!(check_table(&on_index, &keys, "t"), Ok(()));
+}
+
+#[test]
+fn a_record_from_a_shard_without_a_creation_time_is_poison() {
+    let raw = record("MODIFY", "3", Some(profile(Some("Ann"), None, 0)), Some(profile(Some("Bea"), None, 0)));
+    let p = rule().change(&StreamRecord::decode(&raw).unwrap(), None).unwrap_err();
+    assert_eq!(p.code, PoisonCode::MalformedRecord);
+    assert!(p.message.contains("creation time"), "{p}");
+}
+
+#[test]
+fn a_fan_out_goes_on_only_while_the_source_holds_what_it_copies() {
+    let raw = record("MODIFY", "3", Some(profile(Some("Ann"), None, 0)), Some(profile(Some("Bea"), None, 0)));
+    let c = change_of(&raw, 1).unwrap();
+    let item = |v: Value| v.as_object().cloned().unwrap();
+    assert!(c.still_current(&rule().current(Some(&item(profile(Some("Bea"), None, 7))))), "other attributes do not matter");
+    assert!(!c.still_current(&rule().current(Some(&item(profile(Some("Cy"), None, 0))))));
+    assert!(!c.still_current(&rule().current(None)));
+    let delete = change_of(&record("REMOVE", "4", Some(profile(Some("Bea"), None, 0)), None), 1).unwrap();
+    assert!(delete.still_current(&rule().current(None)));
+    assert!(delete.still_current(&rule().current(Some(&item(profile(None, None, 0))))), "recreated without copied attributes");
+    assert!(!delete.still_current(&rule().current(Some(&item(profile(Some("Dee"), None, 0))))));
+}
+
+/// What one step of the interleaving does besides the next source change.
+#[derive(Debug, Clone)]
+enum Beat {
+    /// The consumer applies this many more records (a batch), coalesced, each change fanned out
+    /// to the items that exist now.
+    Apply(usize),
+    /// The application places an order holding the source's current copied values, no version.
+    Place,
+    /// A writer that lost its lease queries the items of one change it applied (now), and
+    /// writes them later.
+    Pause(prop::sample::Index),
+    /// A paused writer wakes: it reads the source, and writes its items if the source still
+    /// holds what its change copies.
+    Wake(prop::sample::Index),
+}
+
+fn beat() -> impl Strategy<Value = Beat> {
+    prop_oneof![
+        (1usize..6).prop_map(Beat::Apply),
+        Just(Beat::Place),
+        any::<prop::sample::Index>().prop_map(Beat::Pause),
+        any::<prop::sample::Index>().prop_map(Beat::Wake),
+    ]
+}
+
+/// The copy attributes an item holds when the application creates it from this source.
+fn placed(current: &[Option<Value>]) -> CopyState {
+    let names = ["customerName", "customerTier"];
+    CopyState { values: names.iter().zip(current).filter_map(|(n, v)| Some((n.to_string(), v.clone()?))).collect(), version: None }
+}
+
+/// A fan-out as `sink::copy::fan_out` runs it, over the items `found` (queried earlier by a
+/// paused writer): the source is read first, and the items are written only if it still holds
+/// what the change copies.
+fn fan_out_model(change: &CopyChange, source_now: &[Option<Value>], found: &[usize], items: &mut [CopyState]) {
+    if !change.still_current(source_now) {
+        return;
+    }
+    for &i in found {
+        items[i].apply(change);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Orders placed at any moment with the source's values of that moment, a consumer that
+    /// lags, and writers that lose their lease between their query and their writes: once
+    /// every record is applied and every paused writer has woken, each order holds the final
+    /// source's values.
+    #[test]
+    fn orders_placed_at_any_moment_end_with_the_final_source_despite_late_writers(
+        ops in prop::collection::vec(op(), 1..30),
+        beats in prop::collection::vec(prop::collection::vec(beat(), 0..4), 30),
+    ) {
+        let (records, last) = history(&ops);
+        prop_assume!(!records.is_empty());
+        let rule = rule();
+        let source_at = |applied_to: usize| -> Vec<Option<Value>> {
+            // The source item after the first `applied_to` records.
+            let image = records[..applied_to].last().and_then(|(raw, _)| {
+                let r = StreamRecord::decode(raw).ok()?;
+                r.new_image.and_then(|i| i.as_object().cloned())
+            });
+            rule.current(image.as_ref())
+        };
+        let mut items: Vec<CopyState> = Vec::new();
+        let mut consumer = 0usize;
+        let mut applied: Vec<CopyChange> = Vec::new();
+        let mut paused: Vec<(CopyChange, Vec<usize>)> = Vec::new();
+        for (t, step_beats) in beats.iter().enumerate().take(records.len()) {
+            let written = t + 1; // records 0..=t are in the table
+            for b in step_beats {
+                match b {
+                    Beat::Apply(n) => {
+                        let end = (consumer + n).min(written);
+                        let mut batch = CopyBatch::default();
+                        for (raw, created) in &records[consumer..end] {
+                            if let Some(c) = rule.change(&StreamRecord::decode(raw).unwrap(), Some(*created)).unwrap() {
+                                batch.add(0, c, raw);
+                            }
+                        }
+                        for (_, c, _) in batch.into_changes() {
+                            let all: Vec<usize> = (0..items.len()).collect();
+                            fan_out_model(&c, &source_at(written), &all, &mut items);
+                            applied.push(c);
+                        }
+                        consumer = end;
+                    }
+                    Beat::Place => items.push(placed(&source_at(written))),
+                    Beat::Pause(i) if !applied.is_empty() => {
+                        paused.push((applied[i.index(applied.len())].clone(), (0..items.len()).collect()));
+                    }
+                    Beat::Wake(i) if !paused.is_empty() => {
+                        let (c, found) = paused.swap_remove(i.index(paused.len()));
+                        fan_out_model(&c, &source_at(written), &found, &mut items);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // The rest: the consumer applies everything, then the paused writers wake.
+        let n = records.len();
+        let mut batch = CopyBatch::default();
+        for (raw, created) in &records[consumer..] {
+            if let Some(c) = rule.change(&StreamRecord::decode(raw).unwrap(), Some(*created)).unwrap() {
+                batch.add(0, c, raw);
+            }
+        }
+        for (_, c, _) in batch.into_changes() {
+            let all: Vec<usize> = (0..items.len()).collect();
+            fan_out_model(&c, &source_at(n), &all, &mut items);
+        }
+        for (c, found) in paused {
+            fan_out_model(&c, &source_at(n), &found, &mut items);
+        }
+        let expected = placed(&rule.current(last.as_ref().and_then(|i| i.as_object())));
+        for (i, item) in items.iter().enumerate() {
+            prop_assert_eq!(&item.values, &expected.values, "order {} of {}; ops {:?}", i, items.len(), ops);
+        }
+    }
 }

@@ -1,6 +1,7 @@
 //! Copies in DynamoDB: the fan-out's Query and its conditional UpdateItem.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValuesOnConditionCheckFailure};
@@ -9,8 +10,51 @@ use futures::future::BoxFuture;
 
 use super::{CopyOutcome, CopyStore, Found, FoundPage, ItemKey};
 use crate::aws::{attribute_to_json, classify, json_to_attribute, FailureKind};
-use crate::rules::copy::{CopyChange, FindQuery, SortValue};
+use crate::config::Config;
+use crate::rules::copy::{check_table, CopyChange, FindQuery, SortValue, TableKeys};
 use crate::sink::SinkError;
+
+/// Why the copy rules cannot write their copies.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// The table is not as the rules need (a `to` on keys it does not have).
+    #[error("{0}")]
+    Refused(String),
+    #[error("describing source table {table}: {why}")]
+    Describe { table: String, why: String },
+}
+
+/// The store that writes `config`'s copies in the source table, with every copy rule's `to`
+/// checked against the table's keys and indexes (DescribeTable); None without copy rules.
+pub async fn for_config(ddb: &Client, config: &Config) -> Result<Option<Arc<dyn CopyStore>>, SetupError> {
+    use aws_sdk_dynamodb::types::{KeySchemaElement, KeyType, ScalarAttributeType};
+    if config.engine.copies.is_empty() {
+        return Ok(None);
+    }
+    let table = &config.source.table;
+    let describe = |why: String| SetupError::Describe { table: table.clone(), why };
+    let desc = ddb.describe_table().table_name(table).send().await.map_err(|e| describe(classify(&e).to_string()))?;
+    let t = desc.table().ok_or_else(|| describe("no table in the answer".into()))?;
+    let keys_of = |schema: &[KeySchemaElement]| -> Vec<String> {
+        let mut keys: Vec<&KeySchemaElement> = schema.iter().collect();
+        keys.sort_by_key(|k| *k.key_type() != KeyType::Hash);
+        keys.iter().map(|k| k.attribute_name().to_string()).collect()
+    };
+    let keys = TableKeys {
+        table: keys_of(t.key_schema()),
+        indexes: t.global_secondary_indexes().iter().filter_map(|i| Some((i.index_name()?.to_string(), keys_of(i.key_schema())))).collect(),
+        not_text: t
+            .attribute_definitions()
+            .iter()
+            .filter(|d| *d.attribute_type() != ScalarAttributeType::S)
+            .map(|d| d.attribute_name().to_string())
+            .collect(),
+    };
+    for rule in &config.engine.copies {
+        check_table(rule, &keys, table).map_err(SetupError::Refused)?;
+    }
+    Ok(Some(Arc::new(DynamoDbCopies::new(ddb.clone(), table.clone(), keys.table))))
+}
 
 pub struct DynamoDbCopies {
     client: Client,
@@ -135,7 +179,40 @@ impl DynamoDbCopies {
     }
 }
 
+impl DynamoDbCopies {
+    async fn get(&self, key: &ItemKey, attributes: &[String]) -> Result<Option<serde_json::Map<String, serde_json::Value>>, SinkError> {
+        let mut req = self.client.get_item().table_name(&self.table).consistent_read(true);
+        for (k, v) in key {
+            req = req.key(k, json_to_attribute(v).map_err(SinkError::Fatal)?);
+        }
+        if !attributes.is_empty() {
+            let names: Vec<String> = (0..attributes.len()).map(|i| format!("#a{i}")).collect();
+            for (i, a) in attributes.iter().enumerate() {
+                req = req.expression_attribute_names(format!("#a{i}"), a);
+            }
+            // The key too, so that an item without the attributes still reads as existing.
+            req = req.expression_attribute_names("#k", self.key_names.first().map_or("", String::as_str));
+            req = req.projection_expression(format!("#k, {}", names.join(", ")));
+        }
+        let out = req.send().await.map_err(|e| self.error(classify(&e)))?;
+        let Some(item) = out.item() else { return Ok(None) };
+        let mut map = serde_json::Map::new();
+        for (k, v) in item {
+            map.insert(k.clone(), attribute_to_json(v).map_err(SinkError::Fatal)?);
+        }
+        Ok(Some(map))
+    }
+}
+
 impl CopyStore for DynamoDbCopies {
+    fn source<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        attributes: &'a [String],
+    ) -> BoxFuture<'a, Result<Option<serde_json::Map<String, serde_json::Value>>, SinkError>> {
+        Box::pin(self.get(key, attributes))
+    }
+
     fn find<'a>(
         &'a self,
         q: &'a FindQuery,

@@ -27,6 +27,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         };
         for (i, change, record) in copies {
             let Some(rule) = shared.engine.copies.get(*i) else { continue };
+            // A replica that lost its lease writes no more: the new owner replays the batch.
+            if !self.lease.valid() {
+                return Err(BatchOutcome::LeaseLost);
+            }
             let out = match fan_out(store, rule, change, shared.config.write_concurrency).await {
                 Ok(out) => out,
                 Err(e) => {
@@ -35,12 +39,17 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
                 }
             };
             self.copied(rule, &out);
-            if !out.rejected.is_empty() {
-                let letter = Letter::new(record.clone(), names::COPY_REJECTED, rejected_message(&out), vec![rule.name.to_string()], 1);
-                self.send_letters(&[letter]).await.map_err(BatchOutcome::Failed)?;
+            for (key, why) in &out.rejected {
+                tracing::error!(shard = %self.shard(), rule = %rule.name, item = %serde_json::to_string(key).unwrap_or_default(), error = %why, "the table refused a copy; its source record is dead-lettered");
             }
-            if !self.lease.valid() {
-                return Err(BatchOutcome::LeaseLost);
+            let refused = match (&out.query_refused, out.rejected.is_empty()) {
+                (Some(why), _) => Some(format!("the table refused the query that finds the copies: {why}")),
+                (None, false) => Some(rejected_message(&out)),
+                (None, true) => None,
+            };
+            if let Some(message) = refused {
+                let letter = Letter::new(record.clone(), names::COPY_REJECTED, message, vec![rule.name.to_string()], 1);
+                self.send_letters(&[letter]).await.map_err(BatchOutcome::Failed)?;
             }
         }
         Ok(())
@@ -49,7 +58,13 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
     /// The metrics of one fan-out.
     fn copied(&self, rule: &CopyRule, out: &FanOut) {
         let name = rule.name.to_string();
-        let outcomes = [("written", out.written), ("older", out.older), ("gone", out.gone), ("rejected", out.rejected.len() as u64)];
+        let outcomes = [
+            ("written", out.written),
+            ("older", out.older),
+            ("gone", out.gone),
+            ("rejected", out.rejected.len() as u64),
+            ("superseded", u64::from(out.superseded)),
+        ];
         for (outcome, n) in outcomes {
             metrics::counter!(names::COPY_WRITES, "rule" => name.clone(), "outcome" => outcome).increment(n);
         }
