@@ -175,3 +175,82 @@ async fn renames_reach_every_order_through_sigkills_and_a_deleted_profile_takes_
     println!("{kills} SIGKILLs: every order's copies equal its profile; {versioned} orders written by the service; the last run's copy writes: {last_run:?}");
     assert!(kills >= 3);
 }
+
+/// Copies per second on DynamoDB Local: one customer with COPIES_ORDERS orders (default 2,000),
+/// renamed once; the time from the rename until every order holds the new name. Run by hand:
+///   COPIES_ORDERS=2000 cargo test --release --test copies fan_out_rate -- --ignored --nocapture
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn fan_out_rate() {
+    let n: usize = std::env::var("COPIES_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("fanout");
+    let aggregates = format!("{table}-aggregates");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    put_profile(&c, &table, 1, "Ann", Some("gold")).await;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(25) {
+        let mut writes = Vec::new();
+        for i in chunk {
+            let item = [
+                ("PK", s("CUST#c1")),
+                ("SK", s(&format!("ORDER#2026-12-06#o{i:06}"))),
+                ("status", s("PAID")),
+                ("total", AttributeValue::N("1".into())),
+                ("customerName", s("Ann")),
+                ("customerTier", s("gold")),
+            ];
+            let put = aws_sdk_dynamodb::types::PutRequest::builder()
+                .set_item(Some(item.into_iter().map(|(k, v)| (k.to_string(), v)).collect()))
+                .build()
+                .unwrap();
+            writes.push(aws_sdk_dynamodb::types::WriteRequest::builder().put_request(put).build());
+        }
+        c.batch_write_item().request_items(&table, writes).send().await.unwrap();
+    }
+    let svc = Service::start(&config, dir.path(), "svc", &[]);
+    // Every order counted: the service has read the backlog.
+    let started = Instant::now();
+    loop {
+        let m = svc.metrics();
+        if metric(&m, "ddb_aggregator_records_read_total") >= (n + 1) as f64 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(300), "backlog not read");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let before = svc.metrics();
+    put_profile(&c, &table, 1, "Bea", Some("gold")).await;
+    let renamed = Instant::now();
+    let done = loop {
+        let m = svc.metrics();
+        let written = m
+            .lines()
+            .find(|l| l.starts_with("ddb_aggregator_copy_writes_total") && l.contains("\"written\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        let was = before
+            .lines()
+            .find(|l| l.starts_with("ddb_aggregator_copy_writes_total") && l.contains("\"written\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if written - was >= n as f64 {
+            break renamed.elapsed();
+        }
+        assert!(renamed.elapsed() < Duration::from_secs(900), "fan-out not done: {written}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let wrong = wrong_copies(&c, &table, &[(1, Some(("Bea".to_string(), Some("gold".to_string()))))].into_iter().collect()).await;
+    assert!(wrong.is_empty(), "{}", wrong.len());
+    let wcu =
+        metric(&svc.metrics(), "ddb_aggregator_write_capacity_units_total") - metric(&before, "ddb_aggregator_write_capacity_units_total");
+    println!(
+        "fan-out of {n} copies: {:.1} s, {:.0} copies/s, {wcu} WCU ({:.2} per copy)",
+        done.as_secs_f64(),
+        n as f64 / done.as_secs_f64(),
+        wcu / n as f64
+    );
+}
