@@ -254,3 +254,128 @@ async fn fan_out_rate() {
         wcu / n as f64
     );
 }
+
+/// A table with a global secondary index GSI1 (GSI1PK, GSI1SK), all attributes projected.
+async fn create_table_with_index(c: &Client, name: &str) {
+    use aws_sdk_dynamodb::types::{
+        AttributeDefinition, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, Projection, ProjectionType, ScalarAttributeType,
+        StreamSpecification, StreamViewType,
+    };
+    let attr = |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::S).build().unwrap();
+    let key = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build().unwrap();
+    let gsi = GlobalSecondaryIndex::builder()
+        .index_name("GSI1")
+        .key_schema(key("GSI1PK", KeyType::Hash))
+        .key_schema(key("GSI1SK", KeyType::Range))
+        .projection(Projection::builder().projection_type(ProjectionType::All).build())
+        .build()
+        .unwrap();
+    c.create_table()
+        .table_name(name)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(attr("PK"))
+        .attribute_definitions(attr("SK"))
+        .attribute_definitions(attr("GSI1PK"))
+        .attribute_definitions(attr("GSI1SK"))
+        .key_schema(key("PK", KeyType::Hash))
+        .key_schema(key("SK", KeyType::Range))
+        .global_secondary_indexes(gsi)
+        .stream_specification(
+            StreamSpecification::builder().stream_enabled(true).stream_view_type(StreamViewType::NewAndOldImages).build().unwrap(),
+        )
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("create table {name}: {e:?}"));
+}
+
+/// A copy rule whose `to` is a global secondary index: a product's title on every order line
+/// that sells it (lines live under their orders, and GSI1 groups them by product). Renames
+/// reach every line, a deleted product takes its title off them, and a `to` naming an index
+/// the table does not have stops `run` with exit 2 and the index's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_rule_finds_its_copies_through_a_global_secondary_index() {
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("gsi");
+    create_table_with_index(&c, &table).await;
+    let rule = format!(
+        r#"source: {{ table: {table} }}
+state: {{ table: {table}-state, create_table: true, lease_duration: {LEASE} }}
+rules:
+  - name: title-on-lines
+    filter: {{ dynamodb: {{ Keys: {{ SK: {{ S: [META] }} }} }} }}
+    source_key: {{ PK: "PRODUCT#{{sku}}", SK: META }}
+    copy:
+      attributes: {{ productTitle: title }}
+      to: {{ index: GSI1, GSI1PK: "PRODUCT#{{sku}}", GSI1SK_begins_with: "LINE#" }}
+"#
+    );
+    let config = dir.path().join("gsi.yaml");
+    std::fs::write(&config, &rule).unwrap();
+    let product = |sku: &str, title: Option<&str>| {
+        let c = c.clone();
+        let (table, sku, title) = (table.clone(), sku.to_string(), title.map(str::to_string));
+        async move {
+            let key = [("PK".to_string(), s(&format!("PRODUCT#{sku}"))), ("SK".to_string(), s("META"))];
+            match title {
+                Some(t) => drop(
+                    c.put_item()
+                        .table_name(&table)
+                        .set_item(Some(key.into_iter().chain([("title".to_string(), s(&t))]).collect()))
+                        .send()
+                        .await
+                        .unwrap(),
+                ),
+                None => drop(c.delete_item().table_name(&table).set_key(Some(key.into_iter().collect())).send().await.unwrap()),
+            }
+        }
+    };
+    product("p1", Some("Mug")).await;
+    product("p2", Some("Pen")).await;
+    // 60 order lines, each of one product, written with its title.
+    for n in 0..60 {
+        let sku = if n % 3 == 0 { "p2" } else { "p1" };
+        let title = if sku == "p1" { "Mug" } else { "Pen" };
+        c.put_item()
+            .table_name(&table)
+            .item("PK", s(&format!("ORDER#o{}", n / 4)))
+            .item("SK", s(&format!("LINE#{n:03}")))
+            .item("GSI1PK", s(&format!("PRODUCT#{sku}")))
+            .item("GSI1SK", s(&format!("LINE#o{}#{n:03}", n / 4)))
+            .item("productTitle", s(title))
+            .send()
+            .await
+            .unwrap();
+    }
+    let svc = Service::start(&config, dir.path(), "svc", &[]);
+    product("p1", Some("Big mug")).await;
+    product("p2", None).await;
+    let titles = |items: &[std::collections::HashMap<String, AttributeValue>]| -> BTreeMap<String, Option<String>> {
+        items
+            .iter()
+            .filter(|i| i["SK"].as_s().is_ok_and(|s| s.starts_with("LINE#")))
+            .map(|i| (i["GSI1PK"].as_s().unwrap().clone(), i.get("productTitle").and_then(|v| v.as_s().ok()).cloned()))
+            .fold(BTreeMap::new(), |mut m, (p, t)| {
+                m.entry(format!("{p} {t:?}")).or_insert(None);
+                m
+            })
+    };
+    let want: BTreeMap<String, Option<String>> =
+        [("PRODUCT#p1 Some(\"Big mug\")".to_string(), None), ("PRODUCT#p2 None".to_string(), None)].into_iter().collect();
+    let started = Instant::now();
+    loop {
+        let got = titles(&scan(&c, &table).await);
+        if got == want {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "lines hold {got:?}\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    drop(svc);
+    // An index the table does not have: `run` stops at once, naming it.
+    std::fs::write(&config, rule.replace("index: GSI1", "index: GSI9")).unwrap();
+    let out = run_cli(&["run", "--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("copy.to names index GSI9, which table") && err.contains("[\"GSI1\"]"), "{err}");
+}
