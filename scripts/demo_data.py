@@ -223,14 +223,18 @@ def rename():
 
 def copies(check):
     items = scan()
-    names = {it["PK"]["S"]: it.get("name", {}).get("S") for it in items if it["SK"]["S"] == "PROFILE"}
+    names = {
+        it["PK"]["S"]: it.get("name", {}).get("S") for it in items if it["SK"]["S"] == "PROFILE"
+    }
     orders = [it for it in items if it["SK"]["S"].startswith("ORDER#")]
     stale = [o for o in orders if o.get("customerName", {}).get("S") != names.get(o["PK"]["S"])]
     if check:
         sys.exit(1 if stale or names.get("CUST#c1") != RENAMED else 0)
     for o in orders:
         if o["PK"]["S"] == "CUST#c1":
-            print(f"{o['PK']['S'] + ' / ' + o['SK']['S']:<36} customerName = {o.get('customerName', {}).get('S')}")
+            print(
+                f"{o['PK']['S'] + ' / ' + o['SK']['S']:<36} customerName = {o.get('customerName', {}).get('S')}"
+            )
     print(f"\n{len(orders)} orders; {len(orders) - len(stale)} carry their customer's current name")
     return not stale
 
@@ -263,7 +267,9 @@ def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("command", choices=["setup", "write", "poison", "drift", "show", "rename", "copies"])
+    p.add_argument(
+        "command", choices=["setup", "write", "poison", "drift", "show", "rename", "copies"]
+    )
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--check", action="store_true")
     a = p.parse_args()
