@@ -17,7 +17,7 @@ use super::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperSeen, HelperState, HelperStates, LedgerWrite, LiveHelpers,
     Settle, SettleWrite, SinkError, TransitionWrite, WriteOutcome,
 };
-use crate::aws::{classify, FailureKind};
+use crate::aws::classify;
 use crate::decimal::Decimal;
 use crate::rules::helper::{HelperScan, Scalar, REFS};
 use crate::sink::derive::derived_expressions;
@@ -652,12 +652,7 @@ impl DynamoDbAggregates {
     }
 
     fn error(&self, f: crate::aws::Failure) -> SinkError {
-        match f.kind {
-            FailureKind::Throttled => SinkError::Throttled(f.to_string()),
-            FailureKind::Transient => SinkError::Transient(f.to_string()),
-            FailureKind::Invalid => SinkError::Invalid(f.to_string()),
-            _ => SinkError::Fatal(format!("{} (table {})", f, self.table)),
-        }
+        SinkError::from_failure(f, &self.table)
     }
 }
 

@@ -92,6 +92,18 @@ pub enum SinkError {
 }
 
 impl SinkError {
+    /// A failed DynamoDB call on `table` as the writers see it: throttled, transient, refused
+    /// as invalid, or fatal (naming the table).
+    pub fn from_failure(f: crate::aws::Failure, table: &str) -> SinkError {
+        use crate::aws::FailureKind;
+        match f.kind {
+            FailureKind::Throttled => SinkError::Throttled(f.to_string()),
+            FailureKind::Transient => SinkError::Transient(f.to_string()),
+            FailureKind::Invalid => SinkError::Invalid(f.to_string()),
+            _ => SinkError::Fatal(format!("{f} (table {table})")),
+        }
+    }
+
     pub fn is_retriable(&self) -> bool {
         matches!(self, SinkError::Transient(_) | SinkError::Throttled(_))
     }

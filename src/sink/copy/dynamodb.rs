@@ -9,7 +9,7 @@ use aws_sdk_dynamodb::Client;
 use futures::future::BoxFuture;
 
 use super::{CopyOutcome, CopyStore, Found, FoundPage, ItemKey};
-use crate::aws::{attribute_to_json, classify, json_to_attribute, FailureKind};
+use crate::aws::{attribute_to_json, classify, json_to_attribute};
 use crate::config::Config;
 use crate::rules::copy::{check_table, CopyChange, FindQuery, SortValue, TableKeys};
 use crate::sink::SinkError;
@@ -69,12 +69,7 @@ impl DynamoDbCopies {
     }
 
     fn error(&self, f: crate::aws::Failure) -> SinkError {
-        match f.kind {
-            FailureKind::Throttled => SinkError::Throttled(f.to_string()),
-            FailureKind::Transient => SinkError::Transient(f.to_string()),
-            FailureKind::Invalid => SinkError::Invalid(f.to_string()),
-            _ => SinkError::Fatal(format!("{} (table {})", f, self.table)),
-        }
+        SinkError::from_failure(f, &self.table)
     }
 
     async fn query(&self, q: &FindQuery, version_attribute: &str, start: Option<&ItemKey>) -> Result<FoundPage, SinkError> {
