@@ -246,4 +246,22 @@ mod tests {
         assert_eq!(b.facts.letters[0].code, "too_old");
         assert!(!b.facts.letters[0].rules.is_empty());
     }
+
+    /// A copy rule applies a record of any age (versions keep a late one from winning; a
+    /// skipped delete would leave its copies): no letter, and the change is in the batch.
+    #[test]
+    fn copy_rules_apply_records_past_max_record_age() {
+        let e = engine();
+        let mut b = PendingBatch::default();
+        let now = 1_764_460_800_000 + 3_600_000;
+        let keys = json!({"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}});
+        let old = json!({"eventName": "REMOVE", "dynamodb": {"Keys": keys, "OldImage": {"PK": {"S": "CUST#c1"}, "SK": {"S": "PROFILE"}, "name": {"S": "Ann"}},
+            "SequenceNumber": "000000000000000000005", "ApproximateCreationDateTime": 1_764_460_800}});
+        b.add_page(&e, Some(60_000), vec![old], now, Some(1));
+        let b = b.finish(&e, "shardId-1");
+        assert!(b.facts.letters.is_empty(), "{:?}", b.facts.letters);
+        assert_eq!(b.copies.len(), 1);
+        assert!(b.copies[0].1.deleted);
+        assert_eq!(e.copies[b.copies[0].0].name.as_ref(), "customer-name-on-orders");
+    }
 }
