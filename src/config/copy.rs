@@ -49,7 +49,40 @@ pub(super) fn validate(path: &str, r: &RawRule, copy: &RawCopy) -> Result<CopyRu
     if to.index.is_none() {
         source_found(&at, &source_key, &to)?;
     }
-    Ok(CopyRule { name: r.name.as_str().into(), filter, source_key, attributes, to })
+    let (inline_items, job_capacity_per_second) = pacing(&format!("{path}.copy"), copy)?;
+    Ok(CopyRule { name: r.name.as_str().into(), filter, source_key, attributes, to, inline_items, job_capacity_per_second })
+}
+
+/// Most copies a change writes in its batch.
+pub const MAX_INLINE_ITEMS: u64 = 1_000;
+pub const DEFAULT_INLINE_ITEMS: usize = 100;
+pub const DEFAULT_JOB_CAPACITY: f64 = 500.0;
+/// A job above this would pass what one partition key takes many times over.
+const MAX_JOB_CAPACITY: f64 = 40_000.0;
+
+/// `inline_items` and `job_capacity_per_second`, with their defaults.
+fn pacing(path: &str, copy: &RawCopy) -> Result<(usize, f64), ConfigError> {
+    let inline = match copy.inline_items {
+        None => DEFAULT_INLINE_ITEMS,
+        Some(n) if (1..=MAX_INLINE_ITEMS).contains(&n) => usize::try_from(n).unwrap_or(DEFAULT_INLINE_ITEMS),
+        Some(n) => {
+            return Err(err(
+                format!("{path}.inline_items"),
+                format!("{n} is out of range: a batch writes 1 to {MAX_INLINE_ITEMS} copies of a change, and a job the rest"),
+            ))
+        }
+    };
+    let capacity = match copy.job_capacity_per_second {
+        None => DEFAULT_JOB_CAPACITY,
+        Some(c) if (1.0..=MAX_JOB_CAPACITY).contains(&c) => c,
+        Some(c) => {
+            return Err(err(
+                format!("{path}.job_capacity_per_second"),
+                format!("{c} is out of range: give 1 to {MAX_JOB_CAPACITY} write capacity units per second"),
+            ))
+        }
+    };
+    Ok((inline, capacity))
 }
 
 /// A copy rule writes the items `copy.to` finds: the settings of a rule with targets do not apply.

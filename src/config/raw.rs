@@ -307,6 +307,16 @@ pub struct RawCopy {
     /// `{index: GSI1, GSI1PK: "CUST#{customer}"}` on a global secondary index (with its
     /// partition key, and optionally its sort key or `<sort key>_begins_with`).
     pub to: IndexMap<String, String>,
+    /// Copies one change writes in the batch that read it (1 to 1,000; default 100). A larger
+    /// fan-out goes on as a job in the state table, so the shard's other rules do not wait.
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 1000))]
+    pub inline_items: Option<u64>,
+    /// Write capacity units per second one fan-out job spends (default 500: half of what one
+    /// partition key takes, for copies in the source's item collection).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 40000))]
+    pub job_capacity_per_second: Option<f64>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]

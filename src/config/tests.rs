@@ -581,6 +581,9 @@ fn copy_rules_are_validated_apart_from_the_aggregating_rules() {
     assert_eq!(c.engine.rules.len(), 2, "copy rules are not aggregating rules");
     assert_eq!(c.engine.copies.len(), 1);
     let rule = &c.engine.copies[0];
+    assert_eq!((rule.inline_items, rule.job_capacity_per_second), (100, 500.0), "the defaults");
+    let paced = load(&demo_with_copy("", &format!("{COPY}      inline_items: 20\n      job_capacity_per_second: 250\n"))).unwrap();
+    assert_eq!((paced.engine.copies[0].inline_items, paced.engine.copies[0].job_capacity_per_second), (20, 250.0));
     let pairs: Vec<(&str, &str)> = rule.attributes.iter().map(|a| (a.copy.as_str(), a.source.as_str())).collect();
     assert_eq!(pairs, vec![("customerName", "name"), ("customerTier", "tier")]);
     assert_eq!(rule.to.partition.0, "PK");
@@ -669,6 +672,26 @@ fn copy_rule_errors_name_the_path_and_the_fix() {
             "",
             "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n      fan_out: 3\n",
             "unknown field `fan_out`",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n      inline_items: 0\n",
+            "rules[2].copy.inline_items: 0 is out of range: a batch writes 1 to 1000 copies of a change, and a job the rest",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n      inline_items: 5000\n",
+            "rules[2].copy.inline_items: 5000 is out of range",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n      job_capacity_per_second: 0.5\n",
+            "rules[2].copy.job_capacity_per_second: 0.5 is out of range: give 1 to 40000 write capacity units per second",
+        ),
+        (
+            "",
+            "      attributes: { n: name }\n      to: { PK: \"CUST#{customer}\", SK_begins_with: \"ORDER#\" }\n      job_capacity_per_second: .nan\n",
+            "non-finite float `.nan` rejected",
         ),
     ];
     for (extra, copy, expected) in cases {

@@ -247,8 +247,10 @@ impl CopyStore for MemorySources {
         q: &'a FindQuery,
         version_attribute: &'a str,
         start: Option<&'a ItemKey>,
+        limit: usize,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
         Box::pin(async move {
+            let size = self.page_size.max(1).min(limit.max(1));
             let after = start.map(|k| self.key_values(k));
             let sort_name = self.key_names.get(1);
             let items = self.lock();
@@ -266,7 +268,7 @@ impl CopyStore for MemorySources {
                 if !meets || q.index.is_some() || q.partition.0 != self.key_names[0] {
                     continue;
                 }
-                if page.items.len() == self.page_size.max(1) {
+                if page.items.len() == size {
                     page.next = page.items.last().map(|f: &Found| f.key.clone());
                     break;
                 }

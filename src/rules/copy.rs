@@ -19,6 +19,8 @@ use super::template::{ExpandError, Template, VarValue};
 use super::{Poison, PoisonCode, MAX_PARTITION_KEY_BYTES, MAX_SORT_KEY_BYTES};
 use crate::pattern::PatternSet;
 
+pub mod job;
+
 /// The attribute on a copy item that records, for one rule, the source change its copies came
 /// from: `_aggc:<rule>` (rule names are letters, digits, `_ - .`).
 pub const VERSION_PREFIX: &str = "_aggc:";
@@ -66,10 +68,15 @@ pub struct CopyRule {
     pub source_key: Vec<(String, Template)>,
     pub attributes: Vec<CopyAttribute>,
     pub to: Finder,
+    /// Items one change writes in its batch (`copy.inline_items`); the rest of its fan-out
+    /// is a persisted job ([`job`]).
+    pub inline_items: usize,
+    /// Write capacity units per second one job spends (`copy.job_capacity_per_second`).
+    pub job_capacity_per_second: f64,
 }
 
 /// A rendered sort-key condition.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SortValue {
     Equals(String),
@@ -77,7 +84,7 @@ pub enum SortValue {
 }
 
 /// The query that finds one source item's copies.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct FindQuery {
     pub index: Option<String>,
     pub partition: (String, String),
@@ -97,6 +104,19 @@ pub struct Version {
     shard_created_ms: u64,
     /// The sequence number without leading zeros, left-padded to [`SEQUENCE_DIGITS`].
     sequence: String,
+}
+
+impl serde::Serialize for Version {
+    fn serialize<Ser: serde::Serializer>(&self, s: Ser) -> Result<Ser::Ok, Ser::Error> {
+        s.serialize_str(&self.text())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Version {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Version, D::Error> {
+        let text = String::deserialize(d)?;
+        Version::parse(&text).ok_or_else(|| serde::de::Error::custom(format!("not a copy version: {text:?}")))
+    }
 }
 
 /// Why a record has no usable [`Version`].
@@ -140,6 +160,16 @@ impl Version {
         format!("{:0>CREATED_DIGITS$}.{}", self.shard_created_ms, self.sequence)
     }
 
+    /// The record's sequence number (without leading zeros).
+    pub fn sequence_number(&self) -> &str {
+        let digits = self.sequence.trim_start_matches('0');
+        if digits.is_empty() {
+            "0"
+        } else {
+            digits
+        }
+    }
+
     /// A stored form read back; None for anything [`Version::text`] does not write.
     pub fn parse(text: &str) -> Option<Version> {
         let (created, sequence) = text.split_once('.')?;
@@ -153,7 +183,7 @@ impl Version {
 
 /// What one source change does to the rule's copies: on every item `find` returns, set `set`,
 /// remove the rule's other copy attributes, and record `version`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CopyChange {
     /// The source item's key, typed as in `dynamodb.Keys` (a found item with this key is the
     /// source itself and is never written).

@@ -56,14 +56,15 @@ pub enum CopyOutcome {
 
 /// The table that holds the copies (the source table).
 pub trait CopyStore: Send + Sync + 'static {
-    /// One page of the items `q` finds, from `start` (None: the first page): strongly
-    /// consistent on the table, eventually consistent on an index. Each with its key in the
-    /// table and the text of its attribute `version_attribute`.
+    /// One page of at most `limit` of the items `q` finds, from `start` (None: the first
+    /// page): strongly consistent on the table, eventually consistent on an index. Each with
+    /// its key in the table and the text of its attribute `version_attribute`.
     fn find<'a>(
         &'a self,
         q: &'a FindQuery,
         version_attribute: &'a str,
         start: Option<&'a ItemKey>,
+        limit: usize,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>>;
 
     /// The source item `key`, strongly consistent, with `attributes` (None: it does not exist).
@@ -98,67 +99,103 @@ pub struct FanOut {
     pub superseded: bool,
     /// The table refused the query itself (a key of another type than S, say): why.
     pub query_refused: Option<String>,
+    /// Where the fan-out goes on (None: it reached the last page, or ended early).
+    pub next: Option<ItemKey>,
     pub write_capacity: f64,
     pub read_capacity: f64,
 }
 
-/// Writes `change` onto every item its query finds, `in_flight` writes at a time, page by page.
-/// Each page is written only if the source, read after the page, still holds what the change
+/// Copies a job writes per page: the cursor moves after each.
+pub const JOB_PAGE_ITEMS: usize = 100;
+
+/// Writes `change` onto every item its query finds, page by page ([`fan_out_page`]).
+pub async fn fan_out(store: &dyn CopyStore, rule: &CopyRule, change: &CopyChange, in_flight: usize) -> Result<FanOut, SinkError> {
+    let mut total = FanOut::default();
+    let mut start: Option<ItemKey> = None;
+    loop {
+        let out = fan_out_page(store, rule, change, in_flight, start.as_ref(), JOB_PAGE_ITEMS).await?;
+        start = out.next.clone();
+        total.add(out);
+        if start.is_none() {
+            return Ok(total);
+        }
+    }
+}
+
+impl FanOut {
+    /// Adds a later page's figures; its `next` is the fan-out's.
+    pub fn add(&mut self, page: FanOut) {
+        self.found += page.found;
+        self.written += page.written;
+        self.older += page.older;
+        self.gone += page.gone;
+        self.rejected.extend(page.rejected);
+        self.superseded |= page.superseded;
+        self.query_refused = self.query_refused.take().or(page.query_refused);
+        self.write_capacity += page.write_capacity;
+        self.read_capacity += page.read_capacity;
+        self.next = page.next;
+    }
+}
+
+/// Writes `change` onto the items of one page of its query (at most `limit`, from `start`),
+/// `in_flight` writes at a time; `next` says where the following page starts.
+/// The page is written only if the source, read after the page, still holds what the change
 /// copies ([`CopyChange::still_current`]): an item the page found existed before that read,
 /// so a newer change of the source comes after it, finds the item, and writes a newer version
 /// over this write or refuses it. That holds for a writer that lost its lease and wakes up
 /// late, whose old values would otherwise land on items that carry no version yet.
-/// A transient or throttled error ends the fan-out (the batch is retried, and the items already
-/// written are skipped then).
-pub async fn fan_out(store: &dyn CopyStore, rule: &CopyRule, change: &CopyChange, in_flight: usize) -> Result<FanOut, SinkError> {
+/// A transient or throttled error ends the fan-out (the batch or job is retried, and the items
+/// already written are skipped then).
+pub async fn fan_out_page(
+    store: &dyn CopyStore,
+    rule: &CopyRule,
+    change: &CopyChange,
+    in_flight: usize,
+    start: Option<&ItemKey>,
+    limit: usize,
+) -> Result<FanOut, SinkError> {
     let attribute = version_attribute(&rule.name);
     let version = change.version.text();
-    let sources = rule.source_attributes();
     let mut out = FanOut::default();
-    let mut start: Option<ItemKey> = None;
-    loop {
-        let page = match store.find(&change.find, &attribute, start.as_ref()).await {
-            Ok(page) => page,
-            Err(SinkError::Invalid(why)) => {
-                out.query_refused = Some(why);
-                return Ok(out);
-            }
-            Err(e) => return Err(e),
-        };
-        out.read_capacity += page.read_capacity;
-        let source = store.source(&change.source, &sources).await?;
-        if !change.still_current(&rule.current(source.as_ref())) {
-            out.superseded = true;
+    let page = match store.find(&change.find, &attribute, start, limit.max(1)).await {
+        Ok(page) => page,
+        Err(SinkError::Invalid(why)) => {
+            out.query_refused = Some(why);
             return Ok(out);
         }
-        let due: Vec<&Found> = page.items.iter().filter(|f| f.key != change.source).collect();
-        out.found += due.len() as u64;
-        let (current, due): (Vec<&Found>, Vec<&Found>) =
-            due.into_iter().partition(|f| f.version.as_deref().is_some_and(|v| *v >= *version));
-        out.older += current.len() as u64;
-        // Built in a loop, not by a lazy map: the batch's future must stay Send.
-        let mut writes = Vec::with_capacity(due.len());
-        let attribute = attribute.as_str();
-        for f in due {
-            writes.push(async move { (f, store.write(&f.key, change, attribute).await) });
-        }
-        let results: Vec<_> = stream::iter(writes).buffer_unordered(in_flight.max(1)).collect().await;
-        for (found, result) in results {
-            match result? {
-                CopyOutcome::Written { capacity } => {
-                    out.written += 1;
-                    out.write_capacity += capacity;
-                }
-                CopyOutcome::Older => out.older += 1,
-                CopyOutcome::Gone => out.gone += 1,
-                CopyOutcome::Rejected(why) => out.rejected.push((found.key.clone(), why)),
+        Err(e) => return Err(e),
+    };
+    out.read_capacity += page.read_capacity;
+    let source = store.source(&change.source, &rule.source_attributes()).await?;
+    if !change.still_current(&rule.current(source.as_ref())) {
+        out.superseded = true;
+        return Ok(out);
+    }
+    let due: Vec<&Found> = page.items.iter().filter(|f| f.key != change.source).collect();
+    out.found += due.len() as u64;
+    let (current, due): (Vec<&Found>, Vec<&Found>) = due.into_iter().partition(|f| f.version.as_deref().is_some_and(|v| *v >= *version));
+    out.older += current.len() as u64;
+    // Built in a loop, not by a lazy map: the batch's future must stay Send.
+    let mut writes = Vec::with_capacity(due.len());
+    let attribute = attribute.as_str();
+    for f in due {
+        writes.push(async move { (f, store.write(&f.key, change, attribute).await) });
+    }
+    let results: Vec<_> = stream::iter(writes).buffer_unordered(in_flight.max(1)).collect().await;
+    for (found, result) in results {
+        match result? {
+            CopyOutcome::Written { capacity } => {
+                out.written += 1;
+                out.write_capacity += capacity;
             }
-        }
-        match page.next {
-            Some(next) => start = Some(next),
-            None => return Ok(out),
+            CopyOutcome::Older => out.older += 1,
+            CopyOutcome::Gone => out.gone += 1,
+            CopyOutcome::Rejected(why) => out.rejected.push((found.key.clone(), why)),
         }
     }
+    out.next = page.next;
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -10,7 +10,10 @@ use aws_sdk_dynamodb::Client;
 use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
 
 use super::definitions::{Beat, Committed};
-use super::{Checkpoint, Lease, LeaseStore, Progress, StateError};
+use super::{Checkpoint, JobStep, Lease, LeaseStore, Progress, StateError};
+use crate::rules::copy::job::{CopyJob, StoredJob};
+
+mod jobs;
 use crate::aws::{classify, FailureKind};
 
 pub struct DynamoDbLeases {
@@ -634,6 +637,26 @@ impl LeaseStore for DynamoDbLeases {
             Ok(_) => Ok(()),
             Err(e) => map_err(e, &self.table).map(|_| ()),
         }
+    }
+
+    async fn record_copy_job(&self, job: &CopyJob) -> Result<bool, StateError> {
+        self.put_job(job).await
+    }
+
+    async fn copy_jobs(&self) -> Result<Vec<StoredJob>, StateError> {
+        self.list_jobs().await
+    }
+
+    async fn claim_copy_job(&self, id: &str, version: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
+        self.claim_job(id, version, owner, until_ms, now_ms).await
+    }
+
+    async fn advance_copy_job(&self, id: &str, version: &str, owner: &str, step: &JobStep) -> Result<bool, StateError> {
+        self.advance_job(id, version, owner, step).await
+    }
+
+    async fn end_copy_job(&self, id: &str, version: &str, next: Option<&CopyJob>) -> Result<bool, StateError> {
+        self.end_job(id, version, next).await
     }
 
     async fn release_named(&self, name: &str, owner: &str) -> Result<(), StateError> {

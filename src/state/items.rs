@@ -141,3 +141,39 @@ mod tests {
         assert!(requested_at(&request).is_err());
     }
 }
+
+/// A copy fan-out job ([`crate::rules::copy::job`]), as `record_copy_job` writes it.
+#[derive(Debug, Deserialize)]
+struct JobItem {
+    rule: String,
+    /// The change, as JSON.
+    change: String,
+    /// The key the next page starts after, as JSON.
+    cursor: Option<String>,
+    #[serde(default)]
+    found: u64,
+    created_at: u64,
+    due_at: u64,
+    #[serde(default)]
+    follow_up: bool,
+    owner: Option<String>,
+    #[serde(default)]
+    expires_at: u64,
+}
+
+/// A copy job item.
+pub fn copy_job(item: &HashMap<String, AttributeValue>) -> Result<crate::rules::copy::job::StoredJob, StateError> {
+    use crate::rules::copy::job::{CopyJob, StoredJob};
+    let j: JobItem = typed(item)?;
+    let key = || item.get("shard_id").and_then(|v| v.as_s().ok()).cloned().unwrap_or_default();
+    let change = serde_json::from_str(&j.change).map_err(|e| StateError::Malformed(key(), format!("attribute change: {e}")))?;
+    let cursor = match &j.cursor {
+        None => None,
+        Some(c) => Some(serde_json::from_str(c).map_err(|e| StateError::Malformed(key(), format!("attribute cursor: {e}")))?),
+    };
+    Ok(StoredJob {
+        job: CopyJob { rule: j.rule, change, cursor, found: j.found, created_ms: j.created_at, due_ms: j.due_at, follow_up: j.follow_up },
+        owner: j.owner,
+        expires_at_ms: j.expires_at,
+    })
+}

@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use super::{Lease, LeaseStore, Progress, StateError};
+use super::{JobStep, Lease, LeaseStore, Progress, StateError};
+use crate::rules::copy::job::{CopyJob, StoredJob};
 
 #[derive(Debug, Default)]
 pub struct MemoryLeases {
@@ -18,6 +19,10 @@ pub struct MemoryLeases {
     /// Committed definitions and their revision.
     definitions: Mutex<Option<(super::definitions::Committed, u64)>>,
     beats: Mutex<BTreeMap<String, super::definitions::Beat>>,
+    /// Copy fan-out jobs by id.
+    jobs: Mutex<BTreeMap<String, StoredJob>>,
+    /// Copy fan-out jobs recorded so far (follow-ups included).
+    jobs_recorded: std::sync::atomic::AtomicU64,
 }
 
 /// When each lease became free to take, to measure how long shards went unowned.
@@ -51,6 +56,16 @@ impl MemoryLeases {
         self.unowned.lock().unwrap_or_else(|e| e.into_inner()).from_ms = ms;
     }
 
+    /// Copy fan-out jobs pending.
+    pub fn copy_jobs_pending(&self) -> usize {
+        self.jobs().len()
+    }
+
+    /// Copy fan-out jobs recorded so far.
+    pub fn copy_jobs_recorded(&self) -> u64 {
+        self.jobs_recorded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The most leases the table held at once.
     pub fn largest_table(&self) -> usize {
         self.unowned.lock().unwrap_or_else(|e| e.into_inner()).largest_table
@@ -58,6 +73,10 @@ impl MemoryLeases {
 
     fn mark_free(&self, shard: &str, at: u64) {
         self.unowned.lock().unwrap_or_else(|e| e.into_inner()).since.insert(shard.to_string(), at);
+    }
+
+    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, StoredJob>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Lease>> {
@@ -247,6 +266,58 @@ impl LeaseStore for MemoryLeases {
     async fn drop_beat(&self, owner: &str) -> Result<(), StateError> {
         self.beats.lock().unwrap_or_else(|e| e.into_inner()).remove(owner);
         Ok(())
+    }
+
+    async fn record_copy_job(&self, job: &CopyJob) -> Result<bool, StateError> {
+        let mut jobs = self.jobs();
+        let id = job.id();
+        if jobs.get(&id).is_some_and(|j| j.job.version() >= job.version()) {
+            return Ok(false);
+        }
+        jobs.insert(id, StoredJob { job: job.clone(), owner: None, expires_at_ms: 0 });
+        self.jobs_recorded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(true)
+    }
+
+    async fn copy_jobs(&self) -> Result<Vec<StoredJob>, StateError> {
+        Ok(self.jobs().values().cloned().collect())
+    }
+
+    async fn claim_copy_job(&self, id: &str, version: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
+        let mut jobs = self.jobs();
+        match jobs.get_mut(id) {
+            Some(j) if j.job.version() == version && j.free_for(owner, now_ms) => {
+                j.owner = Some(owner.to_string());
+                j.expires_at_ms = until_ms;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn advance_copy_job(&self, id: &str, version: &str, owner: &str, step: &JobStep) -> Result<bool, StateError> {
+        let mut jobs = self.jobs();
+        match jobs.get_mut(id) {
+            Some(j) if j.job.version() == version && j.owner.as_deref() == Some(owner) => {
+                j.job.cursor = Some(step.cursor.clone());
+                j.job.found = step.found;
+                j.expires_at_ms = step.until_ms;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn end_copy_job(&self, id: &str, version: &str, next: Option<&CopyJob>) -> Result<bool, StateError> {
+        let mut jobs = self.jobs();
+        if jobs.get(id).is_none_or(|j| j.job.version() != version) {
+            return Ok(false);
+        }
+        match next {
+            Some(n) => jobs.insert(id.to_string(), StoredJob { job: n.clone(), owner: None, expires_at_ms: 0 }),
+            None => jobs.remove(id),
+        };
+        Ok(true)
     }
 }
 

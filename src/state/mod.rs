@@ -14,6 +14,8 @@ pub mod memory;
 use std::collections::BTreeMap;
 use std::future::Future;
 
+use crate::rules::copy::job::{CopyJob, StoredJob};
+
 /// Where a shard has been read to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Checkpoint {
@@ -177,6 +179,40 @@ pub trait LeaseStore: Send + Sync + 'static {
     fn beats(&self) -> impl Future<Output = Result<Vec<definitions::Beat>, StateError>> + Send;
     /// Removes a replica's heartbeat (at shutdown, or an expired one).
     fn drop_beat(&self, owner: &str) -> impl Future<Output = Result<(), StateError>> + Send;
+    /// Records a copy fan-out job ([`crate::rules::copy::job`]) unless the table holds one
+    /// for the same or a newer change of its source (false then): an older one is replaced.
+    fn record_copy_job(&self, job: &CopyJob) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Every pending copy job.
+    fn copy_jobs(&self) -> impl Future<Output = Result<Vec<StoredJob>, StateError>> + Send;
+    /// Claims job `id` for `owner` until `until_ms`, if it still is `version`'s and nobody
+    /// else holds it at `now_ms`.
+    fn claim_copy_job(
+        &self,
+        id: &str,
+        version: &str,
+        owner: &str,
+        until_ms: u64,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Moves job `id`'s cursor to `cursor`, with `found` copies so far, and renews the
+    /// claim until `until_ms`: only if it still is `version`'s and `owner`'s.
+    fn advance_copy_job(
+        &self,
+        id: &str,
+        version: &str,
+        owner: &str,
+        step: &JobStep,
+    ) -> impl Future<Output = Result<bool, StateError>> + Send;
+    /// Ends job `id` if it still is `version`'s: deleted, or replaced by `next` (a follow-up).
+    fn end_copy_job(&self, id: &str, version: &str, next: Option<&CopyJob>) -> impl Future<Output = Result<bool, StateError>> + Send;
+}
+
+/// One step of a copy job: where it goes on, and how long its runner holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobStep {
+    pub cursor: crate::rules::copy::job::Key,
+    pub found: u64,
+    pub until_ms: u64,
 }
 
 thread_local! {

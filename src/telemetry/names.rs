@@ -36,6 +36,10 @@ pub const FOLD_LAG: &str = "ddb_aggregator_fold_lag_seconds";
 pub const COPY_WRITES: &str = "ddb_aggregator_copy_writes_total";
 /// Items one source change's fan-out found, by rule.
 pub const COPY_FANOUT_ITEMS: &str = "ddb_aggregator_copy_fanout_items";
+/// Copy fan-out jobs pending in the state table, as the last maintenance round listed them.
+pub const COPY_JOBS_PENDING: &str = "ddb_aggregator_copy_jobs_pending";
+/// Age of the oldest pending copy fan-out job, in seconds (0: none).
+pub const COPY_JOB_AGE: &str = "ddb_aggregator_copy_job_oldest_seconds";
 pub const RULE_REBUILD_PENDING: &str = "ddb_aggregator_rule_rebuild_pending";
 /// 1 for the reason a replica holds no lease while its rule definitions differ from the
 /// committed ones (`reason`: committed_replicas_live, leases_held, conflicting_definitions,
@@ -177,6 +181,14 @@ pub fn describe() {
         "Copy items written by copy rules, per rule: outcome written, older (the item held this change's copies or a newer one's), gone (deleted after the query found it), rejected (the table refused it: dead-lettered) or error (the batch is retried); and fan-outs superseded (the source changed again before they were done: the newer change writes the copies)."
     );
     describe_histogram!(COPY_FANOUT_ITEMS, "Items one source change's fan-out found, per copy rule.");
+    describe_gauge!(
+        COPY_JOBS_PENDING,
+        "Copy fan-out jobs pending in the state table (fan-outs larger than copy.inline_items, and the follow-ups of fan-outs through an index), as this replica last listed them."
+    );
+    describe_gauge!(
+        COPY_JOB_AGE,
+        "Seconds since the oldest pending copy fan-out job was recorded (0: none). Growing: jobs fail or fall behind."
+    );
     describe_counter!(HELPER_WRITES_TOO_OLD, "Helper writes left out because their batch held a record older than 36 hours (a helper that expired meanwhile would count it again); a reconcile of everything is requested.");
     describe_counter!(LEDGER_FENCE_VIOLATIONS, "Writes refused by a target item's ledger floor while this replica held a valid lease on the unfinished shard: an invariant violation (a reset state table, or a bug); a reconcile of everything is requested. Alert on it.");
     describe_counter!(LEASES_DELETED, "Finished leases deleted once their shard left the stream and its children held checkpoints.");
@@ -267,6 +279,10 @@ pub fn init_series(rules: &[String], copy_rules: &[String]) {
         counter!(RECONCILE_DRIFT, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_CORRECTIONS, "rule" => rule.clone()).increment(0);
         counter!(RECONCILE_FAILED_TARGETS, "rule" => rule.clone()).increment(0);
+    }
+    if !copy_rules.is_empty() {
+        metrics::gauge!(COPY_JOBS_PENDING).set(0.0);
+        metrics::gauge!(COPY_JOB_AGE).set(0.0);
     }
     for rule in copy_rules {
         counter!(RECORDS_MATCHED, "rule" => rule.clone()).increment(0);

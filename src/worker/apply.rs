@@ -26,7 +26,7 @@ use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
 use crate::telemetry::names::{self, WriteOutcome};
 
-mod copies;
+pub(crate) mod copies;
 
 /// Attempts at re-reading a refused record for its letter before the batch fails.
 const REREAD_ATTEMPTS: u32 = 5;

@@ -7,6 +7,7 @@ pub mod apply;
 pub mod batch;
 pub mod fold;
 pub mod gate;
+pub mod jobs;
 pub mod phases;
 pub mod plan;
 pub mod shard;
@@ -318,6 +319,9 @@ pub struct Worker<S, L, A> {
     gate_open_at: Option<u64>,
     /// When this maintenance round read its clock.
     round_started: std::time::Instant,
+    /// Copy fan-out jobs running here ([`jobs`]), by id, and their tasks.
+    jobs: BTreeMap<String, CancellationToken>,
+    job_tasks: FuturesUnordered<JoinHandle<(String, jobs::JobExit)>>,
 }
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
@@ -336,6 +340,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             newest_listed_ms: 0,
             last_discovery_ms: 0,
             missing_since: BTreeMap::new(),
+            jobs: BTreeMap::new(),
+            job_tasks: FuturesUnordered::new(),
         }
     }
 
@@ -362,6 +368,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 biased;
                 _ = cancel.cancelled() => break,
                 Some(done) = self.tasks.next(), if !self.tasks.is_empty() => self.reap(done),
+                Some(done) = self.job_tasks.next(), if !self.job_tasks.is_empty() => {
+                    if let Ok((id, _)) = done {
+                        self.jobs.remove(&id);
+                    }
+                }
                 _ = tick.tick() => {
                     self.shared.health.beat();
                     if let Err(e) = self.maintain().await {
@@ -400,6 +411,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         for r in self.running.values() {
             r.stop.cancel();
         }
+        // A job stops before its next page; its claim lapses and another replica resumes it.
+        for stop in self.jobs.values() {
+            stop.cancel();
+        }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
         while !self.tasks.is_empty() {
             match tokio::time::timeout_at(deadline, self.tasks.next()).await {
@@ -420,6 +435,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 }
             }
         }
+        while let Ok(Some(_)) = tokio::time::timeout_at(deadline, self.job_tasks.next()).await {}
         metrics::gauge!(names::LEASES_HELD).set(0.0);
         // A reconcile request a reader could not write yet (its retry is the next round's,
         // which never comes): written now, or it would be lost with this process.
@@ -518,8 +534,31 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             }
         }
         self.start_if_still_current(taken_now, now + lease_ms).await;
+        self.start_jobs().await;
         self.report(&ready, &leases);
         Ok(())
+    }
+
+    /// Starts the copy fan-out jobs due (this replica runs the committed definitions).
+    async fn start_jobs(&mut self) {
+        if self.shared.copies.is_none() || !self.gate.takes_leases() {
+            return;
+        }
+        let running = self.jobs.keys().cloned().collect();
+        let due = match jobs::due(&self.shared, &running).await {
+            Ok(due) => due,
+            Err(e) => {
+                warn!(error = %e, "cannot list the copy jobs; next round");
+                return;
+            }
+        };
+        for job in due {
+            let id = job.job.id();
+            let stop = CancellationToken::new();
+            let (shared, task_stop, name) = (self.shared.clone(), stop.clone(), id.clone());
+            self.job_tasks.push(tokio::spawn(async move { (name, jobs::run(shared, job, task_stop).await) }));
+            self.jobs.insert(id, stop);
+        }
     }
 
     /// Starts the readers of the leases just taken if the committed definitions are still

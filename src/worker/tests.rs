@@ -185,6 +185,39 @@ impl LeaseStore for ArcLeases {
     async fn drop_beat(&self, owner: &str) -> Result<(), crate::state::StateError> {
         self.0.drop_beat(owner).await
     }
+    async fn record_copy_job(&self, job: &crate::rules::copy::job::CopyJob) -> Result<bool, crate::state::StateError> {
+        self.0.record_copy_job(job).await
+    }
+    async fn copy_jobs(&self) -> Result<Vec<crate::rules::copy::job::StoredJob>, crate::state::StateError> {
+        self.0.copy_jobs().await
+    }
+    async fn claim_copy_job(
+        &self,
+        id: &str,
+        version: &str,
+        owner: &str,
+        until_ms: u64,
+        now_ms: u64,
+    ) -> Result<bool, crate::state::StateError> {
+        self.0.claim_copy_job(id, version, owner, until_ms, now_ms).await
+    }
+    async fn advance_copy_job(
+        &self,
+        id: &str,
+        version: &str,
+        owner: &str,
+        step: &crate::state::JobStep,
+    ) -> Result<bool, crate::state::StateError> {
+        self.0.advance_copy_job(id, version, owner, step).await
+    }
+    async fn end_copy_job(
+        &self,
+        id: &str,
+        version: &str,
+        next: Option<&crate::rules::copy::job::CopyJob>,
+    ) -> Result<bool, crate::state::StateError> {
+        self.0.end_copy_job(id, version, next).await
+    }
 }
 
 /// Waits (bounded) until the aggregates equal `want` and every closed shard is finished.

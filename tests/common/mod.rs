@@ -19,9 +19,10 @@ use ddb_aggregator::decimal::Decimal;
 
 /// Each test binary gets emulators of its own (DynamoDB Local slows down as tables and
 /// stream records pile up, and the heavy binaries would slow the timing-sensitive ones):
-/// DynamoDB Local on 8100 + k, moto on 9424 + k (k < 8). scripts/test stops them all. DDB_LOCAL_PORT
+/// DynamoDB Local on 8100 + k, moto on 9424 + k (k < 9). scripts/test stops them all. DDB_LOCAL_PORT
 /// and SQS_LOCAL_PORT move the bases (two checkouts testing on one machine).
-pub const EMULATOR_SLOTS: &[&str] = &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup", "chaos", "changes"];
+pub const EMULATOR_SLOTS: &[&str] =
+    &["", "dead_letters", "ledger_dynamodb", "reconcile", "service", "startup", "chaos", "changes", "copies"];
 
 fn slot() -> u16 {
     let exe = std::env::current_exe().ok();

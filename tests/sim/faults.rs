@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ddb_aggregator::rules::copy::job::{CopyJob, StoredJob};
 use ddb_aggregator::rules::copy::{CopyChange, FindQuery};
 use ddb_aggregator::rules::helper::HelperScan;
 use ddb_aggregator::sink::copy::{CopyOutcome, CopyStore, FoundPage, ItemKey};
@@ -15,7 +16,7 @@ use ddb_aggregator::sink::{
     SinkError, TransitionWrite, WriteOutcome,
 };
 use ddb_aggregator::state::definitions::{Beat, Committed};
-use ddb_aggregator::state::{now_ms, Lease, LeaseStore, Progress, StateError};
+use ddb_aggregator::state::{now_ms, JobStep, Lease, LeaseStore, Progress, StateError};
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
 use futures::future::BoxFuture;
 
@@ -226,6 +227,21 @@ impl<L: LeaseStore> LeaseStore for Leases<L> {
     async fn drop_beat(&self, owner: &str) -> Result<(), StateError> {
         call(&self.fate, &self.faults, self.inner.drop_beat(owner), state_fault, state_fault).await
     }
+    async fn record_copy_job(&self, job: &CopyJob) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.record_copy_job(job), state_fault, state_fault).await
+    }
+    async fn copy_jobs(&self) -> Result<Vec<StoredJob>, StateError> {
+        call(&self.fate, &self.faults, self.inner.copy_jobs(), state_fault, state_fault).await
+    }
+    async fn claim_copy_job(&self, id: &str, version: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.claim_copy_job(id, version, owner, until_ms, now_ms), state_fault, state_fault).await
+    }
+    async fn advance_copy_job(&self, id: &str, version: &str, owner: &str, step: &JobStep) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.advance_copy_job(id, version, owner, step), state_fault, state_fault).await
+    }
+    async fn end_copy_job(&self, id: &str, version: &str, next: Option<&CopyJob>) -> Result<bool, StateError> {
+        call(&self.fate, &self.faults, self.inner.end_copy_job(id, version, next), state_fault, state_fault).await
+    }
 }
 
 /// The source table as copy rules write it, under the replica's fate and drawn faults.
@@ -236,9 +252,15 @@ pub struct Copies<C> {
 }
 
 impl<C: CopyStore> CopyStore for Copies<C> {
-    fn find<'a>(&'a self, q: &'a FindQuery, version: &'a str, start: Option<&'a ItemKey>) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
+    fn find<'a>(
+        &'a self,
+        q: &'a FindQuery,
+        version: &'a str,
+        start: Option<&'a ItemKey>,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
         let t = || SinkError::Transient("simulated".into());
-        Box::pin(call(&self.fate, &self.faults, self.inner.find(q, version, start), t, t))
+        Box::pin(call(&self.fate, &self.faults, self.inner.find(q, version, start, limit), t, t))
     }
 
     fn source<'a>(

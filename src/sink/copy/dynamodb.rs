@@ -72,7 +72,7 @@ impl DynamoDbCopies {
         SinkError::from_failure(f, &self.table)
     }
 
-    async fn query(&self, q: &FindQuery, version_attribute: &str, start: Option<&ItemKey>) -> Result<FoundPage, SinkError> {
+    async fn query(&self, q: &FindQuery, version_attribute: &str, start: Option<&ItemKey>, limit: usize) -> Result<FoundPage, SinkError> {
         let mut condition = "#p = :p".to_string();
         let mut req = self
             .client
@@ -81,6 +81,7 @@ impl DynamoDbCopies {
             .set_index_name(q.index.clone())
             // An index is read eventually consistent: DynamoDB offers nothing else there.
             .consistent_read(q.index.is_none())
+            .limit(i32::try_from(limit.max(1)).unwrap_or(i32::MAX))
             .return_consumed_capacity(ReturnConsumedCapacity::Total)
             .expression_attribute_names("#p", &q.partition.0)
             .expression_attribute_values(":p", AttributeValue::S(q.partition.1.clone()));
@@ -213,8 +214,9 @@ impl CopyStore for DynamoDbCopies {
         q: &'a FindQuery,
         version_attribute: &'a str,
         start: Option<&'a ItemKey>,
+        limit: usize,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
-        Box::pin(self.query(q, version_attribute, start))
+        Box::pin(self.query(q, version_attribute, start, limit))
     }
 
     fn write<'a>(

@@ -19,6 +19,8 @@ fn rule() -> CopyRule {
             partition: ("PK".into(), t("CUST#{customer}")),
             sort: Some(("SK".into(), SortCondition::BeginsWith(t("ORDER#")))),
         },
+        inline_items: 100,
+        job_capacity_per_second: 500.0,
     }
 }
 

@@ -1,13 +1,17 @@
 //! A batch's copies ([`crate::sink::copy`]): fanned out after its target writes and before its
 //! checkpoint, so a crash anywhere replays them (the copies' versions skip what was written).
+//! A change writes its first `copy.inline_items` copies here; the rest of its fan-out, and the
+//! follow-up of a fan-out through an index, is recorded as a job ([`crate::rules::copy::job`])
+//! before the checkpoint moves, and runs beside the readers ([`crate::worker::jobs`]).
 
 use serde_json::Value;
 
 use super::{Applier, BatchOutcome, Letter};
+use crate::rules::copy::job::CopyJob;
 use crate::rules::copy::{CopyChange, CopyRule};
-use crate::sink::copy::{fan_out, FanOut};
+use crate::sink::copy::{fan_out_page, FanOut};
 use crate::sink::{AggregateStore, SinkError};
-use crate::state::LeaseStore;
+use crate::state::{now_ms, LeaseStore};
 use crate::stream::StreamSource;
 use crate::telemetry::names;
 
@@ -31,14 +35,18 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             if !self.lease.valid() {
                 return Err(BatchOutcome::LeaseLost);
             }
-            let out = match fan_out(store, rule, change, shared.config.write_concurrency).await {
+            let out = match fan_out_page(store, rule, change, shared.config.write_concurrency, None, rule.inline_items).await {
                 Ok(out) => out,
                 Err(e) => {
                     metrics::counter!(names::COPY_WRITES, "rule" => rule.name.to_string(), "outcome" => "error").increment(1);
                     return Err(BatchOutcome::Failed(e));
                 }
             };
-            self.copied(rule, &out);
+            let ends = out.next.is_none().then_some(out.found);
+            copied(&self.shared.capacity_milli, rule, &out, ends);
+            if let Some(job) = job_for(rule, change, &out, now_ms()) {
+                self.shared.leases.record_copy_job(&job).await.map_err(|e| BatchOutcome::Failed(state_failure(e)))?;
+            }
             for (key, why) in &out.rejected {
                 tracing::error!(shard = %self.shard(), rule = %rule.name, item = %serde_json::to_string(key).unwrap_or_default(), error = %why, "the table refused a copy; its source record is dead-lettered");
             }
@@ -54,28 +62,54 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         }
         Ok(())
     }
+}
 
-    /// The metrics of one fan-out.
-    fn copied(&self, rule: &CopyRule, out: &FanOut) {
-        let name = rule.name.to_string();
-        let outcomes = [
-            ("written", out.written),
-            ("older", out.older),
-            ("gone", out.gone),
-            ("rejected", out.rejected.len() as u64),
-            ("superseded", u64::from(out.superseded)),
-        ];
-        for (outcome, n) in outcomes {
-            metrics::counter!(names::COPY_WRITES, "rule" => name.clone(), "outcome" => outcome).increment(n);
-        }
-        metrics::histogram!(names::COPY_FANOUT_ITEMS, "rule" => name).record(out.found as f64);
-        metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(out.write_capacity.round() as u64);
-        self.shared.capacity_milli.fetch_add((out.write_capacity * 1000.0).round() as u64, std::sync::atomic::Ordering::Relaxed);
+/// The metrics of one page or more of a fan-out, and its capacity in `capacity_milli`;
+/// `ends`: the fan-out ended here, having found that many copies in all.
+pub(crate) fn copied(capacity_milli: &std::sync::atomic::AtomicU64, rule: &CopyRule, out: &FanOut, ends: Option<u64>) {
+    let name = rule.name.to_string();
+    let outcomes = [
+        ("written", out.written),
+        ("older", out.older),
+        ("gone", out.gone),
+        ("rejected", out.rejected.len() as u64),
+        ("superseded", u64::from(out.superseded)),
+    ];
+    for (outcome, n) in outcomes {
+        metrics::counter!(names::COPY_WRITES, "rule" => name.clone(), "outcome" => outcome).increment(n);
+    }
+    if let Some(found) = ends {
+        metrics::histogram!(names::COPY_FANOUT_ITEMS, "rule" => name).record(found as f64);
+    }
+    metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(out.write_capacity.round() as u64);
+    capacity_milli.fetch_add((out.write_capacity * 1000.0).round() as u64, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The job a change's fan-out leaves, after the batch wrote its first page (pure): the rest of
+/// its pages, or the re-run of a fan-out through an index; none when the source changed since
+/// (the newer change fans out itself) or the query was refused.
+pub fn job_for(rule: &CopyRule, change: &CopyChange, out: &FanOut, now_ms: u64) -> Option<CopyJob> {
+    if out.superseded || out.query_refused.is_some() {
+        return None;
+    }
+    match &out.next {
+        Some(next) => Some(CopyJob::rest(&rule.name, change.clone(), next.clone(), out.found, now_ms)),
+        None if rule.to.index.is_some() => Some(CopyJob::follow_up(&rule.name, change.clone(), now_ms)),
+        None => None,
+    }
+}
+
+/// A state table failure as a batch's: retried when it is transient.
+fn state_failure(e: crate::state::StateError) -> SinkError {
+    if e.is_retriable() {
+        SinkError::Transient(e.to_string())
+    } else {
+        SinkError::Fatal(e.to_string())
     }
 }
 
 /// The letter's message: how many copies were refused, and the first few items with why.
-fn rejected_message(out: &FanOut) -> String {
+pub(crate) fn rejected_message(out: &FanOut) -> String {
     let named: Vec<String> = out
         .rejected
         .iter()

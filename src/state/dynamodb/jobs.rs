@@ -1,0 +1,168 @@
+//! Copy fan-out jobs in the state table ([`crate::rules::copy::job`]): one item per (rule,
+//! source item), keyed `copy-job#<rule>#<digest>`, never listed as a lease (no `stream_arn`).
+
+use std::collections::HashMap;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+
+use super::{map_err, n, s, DynamoDbLeases};
+use crate::rules::copy::job::{CopyJob, StoredJob, JOB_PREFIX};
+use crate::state::{JobStep, StateError};
+
+/// Every step of a job is conditioned on the job still being this change's.
+const SAME_CHANGE: &str = "#v = :v";
+
+fn json<T: serde::Serialize>(value: &T) -> Result<AttributeValue, StateError> {
+    serde_json::to_string(value).map(AttributeValue::S).map_err(|e| StateError::Fatal(format!("encoding a copy job: {e}")))
+}
+
+/// The item `record_copy_job` and `end_copy_job` put.
+fn job_item(job: &CopyJob) -> Result<HashMap<String, AttributeValue>, StateError> {
+    let mut item = HashMap::from([
+        ("shard_id".to_string(), s(&job.id())),
+        ("rule".to_string(), s(&job.rule)),
+        ("version".to_string(), s(&job.version())),
+        ("change".to_string(), json(&job.change)?),
+        ("found".to_string(), n(job.found)),
+        ("created_at".to_string(), n(job.created_ms)),
+        ("due_at".to_string(), n(job.due_ms)),
+        ("follow_up".to_string(), AttributeValue::Bool(job.follow_up)),
+    ]);
+    if let Some(c) = &job.cursor {
+        item.insert("cursor".to_string(), json(c)?);
+    }
+    Ok(item)
+}
+
+impl DynamoDbLeases {
+    pub(super) async fn put_job(&self, job: &CopyJob) -> Result<bool, StateError> {
+        let resp = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(job_item(job)?))
+            .condition_expression("attribute_not_exists(#v) OR #v < :v")
+            .expression_attribute_names("#v", "version")
+            .expression_attribute_values(":v", s(&job.version()))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    pub(super) async fn list_jobs(&self) -> Result<Vec<StoredJob>, StateError> {
+        let mut out = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        for _ in 0..10_000 {
+            let resp = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .filter_expression("begins_with(shard_id, :p)")
+                .expression_attribute_values(":p", s(JOB_PREFIX))
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await;
+            let resp = match resp {
+                Ok(r) => r,
+                Err(e) => {
+                    map_err(e, &self.table)?;
+                    return Err(StateError::Transient("scan condition failed".into()));
+                }
+            };
+            for item in resp.items() {
+                out.push(crate::state::items::copy_job(item)?);
+            }
+            match resp.last_evaluated_key() {
+                Some(k) if !k.is_empty() => start = Some(k.clone()),
+                _ => return Ok(out),
+            }
+        }
+        Err(StateError::Fatal("state table scan for copy jobs did not finish".into()))
+    }
+
+    pub(super) async fn claim_job(&self, id: &str, version: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(id))
+            .update_expression("SET #o = :me, #e = :until")
+            .condition_expression(format!("{SAME_CHANGE} AND (attribute_not_exists(#o) OR #o = :me OR #e <= :now)"))
+            .expression_attribute_names("#v", "version")
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#e", "expires_at")
+            .expression_attribute_values(":v", s(version))
+            .expression_attribute_values(":me", s(owner))
+            .expression_attribute_values(":until", n(until_ms))
+            .expression_attribute_values(":now", n(now_ms))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    pub(super) async fn advance_job(&self, id: &str, version: &str, owner: &str, step: &JobStep) -> Result<bool, StateError> {
+        let resp = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("shard_id", s(id))
+            .update_expression("SET #cur = :cur, #w = :w, #e = :until")
+            .condition_expression(format!("{SAME_CHANGE} AND #o = :me"))
+            .expression_attribute_names("#v", "version")
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#e", "expires_at")
+            .expression_attribute_names("#cur", "cursor")
+            .expression_attribute_names("#w", "found")
+            .expression_attribute_values(":v", s(version))
+            .expression_attribute_values(":me", s(owner))
+            .expression_attribute_values(":cur", json(&step.cursor)?)
+            .expression_attribute_values(":w", n(step.found))
+            .expression_attribute_values(":until", n(step.until_ms))
+            .send()
+            .await;
+        match resp {
+            Ok(_) => Ok(true),
+            Err(e) => map_err(e, &self.table),
+        }
+    }
+
+    pub(super) async fn end_job(&self, id: &str, version: &str, next: Option<&CopyJob>) -> Result<bool, StateError> {
+        let resp = match next {
+            Some(job) => self
+                .client
+                .put_item()
+                .table_name(&self.table)
+                .set_item(Some(job_item(job)?))
+                .condition_expression(SAME_CHANGE)
+                .expression_attribute_names("#v", "version")
+                .expression_attribute_values(":v", s(version))
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|e| map_err(e, &self.table)),
+            None => self
+                .client
+                .delete_item()
+                .table_name(&self.table)
+                .key("shard_id", s(id))
+                .condition_expression(SAME_CHANGE)
+                .expression_attribute_names("#v", "version")
+                .expression_attribute_values(":v", s(version))
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|e| map_err(e, &self.table)),
+        };
+        match resp {
+            Ok(()) => Ok(true),
+            Err(r) => r,
+        }
+    }
+}
