@@ -469,12 +469,17 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                 });
                 writeln!(out, "{line}")?;
             }
+            for d in &report.copy_drifts {
+                writeln!(out, "{}", d.json())?;
+            }
             let not_quiet: Vec<String> = report.not_quiet.iter().map(|(r, t)| format!("{r}: {}", target_text(t))).collect();
             let failed: Vec<String> = report.failed.iter().map(|(r, t, why)| format!("{r}: {}: {why}", target_text(t))).collect();
             let summary = serde_json::json!({"summary": {
                 "targets_checked": report.targets_checked, "items_read": report.items_read, "read_units": report.read_units, "drifts": report.drifts.len(),
                 "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet, "failed": failed,
                 "poison_items": report.poisons, "seconds": report.elapsed.as_secs_f64(), "dry_run": dry_run,
+                "copies_checked": report.copies_checked, "copy_drifts": report.copy_drifts.len(),
+                "copies_corrected": report.copy_drifts.iter().filter(|d| d.corrected).count(),
                 "shards_by_empty_pages": report.by_empty_pages,
                 "helper_items": report.helpers.iter().map(|(rule, c)| (rule.clone(), serde_json::json!({"live": c.live, "zero": c.zero}))).collect::<serde_json::Map<String, Value>>(),
             }});
@@ -496,6 +501,12 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                         diff,
                         if d.corrected { "corrected" } else { "" }
                     )?;
+                }
+            }
+            if !report.copy_drifts.is_empty() {
+                writeln!(out, "{:<20} {:<32} {:<20} {:>14} {:>14}", "copy rule", "copy item", "attribute", "stored", "source")?;
+                for line in report.copy_drifts.iter().flat_map(|d| d.lines()) {
+                    writeln!(out, "{line}")?;
                 }
             }
             for (r, t) in &report.not_quiet {
@@ -522,6 +533,16 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
             )?;
             for (rule, c) in &report.helpers {
                 writeln!(out, "{rule}: {} helper item(s) live, {} at zero", c.live, c.zero)?;
+            }
+            if report.copies_checked > 0 || !report.copy_drifts.is_empty() {
+                let corrected = report.copy_drifts.iter().filter(|d| d.corrected).count();
+                writeln!(
+                    out,
+                    "copies: {} copy item(s) checked, {} differed from their source{}",
+                    report.copies_checked,
+                    report.copy_drifts.len(),
+                    if dry_run { " (dry run: nothing written)".to_string() } else { format!(", {corrected} corrected") }
+                )?;
             }
             if !report.by_empty_pages.is_empty() {
                 writeln!(

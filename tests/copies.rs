@@ -556,3 +556,82 @@ async fn a_fan_out_of_twenty_thousand_orders_survives_a_sigkill_and_the_counters
         took.as_secs_f64()
     );
 }
+
+/// Sets an order's copied name by hand (drift: the application wrote it, or a change was lost).
+async fn tamper(c: &Client, table: &str, customer: usize, n: usize, name: &str) {
+    c.update_item()
+        .table_name(table)
+        .key("PK", s(&format!("CUST#c{customer}")))
+        .key("SK", s(&format!("ORDER#2026-12-06#o{n}")))
+        .update_expression("SET customerName = :n")
+        .expression_attribute_values(":n", s(name))
+        .send()
+        .await
+        .unwrap();
+}
+
+/// `reconcile --customer` and `--all` find the orders whose copies differ from their customer's
+/// profile and set them, with the service stopped (reconcile reads the stream itself first);
+/// `--dry-run` reports them and writes nothing; a deleted profile's copies are removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_sets_copies_that_differ_from_their_source() {
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("copyrec");
+    let aggregates = format!("{table}-aggregates");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    let mut profiles: Profiles = BTreeMap::new();
+    for k in 1..=3 {
+        let p = (format!("Customer {k}"), Some("gold".to_string()));
+        put_profile(&c, &table, k, &p.0, p.1.as_deref()).await;
+        for n in 0..5 {
+            put_order(&c, &table, k, k * 100 + n, Some(&p)).await;
+        }
+        profiles.insert(k, Some(p));
+    }
+    c.delete_item().table_name(&table).key("PK", s("CUST#c3")).key("SK", s("PROFILE")).send().await.unwrap();
+    profiles.insert(3, None);
+    let cfg = config.to_str().unwrap();
+    // A first reconcile applies the stream (the profiles' fan-outs, the delete's among them).
+    let out = run_cli(&["reconcile", "--config", cfg, "--all"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(wrong_copies(&c, &table, &profiles).await.is_empty());
+    // Drift on two orders of c1 and one of c2.
+    tamper(&c, &table, 1, 101, "Mallory").await;
+    tamper(&c, &table, 1, 103, "Mallory").await;
+    tamper(&c, &table, 2, 202, "Eve").await;
+    let wrong = |w: Vec<String>| w.into_iter().map(|l| l.split(':').next().unwrap_or("").to_string()).collect::<Vec<_>>();
+    let dry = run_cli(&["reconcile", "--config", cfg, "--customer", "c1", "--dry-run", "--output", "json"]);
+    let text = String::from_utf8_lossy(&dry.stdout);
+    assert_eq!(dry.status.code(), Some(1), "drift left by a dry run\n{text}\n{}", String::from_utf8_lossy(&dry.stderr));
+    let drifts: Vec<serde_json::Value> =
+        text.lines().filter_map(|l| serde_json::from_str(l).ok()).filter(|v: &serde_json::Value| v.get("copy_item").is_some()).collect();
+    assert_eq!(drifts.len(), 2, "{text}");
+    assert!(
+        drifts.iter().all(|d| d["attributes"][0]["stored"] == serde_json::json!({"S": "Mallory"})
+            && d["attributes"][0]["true"] == serde_json::json!({"S": "Customer 1"})),
+        "{text}"
+    );
+    assert_eq!(wrong(wrong_copies(&c, &table, &profiles).await).len(), 3, "a dry run wrote");
+    let out = run_cli(&["reconcile", "--config", cfg, "--customer", "c1"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("copies: 5 copy item(s) checked, 2 differed from their source, 2 corrected"), "{text}");
+    assert_eq!(wrong(wrong_copies(&c, &table, &profiles).await), ["CUST#c2 ORDER#2026-12-06#o202"]);
+    let out = run_cli(&["reconcile", "--config", cfg, "--all"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("1 differed from their source, 1 corrected"), "{text}");
+    assert!(wrong_copies(&c, &table, &profiles).await.is_empty());
+    // A copy rule named with a variable that does not name its source.
+    let out = run_cli(&["reconcile", "--config", cfg, "--rule", "customer-name-on-orders", "--date", "2026-12-06"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("copy rule customer-name-on-orders's source is not determined by --date"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

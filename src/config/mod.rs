@@ -349,9 +349,12 @@ impl Config {
         validate(raw)
     }
 
-    /// Variable names the rules' targets use: the flags of `reconcile`.
+    /// Variable names the rules' targets and the copy rules' sources use: the flags of `reconcile`.
     pub fn target_variables(&self) -> BTreeSet<String> {
-        self.engine.rules.iter().flat_map(|r| r.target.iter().flat_map(|(_, t)| t.variables().map(str::to_string))).collect()
+        let targets = self.engine.rules.iter().flat_map(|r| r.target.iter().flat_map(|(_, t)| t.variables()));
+        // A copy rule's copies are reconciled by their source: its key's variables.
+        let sources = self.engine.copies.iter().flat_map(|r| r.source_key.iter().flat_map(|(_, t)| t.variables()));
+        targets.chain(sources).map(str::to_string).collect()
     }
 }
 

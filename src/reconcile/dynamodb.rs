@@ -169,7 +169,35 @@ impl Reconciler {
             let requested: Option<BTreeSet<TargetKey>> = if opts.all { None } else { target_for(rule, &opts.vars).map(|t| [t].into()) };
             protocol::reconcile_rule(self, self, self, rule, requested, opts, &mut report).await?;
         }
+        for rule in super::copy_rules(&self.config, opts) {
+            let Some(store) = self.copies.as_deref() else { break };
+            let sources = match opts.all {
+                true => self.copy_sources(rule, opts).await?,
+                false => super::copies::source_for(rule, &opts.vars).into_iter().collect(),
+            };
+            super::copies::reconcile_copies(store, self, rule, &sources, opts, &mut report).await?;
+        }
         Ok(self.finish(report, started))
+    }
+
+    /// The keys of every source item of a copy rule, from a scan of the source table.
+    async fn copy_sources(
+        &self,
+        rule: &crate::rules::copy::CopyRule,
+        opts: &Options,
+    ) -> Result<Vec<crate::sink::copy::ItemKey>, ReconcileError> {
+        let mut out = Vec::new();
+        let table = self.config.source.table.clone();
+        self.scan_each(&table, opts.segments.max(1), opts.read_rate, opts.progress, |item| {
+            let keys: Option<crate::sink::copy::ItemKey> =
+                self.source_keys.iter().map(|k| Some((k.clone(), crate::aws::attribute_to_json(item.get(k)?).ok()?))).collect();
+            if let Some(keys) = keys.filter(|k| super::copies::is_source(rule, k)) {
+                out.push(keys);
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(out)
     }
 
     /// Reconciles explicit targets of one rule (the schedule's "touched since the last run"),

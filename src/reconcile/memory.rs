@@ -13,7 +13,7 @@ use super::{Options, ReconcileError};
 use crate::decimal::Decimal;
 use crate::rules::copy::{CopyChange, FindQuery, SortValue};
 use crate::rules::{Rule, TargetKey};
-use crate::sink::copy::{CopyOutcome, CopyStore, Found, FoundPage, ItemKey};
+use crate::sink::copy::{CopyFix, CopyOutcome, CopyStore, Corrected, Found, FoundPage, ItemKey};
 use crate::sink::derive::DeriveTarget;
 use crate::sink::expiry::ExpiryChange;
 use crate::sink::ledger::Ledger;
@@ -246,6 +246,7 @@ impl CopyStore for MemorySources {
         &'a self,
         q: &'a FindQuery,
         version_attribute: &'a str,
+        project: &'a [String],
         start: Option<&'a ItemKey>,
         limit: usize,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
@@ -273,9 +274,39 @@ impl CopyStore for MemorySources {
                     break;
                 }
                 let version = item.get(version_attribute).and_then(|v| v.get("S")).and_then(Value::as_str).map(str::to_string);
-                page.items.push(Found { key: self.typed_key(k), version });
+                let values = project.iter().filter_map(|a| Some((a.clone(), item.get(a)?.clone()))).collect();
+                page.items.push(Found { key: self.typed_key(k), version, values });
             }
             Ok(page)
+        })
+    }
+
+    fn correct<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        fix: &'a CopyFix,
+        version_attribute: &'a str,
+        read: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Corrected, SinkError>> {
+        Box::pin(async move {
+            let mut items = self.lock();
+            let Some(item) = items.get_mut(&self.key_values(key)) else { return Ok(Corrected::Changed) };
+            if item.get(version_attribute).and_then(|v| v.get("S")).and_then(Value::as_str) != read {
+                return Ok(Corrected::Changed);
+            }
+            let mut next = item.clone();
+            for name in &fix.remove {
+                next.remove(name);
+            }
+            for (name, value) in &fix.set {
+                next.insert(name.clone(), value.clone());
+            }
+            let size = serde_json::to_string(&next).map_or(0, |t| t.len());
+            if size > self.max_item_bytes {
+                return Ok(Corrected::Rejected(format!("Item size has exceeded the maximum allowed size ({size} bytes)")));
+            }
+            *item = next;
+            Ok(Corrected::Done { capacity: size.div_ceil(1024).max(1) as f64 })
         })
     }
 

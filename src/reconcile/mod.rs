@@ -9,6 +9,7 @@
 
 pub mod budget;
 pub mod caught_up;
+pub mod copies;
 pub mod dynamodb;
 pub mod hold;
 pub mod memory;
@@ -116,9 +117,22 @@ impl Default for Options {
     }
 }
 
+/// The copy rules a run reconciles: `--rule`'s if it names one (or none if it names another),
+/// every one with `--all`, and those whose source the variable flags name.
+pub fn copy_rules<'c>(config: &'c Config, opts: &Options) -> Vec<&'c crate::rules::copy::CopyRule> {
+    config
+        .engine
+        .copies
+        .iter()
+        .filter(|r| opts.rule.as_ref().is_none_or(|name| *r.name == **name))
+        .filter(|r| opts.all || copies::source_for(r, &opts.vars).is_some())
+        .collect()
+}
+
 /// Checks options against the config before any request: known rule, variables that
 /// form keys (no `#`, not empty), and at least one target determined.
 pub fn check(config: &Config, opts: &Options) -> Result<Vec<Rule>, ReconcileError> {
+    let copies = copy_rules(config, opts);
     let known: BTreeSet<String> = config.target_variables();
     for (k, v) in &opts.vars {
         if !known.contains(k) {
@@ -134,6 +148,20 @@ pub fn check(config: &Config, opts: &Options) -> Result<Vec<Rule>, ReconcileErro
     let mut rules: Vec<Rule> = config.engine.rules.clone();
     if let Some(name) = &opts.rule {
         rules.retain(|r| *r.name == **name);
+        let copy_rule = config.engine.copies.iter().any(|r| *r.name == **name);
+        if copy_rule {
+            return match (opts.all, opts.vars.is_empty(), copies.is_empty()) {
+                (true, false, _) => Err(ReconcileError::BadInput("--all reconciles every target; leave out the variable flags".into())),
+                (false, true, _) => {
+                    Err(ReconcileError::BadInput("say what to reconcile: variable flags (e.g. --customer c1) or --all".into()))
+                }
+                (_, _, true) => Err(ReconcileError::BadInput(format!(
+                    "copy rule {name}'s source is not determined by {}: give every variable of its source_key",
+                    opts.vars.keys().map(|k| format!("--{k}")).collect::<Vec<_>>().join(" ")
+                ))),
+                _ => Ok(Vec::new()),
+            };
+        }
         if rules.is_empty() {
             return Err(ReconcileError::BadInput(format!(
                 "--rule {name}: no such rule (rules: {})",
@@ -146,7 +174,7 @@ pub fn check(config: &Config, opts: &Options) -> Result<Vec<Rule>, ReconcileErro
     }
     let refused: Vec<String> = rules.iter().filter_map(refusal).collect();
     rules.retain(|r| refusal(r).is_none());
-    if rules.is_empty() {
+    if rules.is_empty() && copies.is_empty() {
         return Err(ReconcileError::BadInput(refused.join("; ")));
     }
     if opts.all {
@@ -159,7 +187,7 @@ pub fn check(config: &Config, opts: &Options) -> Result<Vec<Rule>, ReconcileErro
         return Err(ReconcileError::BadInput("say what to reconcile: variable flags (e.g. --customer c1) or --all".into()));
     }
     rules.retain(|r| target_for(r, &opts.vars).is_some());
-    if rules.is_empty() {
+    if rules.is_empty() && copies.is_empty() {
         return Err(ReconcileError::BadInput(format!(
             "no rule's target is determined by {}",
             opts.vars.keys().map(|k| format!("--{k}")).collect::<Vec<_>>().join(" ")

@@ -67,6 +67,10 @@ pub struct Report {
     pub empty_page_judgements: u64,
     /// Per rule: the helper items (of max, min, latest, distinct) its first round read.
     pub helpers: BTreeMap<String, HelperCount>,
+    /// Copy items of copy rules compared with their source.
+    pub copies_checked: u64,
+    /// Copy items that differed from their source.
+    pub copy_drifts: Vec<super::copies::CopyDrift>,
 }
 
 /// Helper items by state: a count above zero, or at zero (expiring, where the table's TTL
@@ -89,6 +93,9 @@ impl Report {
     }
 
     pub fn uncorrected(&self) -> usize {
-        self.drifts.iter().filter(|d| !d.corrected).count() + self.not_quiet.len() + self.failed.len()
+        self.drifts.iter().filter(|d| !d.corrected).count()
+            + self.not_quiet.len()
+            + self.failed.len()
+            + self.copy_drifts.iter().filter(|d| !d.corrected).count()
     }
 }

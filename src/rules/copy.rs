@@ -223,7 +223,7 @@ impl CopyRule {
     /// the shard the record came from (None: its id says none, and the record cannot be
     /// ordered against the records of other shards: poison).
     pub fn change(&self, record: &StreamRecord<'_>, shard_created_ms: Option<u64>) -> Result<Option<CopyChange>, Poison> {
-        let Some(captures) = self.capture(record) else { return Ok(None) };
+        let Some(captures) = self.capture(record.keys) else { return Ok(None) };
         let poison = |code, message: String| Poison {
             code,
             rule: Some(self.name.clone()),
@@ -256,6 +256,12 @@ impl CopyRule {
         Ok(Some(CopyChange { source, find, set, remove, version, deleted: record.event_name == EventName::Remove, snapshot: new }))
     }
 
+    /// The query that finds the copies of the source item with these keys (None: the rule's
+    /// `source_key` does not capture them).
+    pub fn find_for(&self, keys: &serde_json::Map<String, Value>) -> Option<FindQuery> {
+        self.find_query(&self.capture(keys)?).ok()
+    }
+
     /// The copied attributes of a source item as read from the table (None: it does not exist).
     pub fn current(&self, item: Option<&serde_json::Map<String, Value>>) -> Vec<Option<Value>> {
         match item {
@@ -271,10 +277,10 @@ impl CopyRule {
 
     /// The variables `source_key` captures from the record's keys, or None if it does not
     /// capture them (the item is not one of this rule's sources).
-    fn capture<'r>(&self, record: &StreamRecord<'r>) -> Option<Vec<(&str, &'r str)>> {
+    fn capture<'r>(&self, keys: &'r serde_json::Map<String, Value>) -> Option<Vec<(&str, &'r str)>> {
         let mut captures = Vec::with_capacity(4);
         for (attr, template) in &self.source_key {
-            let value = match record.keys.get(attr).and_then(|v| attribute_of(v)) {
+            let value = match keys.get(attr).and_then(|v| attribute_of(v)) {
                 Some(("S" | "N", Value::String(s))) => s.as_str(),
                 _ => return None,
             };

@@ -23,12 +23,13 @@ pub mod dynamodb;
 /// An item's key in the table: key attribute -> typed value (`{"S": "CUST#c1"}`).
 pub type ItemKey = BTreeMap<String, Value>;
 
-/// One item a fan-out query found: its key in the table, and the version of the rule's copies
-/// it holds (None: none recorded).
+/// One item a fan-out query found: its key in the table, the version of the rule's copies it
+/// holds (None: none recorded), and the attributes the query asked for that it holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Found {
     pub key: ItemKey,
     pub version: Option<String>,
+    pub values: BTreeMap<String, Value>,
 }
 
 /// One page of a fan-out query.
@@ -58,14 +59,26 @@ pub enum CopyOutcome {
 pub trait CopyStore: Send + Sync + 'static {
     /// One page of at most `limit` of the items `q` finds, from `start` (None: the first
     /// page): strongly consistent on the table, eventually consistent on an index. Each with
-    /// its key in the table and the text of its attribute `version_attribute`.
+    /// its key in the table, the text of its attribute `version_attribute`, and the attributes
+    /// `project` names that it holds.
     fn find<'a>(
         &'a self,
         q: &'a FindQuery,
         version_attribute: &'a str,
+        project: &'a [String],
         start: Option<&'a ItemKey>,
         limit: usize,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>>;
+
+    /// Sets `fix.set` and removes `fix.remove` on the item `key` if it exists and its
+    /// `version_attribute` is still `read` (None: still absent): reconcile's correction.
+    fn correct<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        fix: &'a CopyFix,
+        version_attribute: &'a str,
+        read: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Corrected, SinkError>>;
 
     /// The source item `key`, strongly consistent, with `attributes` (None: it does not exist).
     fn source<'a>(
@@ -83,6 +96,26 @@ pub trait CopyStore: Send + Sync + 'static {
         change: &'a CopyChange,
         version_attribute: &'a str,
     ) -> BoxFuture<'a, Result<CopyOutcome, SinkError>>;
+}
+
+/// What a correction sets and removes on a copy item.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CopyFix {
+    pub set: Vec<(String, Value)>,
+    pub remove: Vec<String>,
+}
+
+/// How a correction ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Corrected {
+    Done {
+        capacity: f64,
+    },
+    /// The item's version moved since it was read (a change was written: the stream keeps it),
+    /// or the item was deleted.
+    Changed,
+    /// The table refuses it (the item would pass 400 KB).
+    Rejected(String),
 }
 
 /// What one source change's fan-out did.
@@ -158,7 +191,7 @@ pub async fn fan_out_page(
     let attribute = version_attribute(&rule.name);
     let version = change.version.text();
     let mut out = FanOut::default();
-    let page = match store.find(&change.find, &attribute, start, limit.max(1)).await {
+    let page = match store.find(&change.find, &attribute, &[], start, limit.max(1)).await {
         Ok(page) => page,
         Err(SinkError::Invalid(why)) => {
             out.query_refused = Some(why);

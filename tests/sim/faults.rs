@@ -9,7 +9,7 @@ use std::time::Duration;
 use ddb_aggregator::rules::copy::job::{CopyJob, StoredJob};
 use ddb_aggregator::rules::copy::{CopyChange, FindQuery};
 use ddb_aggregator::rules::helper::HelperScan;
-use ddb_aggregator::sink::copy::{CopyOutcome, CopyStore, FoundPage, ItemKey};
+use ddb_aggregator::sink::copy::{CopyFix, CopyOutcome, CopyStore, Corrected, FoundPage, ItemKey};
 use ddb_aggregator::sink::expiry::{DueQuery, Pending};
 use ddb_aggregator::sink::{
     AggregateStore, Counters, DerivationNames, DerivedWrite, HelperQuery, HelperState, HelperStates, LedgerWrite, LiveHelpers, SettleWrite,
@@ -256,11 +256,23 @@ impl<C: CopyStore> CopyStore for Copies<C> {
         &'a self,
         q: &'a FindQuery,
         version: &'a str,
+        project: &'a [String],
         start: Option<&'a ItemKey>,
         limit: usize,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
         let t = || SinkError::Transient("simulated".into());
-        Box::pin(call(&self.fate, &self.faults, self.inner.find(q, version, start, limit), t, t))
+        Box::pin(call(&self.fate, &self.faults, self.inner.find(q, version, project, start, limit), t, t))
+    }
+
+    fn correct<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        fix: &'a CopyFix,
+        version: &'a str,
+        read: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Corrected, SinkError>> {
+        let t = || SinkError::Transient("simulated".into());
+        Box::pin(call(&self.fate, &self.faults, self.inner.correct(key, fix, version, read), t, t))
     }
 
     fn source<'a>(

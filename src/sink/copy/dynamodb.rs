@@ -8,7 +8,7 @@ use aws_sdk_dynamodb::types::{AttributeValue, ReturnConsumedCapacity, ReturnValu
 use aws_sdk_dynamodb::Client;
 use futures::future::BoxFuture;
 
-use super::{CopyOutcome, CopyStore, Found, FoundPage, ItemKey};
+use super::{CopyFix, CopyOutcome, CopyStore, Corrected, Found, FoundPage, ItemKey};
 use crate::aws::{attribute_to_json, classify, json_to_attribute};
 use crate::config::Config;
 use crate::rules::copy::{check_table, CopyChange, FindQuery, SortValue, TableKeys};
@@ -72,7 +72,14 @@ impl DynamoDbCopies {
         SinkError::from_failure(f, &self.table)
     }
 
-    async fn query(&self, q: &FindQuery, version_attribute: &str, start: Option<&ItemKey>, limit: usize) -> Result<FoundPage, SinkError> {
+    async fn query(
+        &self,
+        q: &FindQuery,
+        version_attribute: &str,
+        project: &[String],
+        start: Option<&ItemKey>,
+        limit: usize,
+    ) -> Result<FoundPage, SinkError> {
         let mut condition = "#p = :p".to_string();
         let mut req = self
             .client
@@ -98,6 +105,10 @@ impl DynamoDbCopies {
             projection.push(format!("#k{i}"));
             req = req.expression_attribute_names(format!("#k{i}"), k);
         }
+        for (i, a) in project.iter().enumerate() {
+            projection.push(format!("#a{i}"));
+            req = req.expression_attribute_names(format!("#a{i}"), a);
+        }
         req = req
             .key_condition_expression(condition)
             .projection_expression(projection.join(", "))
@@ -119,7 +130,8 @@ impl DynamoDbCopies {
         for item in out.items() {
             let key: ItemKey = self.key_names.iter().filter_map(|k| Some((k.clone(), attribute_to_json(item.get(k)?).ok()?))).collect();
             let version = item.get(version_attribute).and_then(|v| v.as_s().ok()).cloned();
-            page.items.push(Found { key, version });
+            let values = project.iter().filter_map(|a| Some((a.clone(), attribute_to_json(item.get(a)?).ok()?))).collect();
+            page.items.push(Found { key, version, values });
         }
         page.next = out.last_evaluated_key().map(typed).transpose()?;
         Ok(page)
@@ -176,6 +188,54 @@ impl DynamoDbCopies {
 }
 
 impl DynamoDbCopies {
+    /// Reconcile's correction: conditioned on the item existing with its version as read.
+    async fn fix(&self, key: &ItemKey, fix: &CopyFix, version_attribute: &str, read: Option<&str>) -> Result<Corrected, SinkError> {
+        let Some(partition) = self.key_names.first() else { return Err(SinkError::Fatal(format!("table {}: no key schema", self.table))) };
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .return_consumed_capacity(ReturnConsumedCapacity::Total)
+            .expression_attribute_names("#k", partition)
+            .expression_attribute_names("#v", version_attribute);
+        for (k, v) in key {
+            req = req.key(k, json_to_attribute(v).map_err(SinkError::Fatal)?);
+        }
+        req = match read {
+            Some(v) => req
+                .condition_expression("attribute_exists(#k) AND #v = :read")
+                .expression_attribute_values(":read", AttributeValue::S(v.to_string())),
+            None => req.condition_expression("attribute_exists(#k) AND attribute_not_exists(#v)"),
+        };
+        let mut parts = Vec::new();
+        let sets: Vec<String> = (0..fix.set.len()).map(|i| format!("#c{i} = :c{i}")).collect();
+        for (i, (name, value)) in fix.set.iter().enumerate() {
+            let value = match json_to_attribute(value) {
+                Ok(v) => v,
+                Err(why) => return Ok(Corrected::Rejected(format!("{name}: {why}"))),
+            };
+            req = req.expression_attribute_names(format!("#c{i}"), name).expression_attribute_values(format!(":c{i}"), value);
+        }
+        if !sets.is_empty() {
+            parts.push(format!("SET {}", sets.join(", ")));
+        }
+        let removes: Vec<String> = (0..fix.remove.len()).map(|i| format!("#r{i}")).collect();
+        for (i, name) in fix.remove.iter().enumerate() {
+            req = req.expression_attribute_names(format!("#r{i}"), name);
+        }
+        if !removes.is_empty() {
+            parts.push(format!("REMOVE {}", removes.join(", ")));
+        }
+        match req.update_expression(parts.join(" ")).send().await {
+            Ok(out) => Ok(Corrected::Done { capacity: out.consumed_capacity().and_then(|c| c.capacity_units()).unwrap_or(0.0) }),
+            Err(e) if matches!(e.as_service_error(), Some(UpdateItemError::ConditionalCheckFailedException(_))) => Ok(Corrected::Changed),
+            Err(e) => match self.error(classify(&e)) {
+                SinkError::Invalid(why) => Ok(Corrected::Rejected(why)),
+                other => Err(other),
+            },
+        }
+    }
+
     async fn get(&self, key: &ItemKey, attributes: &[String]) -> Result<Option<serde_json::Map<String, serde_json::Value>>, SinkError> {
         let mut req = self.client.get_item().table_name(&self.table).consistent_read(true);
         for (k, v) in key {
@@ -213,10 +273,21 @@ impl CopyStore for DynamoDbCopies {
         &'a self,
         q: &'a FindQuery,
         version_attribute: &'a str,
+        project: &'a [String],
         start: Option<&'a ItemKey>,
         limit: usize,
     ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
-        Box::pin(self.query(q, version_attribute, start, limit))
+        Box::pin(self.query(q, version_attribute, project, start, limit))
+    }
+
+    fn correct<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        fix: &'a CopyFix,
+        version_attribute: &'a str,
+        read: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Corrected, SinkError>> {
+        Box::pin(self.fix(key, fix, version_attribute, read))
     }
 
     fn write<'a>(
