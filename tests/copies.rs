@@ -635,3 +635,80 @@ async fn reconcile_sets_copies_that_differ_from_their_source() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// An order at the 400 KB limit refuses its copy of a long new name: the profile's record is
+/// dead-lettered (`copy_rejected`) and the customer's other orders get the name. `dlq replay`
+/// keeps the letter while the order is still too large, and once it is made smaller (as the
+/// runbook says), sets its copies and deletes the letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_sets_the_copies_a_dead_letter_names_once_the_item_fits() {
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("copydlq");
+    let aggregates = format!("{table}-aggregates");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let sqs = sqs_client_at(&sqs_endpoint());
+    let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
+    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    let ann = ("Ann".to_string(), Some("gold".to_string()));
+    put_profile(&c, &table, 1, "Ann", Some("gold")).await;
+    put_order(&c, &table, 1, 1, Some(&ann)).await;
+    put_order(&c, &table, 1, 2, Some(&ann)).await;
+    // Order 2 pads itself to 1 KB under the limit.
+    let pad = "x".repeat(400 * 1024 - 1024);
+    c.update_item()
+        .table_name(&table)
+        .key("PK", s("CUST#c1"))
+        .key("SK", s("ORDER#2026-12-06#o2"))
+        .update_expression("SET padding = :p")
+        .expression_attribute_values(":p", s(&pad))
+        .send()
+        .await
+        .unwrap();
+    let svc = Service::start(&config, dir.path(), "svc", &[]);
+    let long = format!("Ann {}", "y".repeat(4000));
+    put_profile(&c, &table, 1, &long, Some("gold")).await;
+    let started = Instant::now();
+    let letters = loop {
+        let letters = drain_queue(&sqs, &queue).await;
+        if !letters.is_empty() {
+            break letters;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "no dead letter\n{}", svc.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    drop(svc);
+    let (letter, _) = &letters[0];
+    assert_eq!(letter["reason"]["code"], "copy_rejected", "{letter}");
+    assert_eq!(letter["rules"], serde_json::json!(["customer-name-on-orders"]), "{letter}");
+    let held = |profiles: Profiles| {
+        let c = c.clone();
+        let table = table.clone();
+        async move { wrong_copies(&c, &table, &profiles).await }
+    };
+    let renamed: Profiles = [(1, Some((long.clone(), Some("gold".to_string()))))].into_iter().collect();
+    assert_eq!(held(renamed.clone()).await.len(), 1, "order 1 takes the name, order 2 cannot");
+    // Reading the queue above hid the letter for 300 s (its visibility timeout): each replay
+    // below gets a copy of it, sent again as it was.
+    sqs.send_message().queue_url(&queue).message_body(letter.to_string()).send().await.unwrap();
+    let replay = || run_cli(&["dlq", "replay", "--config", config.to_str().unwrap()]);
+    let out = replay();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "the item is still too large: the letter stays\n{text}");
+    assert!(text.contains("still differ from the source"), "{text}");
+    c.update_item()
+        .table_name(&table)
+        .key("PK", s("CUST#c1"))
+        .key("SK", s("ORDER#2026-12-06#o2"))
+        .update_expression("REMOVE padding")
+        .send()
+        .await
+        .unwrap();
+    sqs.send_message().queue_url(&queue).message_body(letter.to_string()).send().await.unwrap();
+    let out = replay();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(held(renamed).await.is_empty(), "{text}");
+}

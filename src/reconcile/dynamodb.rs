@@ -180,6 +180,30 @@ impl Reconciler {
         Ok(self.finish(report, started))
     }
 
+    /// Reconciles the copies of the named sources of copy rule `rule_name` (`dlq replay`).
+    pub async fn run_copies(
+        &self,
+        rule_name: &str,
+        sources: &[crate::sink::copy::ItemKey],
+        opts: &Options,
+    ) -> Result<Report, ReconcileError> {
+        let started = Instant::now();
+        let rule = self
+            .config
+            .engine
+            .copies
+            .iter()
+            .find(|r| *r.name == *rule_name)
+            .ok_or_else(|| ReconcileError::BadInput(format!("no copy rule {rule_name}")))?;
+        let store = self.copies.as_deref().ok_or_else(|| ReconcileError::BadInput("no copy rules in this config".into()))?;
+        if !opts.dry_run {
+            self.prepare_state().await?;
+        }
+        let mut report = Report::default();
+        super::copies::reconcile_copies(store, self, rule, sources, opts, &mut report).await?;
+        Ok(self.finish(report, started))
+    }
+
     /// The keys of every source item of a copy rule, from a scan of the source table.
     async fn copy_sources(
         &self,

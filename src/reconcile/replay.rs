@@ -84,11 +84,10 @@ async fn replay_one(reconciler: &Reconciler, body: &Value, opts: &Options) -> Re
         .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
         .unwrap_or_default();
     let mut corrected = 0;
-    let mut copy_rules = Vec::new();
     for name in &rules {
-        // A copy rule's part of a letter has no targets to reconcile (copies are not reconciled).
-        if reconciler.config().engine.copies.iter().any(|r| *r.name == **name) {
-            copy_rules.push(name.as_str());
+        // A copy rule's part of a letter: the copies of the source the record is about.
+        if let Some(rule) = reconciler.config().engine.copies.iter().find(|r| *r.name == **name) {
+            corrected += replay_copies(reconciler, rule, body, opts).await?;
             continue;
         }
         let rule = reconciler
@@ -125,11 +124,24 @@ async fn replay_one(reconciler: &Reconciler, body: &Value, opts: &Options) -> Re
         }
         corrected += report.drifts.len() as u64;
     }
-    if !copy_rules.is_empty() {
-        return Err(format!(
-            "names copy rule {}: copies are not replayed; fix the copies by hand (docs/dead-letters.md), then delete the letter",
-            copy_rules.join(", ")
-        ));
-    }
     Ok(corrected)
+}
+
+/// Reconciles the copies of the source a letter's record is about; Err: why it stays.
+async fn replay_copies(reconciler: &Reconciler, rule: &crate::rules::copy::CopyRule, body: &Value, opts: &Options) -> Result<u64, String> {
+    let name = &rule.name;
+    let keys: crate::sink::copy::ItemKey = body
+        .pointer("/record/dynamodb/Keys")
+        .and_then(Value::as_object)
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .ok_or_else(|| format!("the letter's record has no dynamodb.Keys to find copy rule {name}'s source"))?;
+    if !super::copies::is_source(rule, &keys) {
+        return Err(format!("the letter's record is not a source of copy rule {name}"));
+    }
+    let report = reconciler.run_copies(name, &[keys], opts).await.map_err(|e| e.to_string())?;
+    let left: Vec<String> = report.copy_drifts.iter().filter(|d| !d.corrected).map(|d| d.item_text()).collect();
+    if !left.is_empty() {
+        return Err(format!("copy rule {name}: {} copy item(s) still differ from the source ({})", left.len(), left.join(", ")));
+    }
+    Ok(report.copy_drifts.len() as u64)
 }
