@@ -478,7 +478,7 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
                 "targets_checked": report.targets_checked, "items_read": report.items_read, "read_units": report.read_units, "drifts": report.drifts.len(),
                 "corrected": report.drifts.iter().filter(|d| d.corrected).count(), "not_quiet": not_quiet, "failed": failed,
                 "poison_items": report.poisons, "seconds": report.elapsed.as_secs_f64(), "dry_run": dry_run,
-                "copies_checked": report.copies_checked, "copy_drifts": report.copy_drifts.len(),
+                "copies_checked": report.copies_checked, "copy_drifts": report.copy_drifts.len(), "copy_sources_pending": report.copy_sources_pending,
                 "copies_corrected": report.copy_drifts.iter().filter(|d| d.corrected).count(),
                 "shards_by_empty_pages": report.by_empty_pages,
                 "helper_items": report.helpers.iter().map(|(rule, c)| (rule.clone(), serde_json::json!({"live": c.live, "zero": c.zero}))).collect::<serde_json::Map<String, Value>>(),
@@ -533,6 +533,13 @@ fn print_report(report: &ddb_aggregator::reconcile::Report, key_names: &[String]
             )?;
             for (rule, c) in &report.helpers {
                 writeln!(out, "{rule}: {} helper item(s) live, {} at zero", c.live, c.zero)?;
+            }
+            if report.copy_sources_pending > 0 {
+                writeln!(
+                    out,
+                    "copies: {} source(s) left out: a fan-out job of theirs is pending and writes their copies",
+                    report.copy_sources_pending
+                )?;
             }
             if report.copies_checked > 0 || !report.copy_drifts.is_empty() {
                 let corrected = report.copy_drifts.iter().filter(|d| d.corrected).count();

@@ -106,18 +106,26 @@ pub fn is_source(rule: &CopyRule, keys: &ItemKey) -> bool {
 /// The source item the variables name for `rule` (None: they do not name all of its key).
 pub fn source_for(rule: &CopyRule, vars: &BTreeMap<String, String>) -> Option<ItemKey> {
     let lookup = |name: &str| vars.get(name).map(|v| crate::rules::template::VarValue::Str(v.as_str()));
-    rule.source_key.iter().map(|(k, t)| Some((k.clone(), json!({ "S": t.expand(lookup).ok()? })))).collect()
+    let key: ItemKey =
+        rule.source_key.iter().map(|(k, t)| Some((k.clone(), json!({ "S": t.expand(lookup).ok()? })))).collect::<Option<_>>()?;
+    is_source(rule, &key).then_some(key)
 }
 
-/// Reconciles `rule`'s copies of `sources`, `SOURCES_AT_ONCE` at a time.
+/// Reconciles `rule`'s copies of `sources`, `SOURCES_AT_ONCE` at a time. A source with a
+/// fan-out job pending (its id in `pending`) is left out: the job writes its copies.
 pub async fn reconcile_copies<C: Consumer>(
     store: &dyn CopyStore,
     consumer: &C,
     rule: &CopyRule,
     sources: &[ItemKey],
+    pending: &std::collections::BTreeSet<String>,
     opts: &Options,
     report: &mut super::Report,
 ) -> Result<(), ReconcileError> {
+    let (waiting, sources): (Vec<&ItemKey>, Vec<&ItemKey>) =
+        sources.iter().partition(|s| pending.contains(&crate::rules::copy::job::job_id(&rule.name, s)));
+    report.copy_sources_pending += waiting.len() as u64;
+    let sources: Vec<ItemKey> = sources.into_iter().cloned().collect();
     for chunk in sources.chunks(SOURCES_AT_ONCE) {
         reconcile_chunk(store, consumer, rule, chunk, opts, report).await?;
     }
@@ -139,12 +147,13 @@ async fn reconcile_chunk<C: Consumer>(
         let Some(find) = find_query(rule, source) else { continue };
         held.push((source, read_all(store, &find, &attribute, &copies).await?));
     }
-    let read_at = now_ms();
     let mut want = Vec::with_capacity(held.len());
     for (source, _) in &held {
         let item = store.source(source, &rule.source_attributes()).await.map_err(|e| aws("reading a copy rule's source", e))?;
         want.push(rule.current(item.as_ref()));
     }
+    // After the reads: the evidence covers every change they saw.
+    let read_at = now_ms();
     if !opts.no_wait {
         let applied = consumer.applied_before(read_at, opts.wait).await?;
         report.judged_by_empty_pages(&applied.by_empty_pages);

@@ -175,7 +175,8 @@ impl Reconciler {
                 true => self.copy_sources(rule, opts).await?,
                 false => super::copies::source_for(rule, &opts.vars).into_iter().collect(),
             };
-            super::copies::reconcile_copies(store, self, rule, &sources, opts, &mut report).await?;
+            let pending = self.pending_copy_jobs().await?;
+            super::copies::reconcile_copies(store, self, rule, &sources, &pending, opts, &mut report).await?;
         }
         Ok(self.finish(report, started))
     }
@@ -200,8 +201,20 @@ impl Reconciler {
             self.prepare_state().await?;
         }
         let mut report = Report::default();
-        super::copies::reconcile_copies(store, self, rule, sources, opts, &mut report).await?;
+        let pending = self.pending_copy_jobs().await?;
+        super::copies::reconcile_copies(store, self, rule, sources, &pending, opts, &mut report).await?;
         Ok(self.finish(report, started))
+    }
+
+    /// The ids of the copy fan-out jobs pending in the state table.
+    async fn pending_copy_jobs(&self) -> Result<BTreeSet<String>, ReconcileError> {
+        use crate::state::LeaseStore;
+        match self.leases.copy_jobs().await {
+            Ok(jobs) => Ok(jobs.iter().map(|j| j.job.id()).collect()),
+            // No state table yet (a backfill before the first run): no job either.
+            Err(crate::state::StateError::TableMissing(_)) => Ok(BTreeSet::new()),
+            Err(e) => Err(ReconcileError::Aws(format!("listing the copy jobs: {e}"))),
+        }
     }
 
     /// The keys of every source item of a copy rule, from a scan of the source table.

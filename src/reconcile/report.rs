@@ -71,6 +71,8 @@ pub struct Report {
     pub copies_checked: u64,
     /// Copy items that differed from their source.
     pub copy_drifts: Vec<super::copies::CopyDrift>,
+    /// Sources left out because a fan-out job of theirs is pending (it writes their copies).
+    pub copy_sources_pending: u64,
 }
 
 /// Helper items by state: a count above zero, or at zero (expiring, where the table's TTL

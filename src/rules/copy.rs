@@ -270,9 +270,16 @@ impl CopyRule {
         }
     }
 
-    /// The source attributes this rule copies.
+    /// The source attributes this rule copies, each once (two copies of one attribute would
+    /// name one document path twice in a projection, which DynamoDB refuses).
     pub fn source_attributes(&self) -> Vec<String> {
-        self.attributes.iter().map(|a| a.source.clone()).collect()
+        let mut out: Vec<String> = Vec::with_capacity(self.attributes.len());
+        for a in &self.attributes {
+            if !out.contains(&a.source) {
+                out.push(a.source.clone());
+            }
+        }
+        out
     }
 
     /// The variables `source_key` captures from the record's keys, or None if it does not

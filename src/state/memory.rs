@@ -274,7 +274,9 @@ impl LeaseStore for MemoryLeases {
         if jobs.get(&id).is_some_and(|j| j.job.version() >= job.version()) {
             return Ok(false);
         }
-        jobs.insert(id, StoredJob { job: job.clone(), owner: None, expires_at_ms: 0 });
+        let mut job = job.clone();
+        job.created_ms = jobs.get(&id).map_or(job.created_ms, |older| older.job.created_ms);
+        jobs.insert(id, StoredJob { job, owner: None, expires_at_ms: 0 });
         self.jobs_recorded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(true)
     }
@@ -286,7 +288,7 @@ impl LeaseStore for MemoryLeases {
     async fn claim_copy_job(&self, id: &str, version: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
         let mut jobs = self.jobs();
         match jobs.get_mut(id) {
-            Some(j) if j.job.version() == version && j.free_for(owner, now_ms) => {
+            Some(j) if j.job.version() == version && j.job.due_ms <= now_ms && j.free_for(owner, now_ms) => {
                 j.owner = Some(owner.to_string());
                 j.expires_at_ms = until_ms;
                 Ok(true)

@@ -89,7 +89,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Runner<'_, S, L, A> {
         let (mut cursor, mut found, mut spent) = (self.job.cursor.clone(), self.job.found, 0.0);
         loop {
             if stop.is_cancelled() {
-                return JobExit::Stopped;
+                return self.stop(cursor, found).await;
             }
             let in_flight = self.shared.config.write_concurrency;
             let out = match fan_out_page(self.store, self.rule, &self.job.change, in_flight, cursor.as_ref(), JOB_PAGE_ITEMS).await {
@@ -116,11 +116,20 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Runner<'_, S, L, A> {
                 // Within the claim: a longer wait is taken after the next page's renewal.
                 let wait = wait.min(Duration::from_millis(self.lease_ms() / 2));
                 tokio::select! {
-                    _ = stop.cancelled() => return JobExit::Stopped,
+                    _ = stop.cancelled() => return self.stop(cursor, found).await,
                     _ = tokio::time::sleep(wait) => {}
                 }
             }
         }
+    }
+
+    /// Gives the claim up at a stop (shutdown), so another replica resumes at once.
+    async fn stop(&self, cursor: Option<crate::rules::copy::job::Key>, found: u64) -> JobExit {
+        if let Some(cursor) = cursor {
+            let step = JobStep { cursor, found, until_ms: 0 };
+            let _ = self.shared.leases.advance_copy_job(&self.id, &self.version, &self.shared.owner, &step).await;
+        }
+        JobExit::Stopped
     }
 
     /// Ends the job after its last page: removed, or replaced by its follow-up.

@@ -556,7 +556,11 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             let id = job.job.id();
             let stop = CancellationToken::new();
             let (shared, task_stop, name) = (self.shared.clone(), stop.clone(), id.clone());
-            self.job_tasks.push(tokio::spawn(async move { (name, jobs::run(shared, job, task_stop).await) }));
+            self.job_tasks.push(tokio::spawn(async move {
+                // A panic ends the job's run, not the replica's record of it.
+                let run = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(jobs::run(shared, job, task_stop)));
+                (name, run.await.unwrap_or(jobs::JobExit::Failed))
+            }));
             self.jobs.insert(id, stop);
         }
     }

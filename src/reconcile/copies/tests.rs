@@ -1,3 +1,4 @@
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -115,7 +116,9 @@ async fn copies_that_differ_from_their_source_are_set_to_it_after_the_evidence()
     let consumer = caught();
     let mut report = Report::default();
     let before = crate::state::now_ms();
-    reconcile_copies(s.as_ref(), &consumer, &rule(), &[key("CUST#c1", "PROFILE")], &options(false), &mut report).await.unwrap();
+    reconcile_copies(s.as_ref(), &consumer, &rule(), &[key("CUST#c1", "PROFILE")], &BTreeSet::new(), &options(false), &mut report)
+        .await
+        .unwrap();
     let (ann, gold) = (Some(json!({"S": "Ann"})), Some(json!({"S": "gold"})));
     for sk in ["ORDER#1", "ORDER#2", "ORDER#3", "ORDER#4"] {
         assert_eq!(name_of(&s, sk), (ann.clone(), gold.clone()), "{sk}");
@@ -135,7 +138,9 @@ async fn copies_that_differ_from_their_source_are_set_to_it_after_the_evidence()
 async fn a_dry_run_reports_and_writes_nothing() {
     let s = store();
     let mut report = Report::default();
-    reconcile_copies(s.as_ref(), &caught(), &rule(), &[key("CUST#c1", "PROFILE")], &options(true), &mut report).await.unwrap();
+    reconcile_copies(s.as_ref(), &caught(), &rule(), &[key("CUST#c1", "PROFILE")], &BTreeSet::new(), &options(true), &mut report)
+        .await
+        .unwrap();
     assert_eq!(report.copy_drifts.len(), 3);
     assert!(report.copy_drifts.iter().all(|d| !d.corrected));
     assert_eq!(name_of(&s, "ORDER#2").0, Some(json!({"S": "Al"})));
@@ -149,7 +154,9 @@ async fn a_deleted_source_takes_its_copies_off() {
     let s = store();
     s.delete(&["CUST#c1".to_string(), "PROFILE".to_string()]);
     let mut report = Report::default();
-    reconcile_copies(s.as_ref(), &caught(), &rule(), &[key("CUST#c1", "PROFILE")], &options(false), &mut report).await.unwrap();
+    reconcile_copies(s.as_ref(), &caught(), &rule(), &[key("CUST#c1", "PROFILE")], &BTreeSet::new(), &options(false), &mut report)
+        .await
+        .unwrap();
     for sk in ["ORDER#1", "ORDER#2", "ORDER#3", "ORDER#4"] {
         assert_eq!(name_of(&s, sk), (None, None), "{sk}");
     }
@@ -190,7 +197,9 @@ async fn a_change_written_after_the_source_read_is_never_undone() {
         asked: Mutex::new(Vec::new()),
     };
     let mut report = Report::default();
-    reconcile_copies(s.as_ref(), &consumer, &rule(), &[key("CUST#c1", "PROFILE")], &options(false), &mut report).await.unwrap();
+    reconcile_copies(s.as_ref(), &consumer, &rule(), &[key("CUST#c1", "PROFILE")], &BTreeSet::new(), &options(false), &mut report)
+        .await
+        .unwrap();
     assert_eq!(name_of(&s, "ORDER#2").0, Some(json!({"S": "Bea"})), "the correction undid the rename");
     let left: Vec<String> = report.copy_drifts.iter().filter(|d| d.left.is_some()).map(CopyDrift::item_text).collect();
     assert_eq!(left, ["CUST#c1 / ORDER#2"]);
@@ -199,4 +208,15 @@ async fn a_change_written_after_the_source_read_is_never_undone() {
         s.write(&key("CUST#c1", sk), &late, "_aggc:names").await.unwrap();
         assert_eq!(name_of(&s, sk).0, Some(json!({"S": "Bea"})), "{sk}");
     }
+}
+
+#[tokio::test]
+async fn a_source_whose_fan_out_job_is_pending_is_left_to_the_job() {
+    let s = store();
+    let source = key("CUST#c1", "PROFILE");
+    let pending: BTreeSet<String> = [crate::rules::copy::job::job_id("names", &source)].into();
+    let mut report = Report::default();
+    reconcile_copies(s.as_ref(), &caught(), &rule(), &[source], &pending, &options(false), &mut report).await.unwrap();
+    assert_eq!((report.copy_sources_pending, report.copies_checked, report.copy_drifts.len()), (1, 0, 0));
+    assert_eq!(name_of(&s, "ORDER#2").0, Some(json!({"S": "Al"})), "the job writes it");
 }

@@ -35,17 +35,43 @@ fn job_item(job: &CopyJob) -> Result<HashMap<String, AttributeValue>, StateError
 }
 
 impl DynamoDbLeases {
+    /// Records `job` over an older change's: unclaimed, from its own cursor, keeping the
+    /// older one's creation time (the copies have been pending since then).
     pub(super) async fn put_job(&self, job: &CopyJob) -> Result<bool, StateError> {
-        let resp = self
+        let mut sets = vec!["#rule = :rule", "#v = :v", "#change = :change", "#found = :found", "#due = :due", "#fu = :fu"];
+        sets.push("#created = if_not_exists(#created, :created)");
+        let mut req = self
             .client
-            .put_item()
+            .update_item()
             .table_name(&self.table)
-            .set_item(Some(job_item(job)?))
+            .key("shard_id", s(&job.id()))
             .condition_expression("attribute_not_exists(#v) OR #v < :v")
+            .expression_attribute_names("#rule", "rule")
             .expression_attribute_names("#v", "version")
+            .expression_attribute_names("#change", "change")
+            .expression_attribute_names("#found", "found")
+            .expression_attribute_names("#due", "due_at")
+            .expression_attribute_names("#fu", "follow_up")
+            .expression_attribute_names("#created", "created_at")
+            .expression_attribute_names("#cur", "cursor")
+            .expression_attribute_names("#o", "owner")
+            .expression_attribute_names("#e", "expires_at")
+            .expression_attribute_values(":rule", s(&job.rule))
             .expression_attribute_values(":v", s(&job.version()))
-            .send()
-            .await;
+            .expression_attribute_values(":change", json(&job.change)?)
+            .expression_attribute_values(":found", n(job.found))
+            .expression_attribute_values(":due", n(job.due_ms))
+            .expression_attribute_values(":fu", AttributeValue::Bool(job.follow_up))
+            .expression_attribute_values(":created", n(job.created_ms));
+        let remove = match &job.cursor {
+            Some(c) => {
+                sets.push("#cur = :cur");
+                req = req.expression_attribute_values(":cur", json(c)?);
+                "REMOVE #o, #e"
+            }
+            None => "REMOVE #o, #e, #cur",
+        };
+        let resp = req.update_expression(format!("SET {} {remove}", sets.join(", "))).send().await;
         match resp {
             Ok(_) => Ok(true),
             Err(e) => map_err(e, &self.table),
@@ -73,8 +99,13 @@ impl DynamoDbLeases {
                     return Err(StateError::Transient("scan condition failed".into()));
                 }
             };
+            // An item this release cannot read (hand-edited, or a newer release's) is left to
+            // the replicas that can: it must not stop the other jobs.
             for item in resp.items() {
-                out.push(crate::state::items::copy_job(item)?);
+                match crate::state::items::copy_job(item) {
+                    Ok(job) => out.push(job),
+                    Err(e) => tracing::warn!(error = %e, "a copy job item this release cannot read is left alone"),
+                }
             }
             match resp.last_evaluated_key() {
                 Some(k) if !k.is_empty() => start = Some(k.clone()),
@@ -91,7 +122,8 @@ impl DynamoDbLeases {
             .table_name(&self.table)
             .key("shard_id", s(id))
             .update_expression("SET #o = :me, #e = :until")
-            .condition_expression(format!("{SAME_CHANGE} AND (attribute_not_exists(#o) OR #o = :me OR #e <= :now)"))
+            .condition_expression(format!("{SAME_CHANGE} AND #due <= :now AND (attribute_not_exists(#o) OR #o = :me OR #e <= :now)"))
+            .expression_attribute_names("#due", "due_at")
             .expression_attribute_names("#v", "version")
             .expression_attribute_names("#o", "owner")
             .expression_attribute_names("#e", "expires_at")

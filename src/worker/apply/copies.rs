@@ -44,8 +44,18 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             };
             let ends = out.next.is_none().then_some(out.found);
             copied(&self.shared.capacity_milli, rule, &out, ends);
+            let mut unrecorded = None;
             if let Some(job) = job_for(rule, change, &out, now_ms()) {
-                self.shared.leases.record_copy_job(&job).await.map_err(|e| BatchOutcome::Failed(state_failure(e)))?;
+                match self.shared.leases.record_copy_job(&job).await {
+                    Ok(_) => {}
+                    Err(e) if e.is_retriable() => return Err(BatchOutcome::Failed(state_failure(e))),
+                    // Refused for good (an item over 400 KB: copied values that large): the rest
+                    // of the fan-out is dead-lettered, never a batch retried forever.
+                    Err(e) => {
+                        unrecorded =
+                            Some(format!("the rest of the fan-out (after {} copies) could not be recorded as a job: {e}", out.found))
+                    }
+                }
             }
             for (key, why) in &out.rejected {
                 tracing::error!(shard = %self.shard(), rule = %rule.name, item = %serde_json::to_string(key).unwrap_or_default(), error = %why, "the table refused a copy; its source record is dead-lettered");
@@ -53,7 +63,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             let refused = match (&out.query_refused, out.rejected.is_empty()) {
                 (Some(why), _) => Some(format!("the table refused the query that finds the copies: {why}")),
                 (None, false) => Some(rejected_message(&out)),
-                (None, true) => None,
+                (None, true) => unrecorded,
             };
             if let Some(message) = refused {
                 let letter = Letter::new(record.clone(), names::COPY_REJECTED, message, vec![rule.name.to_string()], 1);
