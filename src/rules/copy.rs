@@ -350,6 +350,9 @@ pub struct TableKeys {
     pub indexes: Vec<(String, Vec<String>)>,
     /// Key attributes (of the table or an index) whose type is not S.
     pub not_text: Vec<String>,
+    /// Indexes that project only some attributes, with the non-key ones they project (an
+    /// index that projects everything is not here).
+    pub partial: Vec<(String, Vec<String>)>,
 }
 
 /// Checks a copy rule's `to` against the table it queries: the key attributes it names are
@@ -379,6 +382,18 @@ pub fn check_table(rule: &CopyRule, keys: &TableKeys, table: &str) -> Result<(),
     let used = std::iter::once(&rule.to.partition.0).chain(rule.to.sort.as_ref().map(|(k, _)| k));
     if let Some(k) = used.into_iter().find(|k| keys.not_text.contains(k)) {
         return Err(format!("rule {}: copy.to's key attribute {k} is not of type S in {what}: templates make text keys", rule.name));
+    }
+    // A fan-out reads each copy's version through the index, and reconcile its copies too.
+    let projected = rule.to.index.as_ref().and_then(|i| keys.partial.iter().find(|(n, _)| n == i));
+    if let Some((index, projected)) = projected {
+        let needed = std::iter::once(version_attribute(&rule.name)).chain(rule.attributes.iter().map(|a| a.copy.clone()));
+        let missing: Vec<String> = needed.filter(|a| !projected.contains(a)).collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "rule {}: index {index} of table {table} does not project {missing:?}: a fan-out reads each copy's version through it, and reconcile its copies; project ALL, or INCLUDE these",
+                rule.name
+            ));
+        }
     }
     Ok(())
 }

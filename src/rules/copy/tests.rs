@@ -257,6 +257,7 @@ fn to_must_name_the_keys_of_the_table_or_of_an_existing_index() {
         table: vec!["PK".into(), "SK".into()],
         indexes: vec![("GSI1".into(), vec!["GSI1PK".into(), "GSI1SK".into()])],
         not_text: vec!["GSI1SK".into()],
+        partial: vec![("GSI2".into(), vec!["customerName".into(), "customerTier".into()])],
     };
     assert_eq!(check_table(&rule(), &keys, "t"), Ok(()));
     let mut wrong = rule();
@@ -274,6 +275,11 @@ fn to_must_name_the_keys_of_the_table_or_of_an_existing_index() {
     assert!(e.contains("key attribute GSI1SK is not of type S in index GSI1 of table t"), "{e}");
     on_index.to.sort = None;
     assert_eq!(check_table(&on_index, &keys, "t"), Ok(()));
+    // An index that projects the copies but not their version.
+    let keys = TableKeys { indexes: vec![("GSI2".into(), vec!["GSI1PK".into()])], ..keys };
+    on_index.to.index = Some("GSI2".into());
+    let e = check_table(&on_index, &keys, "t").unwrap_err();
+    assert!(e.contains("index GSI2 of table t does not project [\"_aggc:customer-name-on-orders\"]"), "{e}");
 }
 
 #[test]

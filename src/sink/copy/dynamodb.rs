@@ -49,6 +49,16 @@ pub async fn for_config(ddb: &Client, config: &Config) -> Result<Option<Arc<dyn 
             .filter(|d| *d.attribute_type() != ScalarAttributeType::S)
             .map(|d| d.attribute_name().to_string())
             .collect(),
+        partial: t
+            .global_secondary_indexes()
+            .iter()
+            .filter_map(|i| {
+                let p = i.projection()?;
+                let all = p.projection_type() == Some(&aws_sdk_dynamodb::types::ProjectionType::All);
+                let name = i.index_name()?.to_string();
+                (!all).then(|| (name, p.non_key_attributes().to_vec()))
+            })
+            .collect(),
     };
     for rule in &config.engine.copies {
         check_table(rule, &keys, table).map_err(SetupError::Refused)?;
