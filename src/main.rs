@@ -897,6 +897,12 @@ fn print_rebuilds(config: &Config) -> anyhow::Result<()> {
         };
         writeln!(out, "rule {rule}: {what}")?;
     }
+    if plan.copies_changed {
+        writeln!(
+            out,
+            "copy rules: changed since the definitions were recorded; the deploy waits for the old replicas, then run reconcile --all to set the copies that exist"
+        )?;
+    }
     let after_ms = u64::try_from(config.remove_leftovers_after.as_millis()).unwrap_or(u64::MAX);
     for old in plan.retire {
         match old.zeroed_ms {

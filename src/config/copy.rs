@@ -50,7 +50,16 @@ pub(super) fn validate(path: &str, r: &RawRule, copy: &RawCopy) -> Result<CopyRu
         source_found(&at, &source_key, &to)?;
     }
     let (inline_items, job_capacity_per_second) = pacing(&format!("{path}.copy"), copy)?;
-    Ok(CopyRule { name: r.name.as_str().into(), filter, source_key, attributes, to, inline_items, job_capacity_per_second })
+    let definition = serde_json::json!({
+        "filter": r.filter,
+        "numeric_strings": r.numeric_strings,
+        "source_key": r.source_key.iter().collect::<Vec<_>>(),
+        "attributes": copy.attributes.iter().collect::<Vec<_>>(),
+        "to": copy.to.iter().collect::<Vec<_>>(),
+    })
+    .to_string()
+    .into();
+    Ok(CopyRule { name: r.name.as_str().into(), filter, source_key, attributes, to, inline_items, job_capacity_per_second, definition })
 }
 
 /// Most copies a change writes in its batch.

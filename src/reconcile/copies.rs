@@ -27,8 +27,11 @@ use crate::sink::copy::{CopyFix, CopyStore, Corrected, Found, ItemKey, JOB_PAGE_
 use crate::state::now_ms;
 use crate::telemetry::names;
 
-/// Sources reconciled together: their copies are held in memory from step 1 to step 4.
-pub const SOURCES_AT_ONCE: usize = 100;
+/// Sources reconciled together, at most: their copies are held in memory from step 1 to step
+/// 4, and each batch waits once for the evidence (seconds where a shard is idle).
+pub const SOURCES_AT_ONCE: usize = 1_000;
+/// Copy items read before a batch is closed, whatever its number of sources.
+pub const COPIES_AT_ONCE: usize = 20_000;
 
 /// One copy item that differed from its source.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,8 +114,9 @@ pub fn source_for(rule: &CopyRule, vars: &BTreeMap<String, String>) -> Option<It
     is_source(rule, &key).then_some(key)
 }
 
-/// Reconciles `rule`'s copies of `sources`, `SOURCES_AT_ONCE` at a time. A source with a
-/// fan-out job pending (its id in `pending`) is left out: the job writes its copies.
+/// Reconciles `rule`'s copies of `sources`, in batches of at most `SOURCES_AT_ONCE` sources
+/// or `COPIES_AT_ONCE` copies. A source with a fan-out job pending (its id in `pending`) is
+/// left out: the job writes its copies.
 pub async fn reconcile_copies<C: Consumer>(
     store: &dyn CopyStore,
     consumer: &C,
@@ -125,28 +129,38 @@ pub async fn reconcile_copies<C: Consumer>(
     let (waiting, sources): (Vec<&ItemKey>, Vec<&ItemKey>) =
         sources.iter().partition(|s| pending.contains(&crate::rules::copy::job::job_id(&rule.name, s)));
     report.copy_sources_pending += waiting.len() as u64;
-    let sources: Vec<ItemKey> = sources.into_iter().cloned().collect();
-    for chunk in sources.chunks(SOURCES_AT_ONCE) {
-        reconcile_chunk(store, consumer, rule, chunk, opts, report).await?;
+    let attribute = version_attribute(&rule.name);
+    let copies: Vec<String> = rule.attributes.iter().map(|a| a.copy.clone()).collect();
+    let mut held: Vec<(&ItemKey, Vec<Found>)> = Vec::new();
+    let mut read = 0;
+    for (i, source) in sources.iter().enumerate() {
+        if let Some(find) = find_query(rule, source) {
+            let found = read_all(store, &find, &attribute, &copies).await?;
+            read += found.len();
+            held.push((source, found));
+        }
+        let last = i + 1 == sources.len();
+        if last || held.len() >= SOURCES_AT_ONCE || read >= COPIES_AT_ONCE {
+            reconcile_batch(store, consumer, rule, std::mem::take(&mut held), opts, report).await?;
+            read = 0;
+        }
     }
     Ok(())
 }
 
-async fn reconcile_chunk<C: Consumer>(
+/// Steps 2 to 4 for sources whose copies were read (step 1).
+async fn reconcile_batch<C: Consumer>(
     store: &dyn CopyStore,
     consumer: &C,
     rule: &CopyRule,
-    sources: &[ItemKey],
+    held: Vec<(&ItemKey, Vec<Found>)>,
     opts: &Options,
     report: &mut super::Report,
 ) -> Result<(), ReconcileError> {
-    let attribute = version_attribute(&rule.name);
-    let copies: Vec<String> = rule.attributes.iter().map(|a| a.copy.clone()).collect();
-    let mut held = Vec::with_capacity(sources.len());
-    for source in sources {
-        let Some(find) = find_query(rule, source) else { continue };
-        held.push((source, read_all(store, &find, &attribute, &copies).await?));
+    if held.is_empty() {
+        return Ok(());
     }
+    let attribute = version_attribute(&rule.name);
     let mut want = Vec::with_capacity(held.len());
     for (source, _) in &held {
         let item = store.source(source, &rule.source_attributes()).await.map_err(|e| aws("reading a copy rule's source", e))?;

@@ -411,6 +411,16 @@ pub struct Plan {
     /// Why a deploy of these rules would never be committed, if it would not (a change of
     /// `write_shards` on a live target).
     pub never_committed: Option<definitions::WaitReason>,
+    /// The copy rules differ from the committed ones: the deploy waits for the old replicas
+    /// like a rule change, and rebuilds no copies.
+    pub copies_changed: bool,
+}
+
+/// What a replica of `config` runs, as the definitions gate compares it with the committed.
+pub fn running(config: &Config) -> Running {
+    Running::new(config.engine.rules.iter().map(|r| (r.name.to_string(), r.definition.to_string())))
+        .with_expiry(config.helper_expiry_attribute.clone())
+        .with_copies(crate::rules::copy::definitions(&config.engine.copies))
 }
 
 /// What a deploy of `config` would rebuild and retire.
@@ -425,14 +435,13 @@ pub async fn against_state(sdk: &aws_config::SdkConfig, config: &Config) -> Resu
         let rules = rules.iter().map(|r| (r.name.to_string(), due.iter().find(|(n, _)| **n == *r.name).map(|(_, w)| w.clone()))).collect();
         return Ok(Plan { rules, ..Plan::default() });
     };
-    Ok(plan(&committed, rules))
+    Ok(plan(&committed, rules, &running(config)))
 }
 
 /// The plan against committed definitions (pure): what committing `rules` would rebuild and
 /// retire, on top of what is still pending.
-pub fn plan(committed: &Committed, rules: &[Rule]) -> Plan {
-    let running = Running::new(rules.iter().map(|r| (r.name.to_string(), r.definition.to_string())));
-    let next = if running.runs(committed) { committed.clone() } else { definitions::next(committed, &running) };
+pub fn plan(committed: &Committed, rules: &[Rule], running: &Running) -> Plan {
+    let next = if running.runs(committed) { committed.clone() } else { definitions::next(committed, running) };
     let rules = rules
         .iter()
         .map(|r| {
@@ -444,8 +453,8 @@ pub fn plan(committed: &Committed, rules: &[Rule]) -> Plan {
             (r.name.to_string(), why)
         })
         .collect();
-    let never_committed = definitions::sharding_changed(committed, &running).then_some(definitions::WaitReason::ShardingChanged);
-    Plan { first_start: false, rules, retire: next.retire, never_committed }
+    let never_committed = definitions::sharding_changed(committed, running).then_some(definitions::WaitReason::ShardingChanged);
+    Plan { first_start: false, rules, retire: next.retire, never_committed, copies_changed: running.copies != committed.copies }
 }
 
 #[cfg(test)]
@@ -455,6 +464,10 @@ mod tests {
     fn rules(yaml_change: impl Fn(String) -> String) -> Vec<Rule> {
         let text = yaml_change(include_str!("../../config/commerce.yaml").to_string());
         crate::config::Config::from_yaml(&text, Vec::<(String, String)>::new()).unwrap().engine.rules
+    }
+
+    fn runs(rules: &[Rule]) -> Running {
+        Running::new(rules.iter().map(|r| (r.name.to_string(), r.definition.to_string())))
     }
 
     fn committed(rules: &[Rule]) -> Committed {
@@ -484,11 +497,11 @@ mod tests {
     fn the_plan_names_the_changed_rule_and_the_old_definition_it_retires() {
         let old = rules(|t| t);
         let c = committed(&old);
-        let same = plan(&c, &old);
+        let same = plan(&c, &old, &runs(&old));
         assert!(same.rules.iter().all(|(_, why)| why.is_none()), "{same:?}");
         assert!(same.retire.is_empty());
         let new = rules(|t| t.replace("SALES#{date|day}", "MONTHLY#{date|month}"));
-        let p = plan(&c, &new);
+        let p = plan(&c, &new, &runs(&new));
         let changed: Vec<&str> = p.rules.iter().filter(|(_, w)| w.is_some()).map(|(n, _)| n.as_str()).collect();
         assert_eq!(changed, ["daily-sales"]);
         let was = old.iter().find(|r| &*r.name == "daily-sales").unwrap();
@@ -496,6 +509,10 @@ mod tests {
         assert_eq!(p.retire, vec![Retired::new("daily-sales", &was.definition)]);
         assert_eq!(p.never_committed, None);
         let sharded = rules(|t| t.replace(r#"SK: "TOTAL" }"#, r#"SK: "TOTAL", write_shards: 8 }"#));
-        assert_eq!(plan(&c, &sharded).never_committed, Some(definitions::WaitReason::ShardingChanged), "validate --against-state says it");
+        assert_eq!(
+            plan(&c, &sharded, &runs(&sharded)).never_committed,
+            Some(definitions::WaitReason::ShardingChanged),
+            "validate --against-state says it"
+        );
     }
 }

@@ -73,6 +73,17 @@ pub struct CopyRule {
     pub inline_items: usize,
     /// Write capacity units per second one job spends (`copy.job_capacity_per_second`).
     pub job_capacity_per_second: f64,
+    /// What the rule writes, as canonical JSON (filter, source_key, attributes, to): committed
+    /// with the rule definitions ([`definitions`]).
+    pub definition: Arc<str>,
+}
+
+/// The copy rules as committed with the rule definitions (`name NUL definition`, by name);
+/// None without copy rules.
+pub fn definitions(rules: &[CopyRule]) -> Option<String> {
+    let mut pairs: Vec<(&str, &str)> = rules.iter().map(|r| (&*r.name, &*r.definition)).collect();
+    pairs.sort_unstable();
+    (!pairs.is_empty()).then(|| pairs.iter().map(|(n, d)| format!("{n}\u{0}{d}")).collect::<Vec<_>>().join("\u{0}"))
 }
 
 /// A rendered sort-key condition.

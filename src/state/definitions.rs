@@ -87,6 +87,11 @@ pub struct Committed {
     /// write at once. Absent: none (and the digest is what releases before it computed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expiry: Option<String>,
+    /// The copy rules of these definitions ([`crate::rules::copy::definitions`]): a replica
+    /// without a copy rule would move its checkpoints past the changes that rule copies, so
+    /// replicas that differ in them never run at once. Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copies: Option<String>,
 }
 
 /// The mark a committer stores before it checks a last time and commits. Without it, a
@@ -104,7 +109,12 @@ pub struct Drain {
 impl Committed {
     /// The digest replicas publish: definitions and protocol together.
     pub fn digest(&self) -> String {
-        digest(self.rules.iter().map(|(n, r)| (n.as_str(), r.definition.as_str())), self.protocol, self.expiry.as_deref())
+        digest(
+            self.rules.iter().map(|(n, r)| (n.as_str(), r.definition.as_str())),
+            self.protocol,
+            self.expiry.as_deref(),
+            self.copies.as_deref(),
+        )
     }
 
     /// Whether a live drain mark of another replica than `me` is on it: no new lease.
@@ -146,11 +156,18 @@ pub struct Running {
     pub protocol: u64,
     /// The helper expiry attribute ([`Committed::expiry`]).
     pub expiry: Option<String>,
+    /// The copy rules ([`Committed::copies`]).
+    pub copies: Option<String>,
 }
 
 impl Running {
     pub fn new(rules: impl IntoIterator<Item = (String, String)>) -> Running {
-        Running { rules: rules.into_iter().collect(), protocol: PROTOCOL, expiry: None }
+        Running { rules: rules.into_iter().collect(), protocol: PROTOCOL, expiry: None, copies: None }
+    }
+
+    /// With the config's copy rules ([`crate::rules::copy::definitions`]).
+    pub fn with_copies(self, copies: Option<String>) -> Running {
+        Running { copies, ..self }
     }
 
     /// With the config's `aggregates.helper_expiry_attribute`.
@@ -159,21 +176,23 @@ impl Running {
     }
 
     pub fn digest(&self) -> String {
-        digest(self.rules.iter().map(|(n, d)| (n.as_str(), d.as_str())), self.protocol, self.expiry.as_deref())
+        digest(self.rules.iter().map(|(n, d)| (n.as_str(), d.as_str())), self.protocol, self.expiry.as_deref(), self.copies.as_deref())
     }
 
-    /// Whether these are the committed definitions (and protocol, and expiry attribute).
+    /// Whether these are the committed definitions (and protocol, expiry attribute and copy
+    /// rules).
     pub fn runs(&self, c: &Committed) -> bool {
         self.protocol == c.protocol
             && self.expiry == c.expiry
+            && self.copies == c.copies
             && self.rules.len() == c.rules.len()
             && self.rules.iter().all(|(n, d)| c.rules.get(n).is_some_and(|r| r.definition == *d))
     }
 }
 
 /// A digest of a definition set: `p<protocol>:` and FNV-1a over the names and definitions
-/// (and the expiry attribute, when there is one).
-fn digest<'a>(rules: impl Iterator<Item = (&'a str, &'a str)>, protocol: u64, expiry: Option<&str>) -> String {
+/// (and the expiry attribute and the copy rules, when there are).
+fn digest<'a>(rules: impl Iterator<Item = (&'a str, &'a str)>, protocol: u64, expiry: Option<&str>, copies: Option<&str>) -> String {
     let mut text = String::new();
     for (n, d) in rules {
         text.push_str(n);
@@ -184,6 +203,10 @@ fn digest<'a>(rules: impl Iterator<Item = (&'a str, &'a str)>, protocol: u64, ex
     if let Some(attribute) = expiry {
         text.push_str("\u{0}helper_expiry_attribute\u{0}");
         text.push_str(attribute);
+    }
+    if let Some(copies) = copies {
+        text.push_str("\u{0}copy_rules\u{0}");
+        text.push_str(copies);
     }
     format!("p{protocol}:{:016x}", fingerprint::fnv1a(text.as_bytes()))
 }
@@ -321,7 +344,14 @@ pub fn decide(me: &str, mine: &Running, seen: Seen<'_>) -> Gate {
 /// retired, and what differs is rebuilt.
 fn first_commit(mine: &Running, seen: Seen<'_>) -> Gate {
     let rules = mine.rules.iter().map(|(n, d)| (n.clone(), RuleDef { definition: d.clone(), since: 1 })).collect();
-    let mut first = Committed { generation: 1, protocol: mine.protocol, rules, expiry: mine.expiry.clone(), ..Committed::default() };
+    let mut first = Committed {
+        generation: 1,
+        protocol: mine.protocol,
+        rules,
+        expiry: mine.expiry.clone(),
+        copies: mine.copies.clone(),
+        ..Committed::default()
+    };
     let Some(legacy) = seen.legacy else { return Gate::Commit(first) };
     let changed: BTreeSet<String> =
         mine.rules.iter().filter(|(n, d)| legacy.get(*n) != Some(&fingerprint::of_definition(d))).map(|(n, _)| n.clone()).collect();
@@ -410,7 +440,16 @@ pub fn next(c: &Committed, mine: &Running) -> Committed {
     retire.retain(|r| mine.rules.get(&r.name) != Some(&r.definition));
     let mut seen = BTreeSet::new();
     retire.retain(|r| seen.insert((r.name.clone(), r.definition.clone())));
-    Committed { generation, protocol: c.protocol.max(mine.protocol), rules, rebuild, retire, draining: None, expiry: mine.expiry.clone() }
+    Committed {
+        generation,
+        protocol: c.protocol.max(mine.protocol),
+        rules,
+        rebuild,
+        retire,
+        draining: None,
+        expiry: mine.expiry.clone(),
+        copies: mine.copies.clone(),
+    }
 }
 
 #[cfg(test)]
@@ -490,7 +529,7 @@ mod tests {
     fn the_helper_expiry_attribute_is_committed_like_a_rule() {
         let old = running(&[("orders", "{A}")]);
         let new = running(&[("orders", "{A}")]).with_expiry(Some("expiresAt".into()));
-        assert_eq!(old.digest(), digest([("orders", "{A}")].into_iter(), PROTOCOL, None));
+        assert_eq!(old.digest(), digest([("orders", "{A}")].into_iter(), PROTOCOL, None, None));
         assert_ne!(old.digest(), new.digest());
         let c = committed(&old);
         assert_eq!(c.expiry, None);
@@ -507,6 +546,33 @@ mod tests {
         for c in [&c, &next] {
             let text = serde_json::to_string(c).unwrap();
             assert_eq!(text.contains("expiry"), c.expiry.is_some(), "{text}");
+            assert_eq!(&serde_json::from_str::<Committed>(&text).unwrap(), c);
+        }
+    }
+
+    /// Adding, changing or removing a copy rule is a change like a rule's: a replica without
+    /// the new copy rule would checkpoint past the changes it copies, so the replicas of the
+    /// new config write nothing until none of the old is live, then commit, with nothing to
+    /// rebuild (`reconcile --all` sets existing copies). Without copy rules, the digest is
+    /// what releases before them computed.
+    #[test]
+    fn copy_rules_are_committed_like_rules() {
+        let old = running(&[("orders", "{A}")]);
+        let new = running(&[("orders", "{A}")]).with_copies(Some("names\u{0}{C}".into()));
+        assert_eq!(old.digest(), digest([("orders", "{A}")].into_iter(), PROTOCOL, None, None));
+        assert_ne!(old.digest(), new.digest());
+        let c = committed(&old);
+        let beats = [beat("old-1", &old, 5_000), beat("new-1", &new, 5_000)];
+        assert_eq!(decide("new-1", &new, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::CommittedLive));
+        let gone = [beat("new-1", &new, 5_000)];
+        assert_eq!(decide("new-1", &new, seen(Some(&c), &gone, 0)), Gate::Drain);
+        let Gate::Commit(next) = decide("new-1", &new, seen(Some(&marked(&c, "new-1")), &gone, 0)) else { panic!() };
+        assert_eq!((next.generation, next.copies.as_deref()), (2, Some("names\u{0}{C}")));
+        assert!(next.settled(), "nothing to rebuild or retire: {next:?}");
+        assert_eq!(decide("old-2", &old, seen(Some(&next), &gone, 0)), Gate::Wait(WaitReason::CommittedLive));
+        for c in [&c, &next] {
+            let text = serde_json::to_string(c).unwrap();
+            assert_eq!(text.contains("copies"), c.copies.is_some(), "{text}");
             assert_eq!(&serde_json::from_str::<Committed>(&text).unwrap(), c);
         }
     }

@@ -54,6 +54,13 @@ impl DefinitionsGate {
         self
     }
 
+    /// With the config's copy rules: a replica whose copy rules differ from the committed ones
+    /// waits like one whose rules differ.
+    pub fn with_copies(mut self, copies: Option<String>) -> Self {
+        self.running = self.running.with_copies(copies);
+        self
+    }
+
     /// A gate that never commits (a command-line consumer's).
     pub fn never_committing(mut self) -> Self {
         self.commits = false;

@@ -326,7 +326,9 @@ pub struct Worker<S, L, A> {
 
 impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
     pub fn new(shared: Shared<S, L, A>) -> Worker<S, L, A> {
-        let gate = gate::DefinitionsGate::new(&shared.engine.rules).with_expiry(shared.expiry_attribute.clone());
+        let gate = gate::DefinitionsGate::new(&shared.engine.rules)
+            .with_expiry(shared.expiry_attribute.clone())
+            .with_copies(crate::rules::copy::definitions(&shared.engine.copies));
         let gate = if shared.balance { gate } else { gate.never_committing() };
         Worker {
             gate,

@@ -21,6 +21,7 @@ fn rule() -> CopyRule {
         },
         inline_items: 100,
         job_capacity_per_second: 500.0,
+        definition: "{}".into(),
     }
 }
 
