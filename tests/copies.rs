@@ -712,3 +712,71 @@ async fn dlq_replay_sets_the_copies_a_dead_letter_names_once_the_item_fits() {
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(held(renamed).await.is_empty(), "{text}");
 }
+
+/// Adding a copy rule in a rolling deploy: the replica with it holds no lease while one
+/// without it runs (which checkpoints past a rename without copying it), then commits it as
+/// the next generation; `reconcile --all` then sets the copies the old replica left, and the
+/// next rename is copied by the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adding_a_copy_rule_waits_for_the_replicas_without_it() {
+    let c = client().await;
+    let dir = test_dir();
+    let table = unique("copyadd");
+    let aggregates = format!("{table}-aggregates");
+    create_source_table(&c, &table).await;
+    create_aggregates_table(&c, &aggregates).await;
+    let new_config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
+    use_aggregates_table(&new_config, &table, &aggregates);
+    let text = std::fs::read_to_string(&new_config).unwrap();
+    let cut = text.find("  - name: customer-name-on-orders").expect("the example has the copy rule");
+    let old_config = dir.path().join("old.yaml");
+    std::fs::write(&old_config, &text[..cut]).unwrap();
+    let ann = ("Ann".to_string(), Some("gold".to_string()));
+    put_profile(&c, &table, 1, "Ann", Some("gold")).await;
+    for n in 0..5 {
+        put_order(&c, &table, 1, n, Some(&ann)).await;
+    }
+    let mut a = Service::start(&old_config, dir.path(), "a", &[]);
+    let started = Instant::now();
+    while order_count(&c, &aggregates, 1).await.as_deref() != Some("5") {
+        assert!(started.elapsed() < Duration::from_secs(60), "{}", a.log_tail());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let b = Service::start(&new_config, dir.path(), "b", &[]);
+    let waiting = || metric(&b.metrics(), "ddb_aggregator_definitions_waiting{reason=\"committed_replicas_live\"}");
+    let started = Instant::now();
+    while waiting() != 1.0 {
+        assert!(started.elapsed() < Duration::from_secs(30), "B does not wait\n{}", b.log_tail());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A rename while only A applies: counted nowhere, copied by nobody.
+    put_profile(&c, &table, 1, "Bea", Some("gold")).await;
+    put_order(&c, &table, 1, 5, Some(&("Bea".to_string(), Some("gold".to_string())))).await;
+    let started = Instant::now();
+    while order_count(&c, &aggregates, 1).await.as_deref() != Some("6") {
+        assert!(started.elapsed() < Duration::from_secs(60), "{}", a.log_tail());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(waiting(), 1.0, "B still waits while A runs\n{}", b.log_tail());
+    let bea: Profiles = [(1, Some(("Bea".to_string(), Some("gold".to_string()))))].into_iter().collect();
+    assert_eq!(wrong_copies(&c, &table, &bea).await.len(), 5, "A copies nothing");
+    let (code, _) = a.terminate();
+    assert_eq!(code, Some(0), "{}", a.log_tail());
+    let started = Instant::now();
+    while metric(&b.metrics(), "ddb_aggregator_definitions_generation") != 2.0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "B did not commit\n{}", b.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let out = run_cli(&["reconcile", "--config", new_config.to_str().unwrap(), "--all"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("5 differed from their source, 5 corrected"), "{said}");
+    assert!(wrong_copies(&c, &table, &bea).await.is_empty());
+    put_profile(&c, &table, 1, "Cy", Some("blue")).await;
+    let cy: Profiles = [(1, Some(("Cy".to_string(), Some("blue".to_string()))))].into_iter().collect();
+    let started = Instant::now();
+    while !wrong_copies(&c, &table, &cy).await.is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(60), "the rename after the commit is not copied\n{}", b.log_tail());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
