@@ -105,6 +105,28 @@ async fn churn(c: Client, table: String, customers: usize, steps: usize, seed: u
     profiles
 }
 
+/// A source table, an aggregates table of its own (a deleted profile would take aggregates in
+/// the source table with it), and the commerce config on them, with `{table}-state` as the
+/// state table.
+struct Deployment {
+    dir: tempfile::TempDir,
+    table: String,
+    aggregates: String,
+    state: String,
+    config: std::path::PathBuf,
+}
+
+async fn deployment(c: &Client, prefix: &str) -> Deployment {
+    let dir = test_dir();
+    let table = unique(prefix);
+    let (aggregates, state) = (format!("{table}-aggregates"), format!("{table}-state"));
+    create_source_table(c, &table).await;
+    create_aggregates_table(c, &aggregates).await;
+    let config = write_config(dir.path(), &table, &state, LEASE);
+    use_aggregates_table(&config, &table, &aggregates);
+    Deployment { dir, table, aggregates, state, config }
+}
+
 /// Orders whose copies differ from their customer's final profile: (order, what it holds).
 async fn wrong_copies(c: &Client, table: &str, profiles: &Profiles) -> Vec<String> {
     let mut wrong = Vec::new();
@@ -131,14 +153,7 @@ async fn wrong_copies(c: &Client, table: &str, profiles: &Profiles) -> Vec<Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renames_reach_every_order_through_sigkills_and_a_deleted_profile_takes_its_copies() {
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("copies");
-    let aggregates = format!("{table}-aggregates");
-    create_source_table(&c, &table).await;
-    // The aggregates in a table of their own: a deleted profile would take them with it.
-    create_aggregates_table(&c, &aggregates).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
+    let Deployment { dir, table, aggregates, config, .. } = deployment(&c, "copies").await;
     let writer = tokio::spawn(churn(c.clone(), table.clone(), 6, 400, 11));
     let mut svc = Service::start(&config, dir.path(), "svc", &[]);
     let mut rng = fastrand::Rng::with_seed(5);
@@ -184,14 +199,7 @@ async fn renames_reach_every_order_through_sigkills_and_a_deleted_profile_takes_
 async fn fan_out_rate() {
     let n: usize = std::env::var("COPIES_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("fanout");
-    let aggregates = format!("{table}-aggregates");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let state = format!("{table}-state");
-    let config = write_config(dir.path(), &table, &state, LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
+    let Deployment { dir, table, state, config, .. } = deployment(&c, "fanout").await;
     put_profile(&c, &table, 1, "Ann", Some("gold")).await;
     for chunk in (0..n).collect::<Vec<_>>().chunks(25) {
         let mut writes = Vec::new();
@@ -471,13 +479,7 @@ fn copies_written(metrics: &str) -> f64 {
 async fn a_fan_out_of_twenty_thousand_orders_survives_a_sigkill_and_the_counters_do_not_wait() {
     let n: usize = std::env::var("FAN_OUT_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("bigfan");
-    let (aggregates, state) = (format!("{table}-aggregates"), format!("{table}-state"));
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let config = write_config(dir.path(), &table, &state, LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
+    let Deployment { dir, table, aggregates, state, config } = deployment(&c, "bigfan").await;
     put_profile(&c, &table, 1, "Ann", Some("gold")).await;
     put_profile(&c, &table, 2, "Cy", Some("blue")).await;
     put_orders(&c, &table, 1, n, "Ann").await;
@@ -576,13 +578,7 @@ async fn tamper(c: &Client, table: &str, customer: usize, n: usize, name: &str) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_sets_copies_that_differ_from_their_source() {
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("copyrec");
-    let aggregates = format!("{table}-aggregates");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
+    let Deployment { dir: _dir, table, config, .. } = deployment(&c, "copyrec").await;
     let mut profiles: Profiles = BTreeMap::new();
     for k in 1..=3 {
         let p = (format!("Customer {k}"), Some("gold".to_string()));
@@ -643,15 +639,9 @@ async fn reconcile_sets_copies_that_differ_from_their_source() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dlq_replay_sets_the_copies_a_dead_letter_names_once_the_item_fits() {
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("copydlq");
-    let aggregates = format!("{table}-aggregates");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
+    let Deployment { dir, table, config, .. } = deployment(&c, "copydlq").await;
     let sqs = sqs_client_at(&sqs_endpoint());
     let queue = create_queue(&sqs, &format!("{table}-dlq")).await;
-    let config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    use_aggregates_table(&config, &table, &aggregates);
     let ann = ("Ann".to_string(), Some("gold".to_string()));
     put_profile(&c, &table, 1, "Ann", Some("gold")).await;
     put_order(&c, &table, 1, 1, Some(&ann)).await;
@@ -720,13 +710,7 @@ async fn dlq_replay_sets_the_copies_a_dead_letter_names_once_the_item_fits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adding_a_copy_rule_waits_for_the_replicas_without_it() {
     let c = client().await;
-    let dir = test_dir();
-    let table = unique("copyadd");
-    let aggregates = format!("{table}-aggregates");
-    create_source_table(&c, &table).await;
-    create_aggregates_table(&c, &aggregates).await;
-    let new_config = write_config(dir.path(), &table, &format!("{table}-state"), LEASE);
-    use_aggregates_table(&new_config, &table, &aggregates);
+    let Deployment { dir, table, aggregates, config: new_config, .. } = deployment(&c, "copyadd").await;
     let text = std::fs::read_to_string(&new_config).unwrap();
     let cut = text.find("  - name: customer-name-on-orders").expect("the example has the copy rule");
     let old_config = dir.path().join("old.yaml");

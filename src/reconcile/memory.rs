@@ -239,6 +239,34 @@ impl MemorySources {
     pub fn items(&self) -> Vec<Map<String, Value>> {
         self.lock().values().cloned().collect()
     }
+
+    /// Sets `set`, removes `remove` and records `version` (attribute, text) on `item`, unless
+    /// that makes it larger than `max_item_bytes` (the refusal, as DynamoDB words it); the
+    /// write capacity it takes.
+    fn patch(
+        &self,
+        item: &mut Map<String, Value>,
+        set: &[(String, Value)],
+        remove: &[String],
+        version: Option<(&str, &str)>,
+    ) -> Result<f64, String> {
+        let mut next = item.clone();
+        for name in remove {
+            next.remove(name);
+        }
+        for (name, value) in set {
+            next.insert(name.clone(), value.clone());
+        }
+        if let Some((attribute, text)) = version {
+            next.insert(attribute.to_string(), json!({ "S": text }));
+        }
+        let size = serde_json::to_string(&next).map_or(0, |t| t.len());
+        if size > self.max_item_bytes {
+            return Err(format!("Item size has exceeded the maximum allowed size ({size} bytes)"));
+        }
+        *item = next;
+        Ok(size.div_ceil(1024).max(1) as f64)
+    }
 }
 
 impl CopyStore for MemorySources {
@@ -294,19 +322,10 @@ impl CopyStore for MemorySources {
             if item.get(version_attribute).and_then(|v| v.get("S")).and_then(Value::as_str) != read {
                 return Ok(Corrected::Changed);
             }
-            let mut next = item.clone();
-            for name in &fix.remove {
-                next.remove(name);
+            match self.patch(item, &fix.set, &fix.remove, None) {
+                Ok(capacity) => Ok(Corrected::Done { capacity }),
+                Err(why) => Ok(Corrected::Rejected(why)),
             }
-            for (name, value) in &fix.set {
-                next.insert(name.clone(), value.clone());
-            }
-            let size = serde_json::to_string(&next).map_or(0, |t| t.len());
-            if size > self.max_item_bytes {
-                return Ok(Corrected::Rejected(format!("Item size has exceeded the maximum allowed size ({size} bytes)")));
-            }
-            *item = next;
-            Ok(Corrected::Done { capacity: size.div_ceil(1024).max(1) as f64 })
         })
     }
 
@@ -328,20 +347,10 @@ impl CopyStore for MemorySources {
             if recorded.is_some_and(|r| *r >= *version) {
                 return Ok(CopyOutcome::Older);
             }
-            let mut next = item.clone();
-            for name in &change.remove {
-                next.remove(name);
+            match self.patch(item, &change.set, &change.remove, Some((version_attribute, &version))) {
+                Ok(capacity) => Ok(CopyOutcome::Written { capacity }),
+                Err(why) => Ok(CopyOutcome::Rejected(why)),
             }
-            for (name, value) in &change.set {
-                next.insert(name.clone(), value.clone());
-            }
-            next.insert(version_attribute.to_string(), json!({ "S": version }));
-            let size = serde_json::to_string(&next).map_or(0, |t| t.len());
-            if size > self.max_item_bytes {
-                return Ok(CopyOutcome::Rejected(format!("Item size has exceeded the maximum allowed size ({size} bytes)")));
-            }
-            *item = next;
-            Ok(CopyOutcome::Written { capacity: size.div_ceil(1024).max(1) as f64 })
         })
     }
 }

@@ -481,5 +481,26 @@ impl CopyState {
     }
 }
 
+/// The rule of DESIGN.md's example for unit tests: `name` copies `attributes` (copy, source)
+/// from `CUST#{customer}` / `PROFILE` onto the customer's `ORDER#` items.
+#[cfg(test)]
+pub(crate) fn example(name: &str, attributes: &[(&str, &str)]) -> CopyRule {
+    let t = |s: &str| Template::parse(s).unwrap_or_else(|e| panic!("{s}: {e:?}"));
+    CopyRule {
+        name: name.into(),
+        filter: None,
+        source_key: vec![("PK".into(), t("CUST#{customer}")), ("SK".into(), t("PROFILE"))],
+        attributes: attributes.iter().map(|(c, s)| CopyAttribute { copy: c.to_string(), source: s.to_string() }).collect(),
+        to: Finder {
+            index: None,
+            partition: ("PK".into(), t("CUST#{customer}")),
+            sort: Some(("SK".into(), SortCondition::BeginsWith(t("ORDER#")))),
+        },
+        inline_items: 100,
+        job_capacity_per_second: 500.0,
+        definition: "{}".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests;

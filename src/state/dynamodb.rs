@@ -112,6 +112,28 @@ impl DynamoDbLeases {
         &self,
         filter: &str,
         projection: Option<&str>,
+        page: impl FnMut(&[HashMap<String, AttributeValue>]) -> Result<bool, StateError>,
+    ) -> Result<(), StateError> {
+        let values = filter.contains(":arn").then(|| HashMap::from([(":arn".to_string(), s(&self.stream_arn))]));
+        self.scan_with(filter, values, projection, page).await
+    }
+
+    /// A consistent scan of the items whose key starts with `prefix` (heartbeats, copy jobs),
+    /// page by page into `page`.
+    async fn scan_prefix(
+        &self,
+        prefix: &str,
+        page: impl FnMut(&[HashMap<String, AttributeValue>]) -> Result<bool, StateError>,
+    ) -> Result<(), StateError> {
+        let values = Some(HashMap::from([(":p".to_string(), s(prefix))]));
+        self.scan_with("begins_with(shard_id, :p)", values, None, page).await
+    }
+
+    async fn scan_with(
+        &self,
+        filter: &str,
+        values: Option<HashMap<String, AttributeValue>>,
+        projection: Option<&str>,
         mut page: impl FnMut(&[HashMap<String, AttributeValue>]) -> Result<bool, StateError>,
     ) -> Result<(), StateError> {
         let mut start: Option<HashMap<String, AttributeValue>> = None;
@@ -122,9 +144,7 @@ impl DynamoDbLeases {
                 .table_name(&self.table)
                 .consistent_read(true)
                 .filter_expression(filter)
-                .set_expression_attribute_values(
-                    filter.contains(":arn").then(|| HashMap::from([(":arn".to_string(), s(&self.stream_arn))])),
-                )
+                .set_expression_attribute_values(values.clone())
                 .set_projection_expression(projection.map(str::to_string))
                 .set_exclusive_start_key(start.take())
                 .send()
@@ -240,7 +260,7 @@ impl DynamoDbLeases {
             .expression_attribute_values(":counter", n(counter))
     }
 
-    /// Sends an [`DynamoDbLeases::owned`] update: false when the lease is someone else's now.
+    /// Sends a conditional update (a lease's, a copy job's): false when its condition failed.
     async fn send_owned(
         &self,
         req: aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder,
@@ -603,32 +623,12 @@ impl LeaseStore for DynamoDbLeases {
 
     async fn beats(&self) -> Result<Vec<Beat>, StateError> {
         let mut out = Vec::new();
-        let mut start: Option<HashMap<String, AttributeValue>> = None;
-        for _ in 0..10_000 {
-            let resp = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .filter_expression("begins_with(shard_id, :p)")
-                .expression_attribute_values(":p", s(BEAT_PREFIX))
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await;
-            let resp = match resp {
-                Ok(r) => r,
-                Err(e) => {
-                    map_err(e, &self.table)?;
-                    return Err(StateError::Transient("scan condition failed".into()));
-                }
-            };
-            out.extend(resp.items().iter().filter_map(beat_of));
-            match resp.last_evaluated_key() {
-                Some(k) if !k.is_empty() => start = Some(k.clone()),
-                _ => return Ok(out),
-            }
-        }
-        Err(StateError::Fatal("state table scan for heartbeats did not finish".into()))
+        self.scan_prefix(BEAT_PREFIX, |items| {
+            out.extend(items.iter().filter_map(beat_of));
+            Ok(false)
+        })
+        .await?;
+        Ok(out)
     }
 
     async fn drop_beat(&self, owner: &str) -> Result<(), StateError> {

@@ -8,28 +8,10 @@ use super::*;
 use crate::reconcile::memory::MemorySources;
 use crate::reconcile::protocol::Applied;
 use crate::reconcile::Report;
-use crate::rules::copy::{CopyAttribute, CopyChange, Finder, SortCondition, SortValue, Version};
-use crate::rules::template::Template;
+use crate::rules::copy::{CopyChange, SortValue, Version};
 
 fn rule() -> CopyRule {
-    let t = |s: &str| Template::parse(s).unwrap();
-    CopyRule {
-        name: "names".into(),
-        filter: None,
-        source_key: vec![("PK".into(), t("CUST#{customer}")), ("SK".into(), t("PROFILE"))],
-        attributes: vec![
-            CopyAttribute { copy: "customerName".into(), source: "name".into() },
-            CopyAttribute { copy: "customerTier".into(), source: "tier".into() },
-        ],
-        to: Finder {
-            index: None,
-            partition: ("PK".into(), t("CUST#{customer}")),
-            sort: Some(("SK".into(), SortCondition::BeginsWith(t("ORDER#")))),
-        },
-        inline_items: 100,
-        job_capacity_per_second: 500.0,
-        definition: "{}".into(),
-    }
+    crate::rules::copy::example("names", &[("customerName", "name"), ("customerTier", "tier")])
 }
 
 fn key(pk: &str, sk: &str) -> ItemKey {

@@ -9,23 +9,7 @@ fn t(s: &str) -> Template {
 
 /// The example of DESIGN.md: a customer's name and tier on each of their orders.
 fn rule() -> CopyRule {
-    CopyRule {
-        name: "customer-name-on-orders".into(),
-        filter: None,
-        source_key: vec![("PK".into(), t("CUST#{customer}")), ("SK".into(), t("PROFILE"))],
-        attributes: vec![
-            CopyAttribute { copy: "customerName".into(), source: "name".into() },
-            CopyAttribute { copy: "customerTier".into(), source: "tier".into() },
-        ],
-        to: Finder {
-            index: None,
-            partition: ("PK".into(), t("CUST#{customer}")),
-            sort: Some(("SK".into(), SortCondition::BeginsWith(t("ORDER#")))),
-        },
-        inline_items: 100,
-        job_capacity_per_second: 500.0,
-        definition: "{}".into(),
-    }
+    crate::rules::copy::example("customer-name-on-orders", &[("customerName", "name"), ("customerTier", "tier")])
 }
 
 fn record(event: &str, seq: &str, old: Option<Value>, new: Option<Value>) -> Value {

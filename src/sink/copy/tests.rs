@@ -4,25 +4,10 @@ use std::sync::Arc;
 
 use super::*;
 use crate::reconcile::memory::MemorySources;
-use crate::rules::copy::{CopyAttribute, Finder, SortCondition, SortValue, Version};
-use crate::rules::template::Template;
+use crate::rules::copy::{SortValue, Version};
 
 fn rule() -> CopyRule {
-    let t = |s: &str| Template::parse(s).unwrap();
-    CopyRule {
-        name: "names".into(),
-        filter: None,
-        source_key: vec![("PK".into(), t("CUST#{customer}")), ("SK".into(), t("PROFILE"))],
-        attributes: vec![CopyAttribute { copy: "customerName".into(), source: "name".into() }],
-        to: Finder {
-            index: None,
-            partition: ("PK".into(), t("CUST#{customer}")),
-            sort: Some(("SK".into(), SortCondition::BeginsWith(t("ORDER#")))),
-        },
-        inline_items: 100,
-        job_capacity_per_second: 500.0,
-        definition: "{}".into(),
-    }
+    crate::rules::copy::example("names", &[("customerName", "name")])
 }
 
 fn key(pk: &str, sk: &str) -> ItemKey {

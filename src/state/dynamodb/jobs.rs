@@ -80,89 +80,62 @@ impl DynamoDbLeases {
 
     pub(super) async fn list_jobs(&self) -> Result<Vec<StoredJob>, StateError> {
         let mut out = Vec::new();
-        let mut start: Option<HashMap<String, AttributeValue>> = None;
-        for _ in 0..10_000 {
-            let resp = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .filter_expression("begins_with(shard_id, :p)")
-                .expression_attribute_values(":p", s(JOB_PREFIX))
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await;
-            let resp = match resp {
-                Ok(r) => r,
-                Err(e) => {
-                    map_err(e, &self.table)?;
-                    return Err(StateError::Transient("scan condition failed".into()));
-                }
-            };
+        self.scan_prefix(JOB_PREFIX, |items| {
             // An item this release cannot read (hand-edited, or a newer release's) is left to
             // the replicas that can: it must not stop the other jobs.
-            for item in resp.items() {
+            for item in items {
                 match crate::state::items::copy_job(item) {
                     Ok(job) => out.push(job),
                     Err(e) => tracing::warn!(error = %e, "a copy job item this release cannot read is left alone"),
                 }
             }
-            match resp.last_evaluated_key() {
-                Some(k) if !k.is_empty() => start = Some(k.clone()),
-                _ => return Ok(out),
-            }
-        }
-        Err(StateError::Fatal("state table scan for copy jobs did not finish".into()))
+            Ok(false)
+        })
+        .await?;
+        Ok(out)
     }
 
     pub(super) async fn claim_job(&self, id: &str, version: &str, owner: &str, until_ms: u64, now_ms: u64) -> Result<bool, StateError> {
-        let resp = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("shard_id", s(id))
+        let req = self
+            .claimed_update(id, version, owner)
             .update_expression("SET #o = :me, #e = :until")
             .condition_expression(format!("{SAME_CHANGE} AND #due <= :now AND (attribute_not_exists(#o) OR #o = :me OR #e <= :now)"))
             .expression_attribute_names("#due", "due_at")
-            .expression_attribute_names("#v", "version")
-            .expression_attribute_names("#o", "owner")
-            .expression_attribute_names("#e", "expires_at")
-            .expression_attribute_values(":v", s(version))
-            .expression_attribute_values(":me", s(owner))
             .expression_attribute_values(":until", n(until_ms))
-            .expression_attribute_values(":now", n(now_ms))
-            .send()
-            .await;
-        match resp {
-            Ok(_) => Ok(true),
-            Err(e) => map_err(e, &self.table),
-        }
+            .expression_attribute_values(":now", n(now_ms));
+        self.send_owned(req).await
     }
 
     pub(super) async fn advance_job(&self, id: &str, version: &str, owner: &str, step: &JobStep) -> Result<bool, StateError> {
-        let resp = self
-            .client
+        let req = self
+            .claimed_update(id, version, owner)
+            .update_expression("SET #cur = :cur, #w = :w, #e = :until")
+            .condition_expression(format!("{SAME_CHANGE} AND #o = :me"))
+            .expression_attribute_names("#cur", "cursor")
+            .expression_attribute_names("#w", "found")
+            .expression_attribute_values(":cur", json(&step.cursor)?)
+            .expression_attribute_values(":w", n(step.found))
+            .expression_attribute_values(":until", n(step.until_ms));
+        self.send_owned(req).await
+    }
+
+    /// An UpdateItem of job `id` with the names and values its conditions share: `#v`/`:v`
+    /// (the change's version), `#o`/`:me` (the runner), `#e` (the claim's expiry).
+    fn claimed_update(
+        &self,
+        id: &str,
+        version: &str,
+        owner: &str,
+    ) -> aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder {
+        self.client
             .update_item()
             .table_name(&self.table)
             .key("shard_id", s(id))
-            .update_expression("SET #cur = :cur, #w = :w, #e = :until")
-            .condition_expression(format!("{SAME_CHANGE} AND #o = :me"))
             .expression_attribute_names("#v", "version")
             .expression_attribute_names("#o", "owner")
             .expression_attribute_names("#e", "expires_at")
-            .expression_attribute_names("#cur", "cursor")
-            .expression_attribute_names("#w", "found")
             .expression_attribute_values(":v", s(version))
             .expression_attribute_values(":me", s(owner))
-            .expression_attribute_values(":cur", json(&step.cursor)?)
-            .expression_attribute_values(":w", n(step.found))
-            .expression_attribute_values(":until", n(step.until_ms))
-            .send()
-            .await;
-        match resp {
-            Ok(_) => Ok(true),
-            Err(e) => map_err(e, &self.table),
-        }
     }
 
     pub(super) async fn end_job(&self, id: &str, version: &str, next: Option<&CopyJob>) -> Result<bool, StateError> {
