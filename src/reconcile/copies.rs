@@ -162,8 +162,9 @@ async fn reconcile_batch<C: Consumer>(
     }
     let attribute = version_attribute(&rule.name);
     let mut want = Vec::with_capacity(held.len());
+    let copied = rule.source_attributes();
     for (source, _) in &held {
-        let item = store.source(source, &rule.source_attributes()).await.map_err(|e| aws("reading a copy rule's source", e))?;
+        let item = store.source(source, &copied).await.map_err(|e| aws("reading a copy rule's source", e))?;
         want.push(rule.current(item.as_ref()));
     }
     // After the reads: the evidence covers every change they saw.

@@ -413,7 +413,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         for r in self.running.values() {
             r.stop.cancel();
         }
-        // A job stops before its next page; its claim lapses and another replica resumes it.
+        // A job stops before its next page and gives its claim up: another replica resumes it.
         for stop in self.jobs.values() {
             stop.cancel();
         }

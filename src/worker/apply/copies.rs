@@ -48,7 +48,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             if let Some(job) = job_for(rule, change, &out, now_ms()) {
                 match self.shared.leases.record_copy_job(&job).await {
                     Ok(_) => {}
-                    Err(e) if e.is_retriable() => return Err(BatchOutcome::Failed(state_failure(e))),
+                    Err(e) if e.is_retriable() => return Err(BatchOutcome::Failed(SinkError::Transient(e.to_string()))),
                     // Refused for good (an item over 400 KB: copied values that large): the rest
                     // of the fan-out is dead-lettered, never a batch retried forever.
                     Err(e) => {
@@ -106,15 +106,6 @@ pub fn job_for(rule: &CopyRule, change: &CopyChange, out: &FanOut, now_ms: u64) 
         Some(next) => Some(CopyJob::rest(&rule.name, change.clone(), next.clone(), out.found, now_ms)),
         None if rule.to.index.is_some() => Some(CopyJob::follow_up(&rule.name, change.clone(), now_ms)),
         None => None,
-    }
-}
-
-/// A state table failure as a batch's: retried when it is transient.
-fn state_failure(e: crate::state::StateError) -> SinkError {
-    if e.is_retriable() {
-        SinkError::Transient(e.to_string())
-    } else {
-        SinkError::Fatal(e.to_string())
     }
 }
 
