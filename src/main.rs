@@ -682,9 +682,8 @@ fn test_pattern(pattern: &Path, event: &Path, numeric_strings: bool) -> anyhow::
     let compiled = Pattern::parse(&pattern_text, PatternOptions { numeric_strings })
         .map_err(|e| bad(format!("{}: invalid pattern: {e}", pattern.display())))?;
     let event_text = read_input(event)?;
-    let event_value: Value =
-        serde_json::from_str(&event_text).map_err(|e| bad(format!("{}: event is not valid JSON: {e}", event.display())))?;
-    println!("{}", compiled.matches(&event_value));
+    let hit = compiled.matches_json(&event_text).map_err(|e| bad(format!("{}: event is not valid JSON: {e}", event.display())))?;
+    println!("{hit}");
     Ok(())
 }
 

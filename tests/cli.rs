@@ -253,6 +253,15 @@ fn test_pattern_like_the_aws_cli() {
         assert!(out.status.success(), "{}", stderr(&out));
         assert_eq!(stdout(&out), format!("{expected}\n"), "{pattern}");
     }
+    // The event is matched from its text: a key given twice counts once, the last, as in a
+    // parsed event; escapes and dotted keys mean what they do there.
+    let twice =
+        write(dir.path(), "twice.json", r#"{"eventName":"REMOVE","dynamodb.Keys":{"SK":{"S":"ORDER\u00231"}},"eventName":"INSERT"}"#);
+    for (pattern, expected) in [(&no, "false"), (&yes, "true")] {
+        let out = run(&["test-pattern", "--pattern", pattern, "--event", &twice]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert_eq!(stdout(&out), format!("{expected}\n"), "{pattern}");
+    }
     let invalid = write(dir.path(), "invalid.json", r#"{"dynamodb":{"Keys":{"SK":{"S":[{"prefix":["ORDER#"]}]}}}}"#);
     let out = run(&["test-pattern", "--pattern", &invalid, "--event", &record]);
     assert_eq!(out.status.code(), Some(2));

@@ -1,5 +1,6 @@
 //! The AWS-validated event-pattern cases (see tests/data/event-patterns/NOTICE.md).
 //! File name suffix: none = must match, `_NEG` = must not match, `_EXC` = must be rejected.
+//! Each event is matched twice: as a parsed tree and from its JSON text.
 
 use std::path::Path;
 
@@ -34,8 +35,13 @@ fn all_aws_validated_cases() {
             let expected = !stem.ends_with("_NEG");
             match compiled {
                 Err(e) => Err(format!("rejected a valid pattern: {e}")),
-                Ok(p) if p.matches(&case["Event"]) == expected => Ok(()),
-                Ok(_) => Err(format!("expected match = {expected}")),
+                Ok(p) => {
+                    let text = serde_json::to_string(&case["Event"]).unwrap();
+                    match (p.matches(&case["Event"]), p.matches_json(&text)) {
+                        (tree, Ok(raw)) if tree == expected && raw == expected => Ok(()),
+                        (tree, raw) => Err(format!("expected match = {expected}; from the tree {tree}, from the text {raw:?}")),
+                    }
+                }
             }
         };
         if let Err(why) = outcome {
@@ -50,8 +56,9 @@ fn all_aws_validated_cases() {
         PatternOptions::default(),
     )
     .unwrap();
-    if !pattern.matches(&event) {
-        failures.push("complex_multi_key_event: expected a match".into());
+    let event_text = std::fs::read_to_string(data_dir().join("complex_multi_key_event.json")).unwrap();
+    if !pattern.matches(&event) || !pattern.matches_json(&event_text).unwrap() {
+        failures.push("complex_multi_key_event: expected a match (from the tree and from the text)".into());
     }
     checked += 1;
     assert!(failures.is_empty(), "{} of {checked} cases failed:\n{}", failures.len(), failures.join("\n"));

@@ -55,7 +55,10 @@ pub(super) fn compile(pattern: &Value, options: PatternOptions) -> Result<Patter
     let Value::Object(map) = pattern else {
         return Err(PatternError::new("", "a pattern must be a JSON object"));
     };
-    Ok(Pattern { root: compile_object(map, &[], "", options)? })
+    let mut root = compile_object(map, &[], "", options)?;
+    let mut paths = Vec::new();
+    root.number_paths(&mut paths);
+    Ok(Pattern { root, paths: paths.into_boxed_slice() })
 }
 
 fn compile_object(map: &Map<String, Value>, prefix: &[Box<str>], path: &str, options: PatternOptions) -> Result<Node, PatternError> {
@@ -110,7 +113,7 @@ fn compile_leaf(items: &[Value], path: Vec<Box<str>>, here: &str, options: Patte
         }
     }
     let numeric_strings = options.numeric_strings && matches!(path.last().map(|s| &**s), Some("N") | Some("NS"));
-    Ok(Leaf { path: path.into_boxed_slice(), matchers: matchers.into_boxed_slice(), exists_true, exists_false, numeric_strings })
+    Ok(Leaf { path: path.into_boxed_slice(), id: 0, matchers: matchers.into_boxed_slice(), exists_true, exists_false, numeric_strings })
 }
 
 enum Compiled {

@@ -63,7 +63,7 @@ pub(super) struct Wildcard {
 }
 
 /// A scalar from the event, with numbers decoded once.
-enum Scalar<'a> {
+pub(super) enum Scalar<'a> {
     Str(&'a str),
     Num(Option<Decimal>),
     Bool(bool),
@@ -82,15 +82,19 @@ fn scalar(v: &Value) -> Scalar<'_> {
 impl Matcher {
     /// `numeric_strings`: string values at this leaf are DynamoDB numbers.
     pub(super) fn matches(&self, value: &Value, numeric_strings: bool) -> bool {
-        let v = scalar(value);
+        self.matches_scalar(&scalar(value), numeric_strings)
+    }
+
+    /// [`Self::matches`] on a scalar already taken from the event.
+    pub(super) fn matches_scalar(&self, v: &Scalar<'_>, numeric_strings: bool) -> bool {
         // The value as a number, for numeric comparisons.
-        let as_number = || match &v {
+        let as_number = || match v {
             Scalar::Num(n) => *n,
             Scalar::Str(s) if numeric_strings => Decimal::parse(s).ok(),
             _ => None,
         };
         match self {
-            Matcher::Exact(lit) => literal_eq(lit, &v, numeric_strings),
+            Matcher::Exact(lit) => literal_eq(lit, v, numeric_strings),
             Matcher::Prefix(p) => matches!(v, Scalar::Str(s) if s.starts_with(&**p)),
             Matcher::Suffix(p) => matches!(v, Scalar::Str(s) if s.ends_with(&**p)),
             Matcher::PrefixIgnoreCase(p) => matches!(v, Scalar::Str(s) if prefix_ignore_case(s, p)),
@@ -102,7 +106,7 @@ impl Matcher {
             // anything-but needs a value to be present (missing fields never match), but null,
             // booleans and values of another type are "anything but" the listed ones.
             Matcher::AnythingBut(ab) => match ab {
-                AnythingBut::Values(list) => !list.iter().any(|lit| literal_eq(lit, &v, numeric_strings)),
+                AnythingBut::Values(list) => !list.iter().any(|lit| literal_eq(lit, v, numeric_strings)),
                 AnythingBut::Prefixes(list) => !matches!(v, Scalar::Str(s) if list.iter().any(|p| s.starts_with(&**p))),
                 AnythingBut::Suffixes(list) => !matches!(v, Scalar::Str(s) if list.iter().any(|p| s.ends_with(&**p))),
                 AnythingBut::IgnoreCase(list) => !matches!(v, Scalar::Str(s) if list.iter().any(|p| equals_ignore_case(s, p))),

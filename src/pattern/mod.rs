@@ -6,14 +6,20 @@
 //! key is the same as nesting `a` then `b` (EventBridge's flattening), and a leaf's values are
 //! only the scalars found at the exact path (objects are not values, so `exists` works on
 //! leaves only).
+//!
+//! [`RawMatcher`] matches from a record's JSON text instead, reading only the fields that
+//! patterns name (`test-pattern`, the pipeline bench, the conformance suite); its answer is
+//! the tree walk's on the parsed text.
 
 mod compile;
 mod matcher;
+mod raw;
 
 use serde_json::Value;
 
 pub use compile::PatternError;
 use matcher::Matcher;
+pub use raw::{Matched, RawMatcher};
 
 /// Options that change how values compare.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -27,6 +33,8 @@ pub struct PatternOptions {
 #[derive(Debug, Clone)]
 pub struct Pattern {
     root: Node,
+    /// The distinct leaf paths, indexed by [`Leaf::id`].
+    paths: Box<[Box<[Box<str>]>]>,
 }
 
 /// Several patterns: an event passes if any matches (Lambda's list of filters).
@@ -45,6 +53,8 @@ struct Node {
 #[derive(Debug, Clone)]
 struct Leaf {
     path: Box<[Box<str>]>,
+    /// The index of `path` in its pattern's [`Pattern::paths`].
+    id: u32,
     /// Value matchers (everything but `exists`).
     matchers: Box<[Matcher]>,
     exists_true: bool,
@@ -66,7 +76,11 @@ impl Pattern {
     }
 
     pub fn matches(&self, event: &Value) -> bool {
-        self.root.matches(event)
+        let hit = self.root.matches(event);
+        // Every unit test that matches a tree also checks the matcher over text against it.
+        #[cfg(test)]
+        tests::same_from_text(self, event, hit);
+        hit
     }
 }
 
@@ -108,6 +122,27 @@ impl Node {
     fn matches(&self, event: &Value) -> bool {
         self.leaves.iter().all(|leaf| leaf.matches(event)) && self.ors.iter().all(|group| group.iter().any(|alt| alt.matches(event)))
     }
+
+    /// [`Self::matches`] over what a [`raw`] scan kept; `ids` maps the pattern's path ids to
+    /// the scan's.
+    fn matches_scanned(&self, scanned: &raw::Scanned<'_>, ids: &[u32]) -> bool {
+        self.leaves.iter().all(|leaf| leaf.matches_scanned(scanned, ids))
+            && self.ors.iter().all(|group| group.iter().any(|alt| alt.matches_scanned(scanned, ids)))
+    }
+
+    /// Gives each leaf the id of its path in `paths`, adding paths not seen yet.
+    fn number_paths(&mut self, paths: &mut Vec<Box<[Box<str>]>>) {
+        for leaf in &mut self.leaves {
+            let at = paths.iter().position(|p| *p == leaf.path).unwrap_or_else(|| {
+                paths.push(leaf.path.clone());
+                paths.len() - 1
+            });
+            leaf.id = u32::try_from(at).unwrap_or(u32::MAX);
+        }
+        for alt in self.ors.iter_mut().flatten() {
+            alt.number_paths(paths);
+        }
+    }
 }
 
 impl Leaf {
@@ -118,6 +153,18 @@ impl Leaf {
             self.exists_true || self.matchers.iter().any(|m| m.matches(v, self.numeric_strings))
         });
         hit || (self.exists_false && !found)
+    }
+
+    fn matches_scanned(&self, scanned: &raw::Scanned<'_>, ids: &[u32]) -> bool {
+        let Some(&id) = ids.get(self.id as usize) else { return false };
+        let mut found = false;
+        for v in scanned.at(id) {
+            found = true;
+            if self.exists_true || self.matchers.iter().any(|m| m.matches_scalar(&v, self.numeric_strings)) {
+                return true;
+            }
+        }
+        self.exists_false && !found
     }
 }
 

@@ -188,3 +188,111 @@ fn compile_and_match_never_panic_on_odd_input() {
     }
     assert!(p(json!({"a": ["x"]})).matches(&json!({"a": [[["x"]]]})), "nested arrays flatten");
 }
+
+/// Called by every [`Pattern::matches`] in unit tests: the matcher over JSON text agrees with
+/// the tree walk on the same event.
+pub(super) fn same_from_text(pattern: &Pattern, event: &Value, hit: bool) {
+    let text = serde_json::to_string(event).unwrap();
+    assert_eq!(pattern.matches_json(&text).unwrap(), hit, "text and tree disagree on {text}");
+}
+
+#[test]
+fn text_matching_handles_escapes_dotted_keys_and_numbers() {
+    let m = |pat: Value, text: &str| {
+        let pat = p(pat);
+        let raw = pat.matches_json(text).unwrap();
+        assert_eq!(raw, pat.matches(&serde_json::from_str(text).unwrap()), "{text}");
+        raw
+    };
+    // Escaped keys and values are decoded before they compare.
+    assert!(m(json!({"a": {"b": ["x\"y"]}}), r#"{"\u0061": {"b": "x\"y"}}"#));
+    assert!(m(json!({"a": [{"prefix": "é"}]}), r#"{"a": "\u00e9t\u00e9"}"#));
+    // A key with dots is its segments, at any level.
+    assert!(m(json!({"a": {"b": {"c": ["x"]}}}), r#"{"a.b": {"c": "x"}}"#));
+    assert!(m(json!({"a": {"b": {"c": ["x"]}}}), r#"{"a": {"b.c": "x"}}"#));
+    assert!(!m(json!({"a": {"b": ["x"]}}), r#"{"a.": {"b": "x"}}"#));
+    // Numbers keep their text: exact decimals, and large ones.
+    assert!(m(json!({"n": [{"numeric": [">", 150]}]}), r#"{"n": 150.0000000000000000001}"#));
+    assert!(!m(json!({"n": [{"numeric": [">", 150]}]}), r#"{"n": 150.0000000000000000000}"#));
+    assert!(m(json!({"n": [150.5]}), r#"{"n": 1.505e2}"#));
+    assert!(!m(json!({"n": [{"numeric": [">", 0]}]}), r#"{"n": 1e400}"#));
+    // Arrays fan out at any depth; objects are not values.
+    assert!(m(json!({"a": {"b": ["x"]}}), r#"{"a": [{"b": "y"}, [{"b": ["x"]}]]}"#));
+    assert!(!m(json!({"a": [{"exists": true}]}), r#"{"a": {"b": 1}}"#));
+    assert!(m(json!({"a": [{"exists": false}]}), r#"{"a": {"b": 1}}"#));
+    // A path that is a leaf for one pattern and passes through for another.
+    let set = PatternSet::compile(&json!([{"a": ["x"]}, {"a": {"b": [1]}}]), PatternOptions::default()).unwrap();
+    let raw = RawMatcher::new([&set, &PatternSet::compile(&json!({"a": {"c": [null]}}), PatternOptions::default()).unwrap()]);
+    let hits = raw.matching(r#"{"a": [{"b": 1}, "y", {"c": null}]}"#).unwrap();
+    assert!(hits.get(0) && hits.get(1) && hits.count() == 2);
+    assert_eq!(raw.matching(r#"{"a": "y"}"#).unwrap().count(), 0);
+}
+
+#[test]
+fn text_matching_gives_serde_json_errors_and_defers_on_repeated_keys() {
+    let pat = p(json!({"a": ["x"]}));
+    for bad in [r#"{"a": "x""#, r#"{"a": "x"} 1"#, r#"{"b": tru, "a": "x"}"#, r#"{"b": "\q", "a": "x"}"#, "", "[1,]"] {
+        let want = serde_json::from_str::<Value>(bad).unwrap_err().to_string();
+        assert_eq!(pat.matches_json(bad).unwrap_err().to_string(), want, "{bad}");
+    }
+    // A named key given twice: a parsed tree keeps the last, and so does the answer.
+    assert!(!pat.matches_json(r#"{"a": "x", "a": "y"}"#).unwrap());
+    assert!(pat.matches_json(r#"{"a": "y", "a": "x"}"#).unwrap());
+    // Unnamed keys given twice change nothing.
+    assert!(pat.matches_json(r#"{"b": 1, "b": 2, "a": "x"}"#).unwrap());
+}
+
+mod text_properties {
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    use super::super::{Pattern, PatternOptions};
+
+    /// JSON texts over a few field names (dotted ones and repeats included), as text so that
+    /// repeated keys survive.
+    fn text() -> impl Strategy<Value = String> {
+        let key = prop_oneof![Just("a"), Just("b"), Just("a.b"), Just("b.a"), Just("\\u0061")];
+        let leaf = prop_oneof![
+            Just("\"x\"".to_string()),
+            Just("\"y\"".to_string()),
+            Just("1".to_string()),
+            Just("1.50".to_string()),
+            Just("null".to_string()),
+            Just("true".to_string()),
+        ];
+        leaf.prop_recursive(4, 24, 4, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..3).prop_map(|v| format!("[{}]", v.join(","))),
+                prop::collection::vec((key.clone(), inner), 0..4)
+                    .prop_map(|kv| format!("{{{}}}", kv.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect::<Vec<_>>().join(","))),
+            ]
+        })
+    }
+
+    fn pattern() -> impl Strategy<Value = Pattern> {
+        let path = prop_oneof![Just("a"), Just("b"), Just("a.b"), Just("b.a.b"), Just("a.a")];
+        let test = prop_oneof![
+            Just(r#"["x"]"#),
+            Just(r#"[1.5]"#),
+            Just(r#"[null, true]"#),
+            Just(r#"[{"exists": true}]"#),
+            Just(r#"[{"exists": false}]"#),
+            Just(r#"[{"anything-but": "x"}]"#),
+            Just(r#"[{"numeric": [">", 1]}]"#),
+        ];
+        prop::collection::vec((path, test), 1..3).prop_map(|leaves| {
+            let body: Vec<String> = leaves.iter().map(|(p, t)| format!("\"{p}\": {t}")).collect();
+            Pattern::parse(&format!("{{{}}}", body.join(",")), PatternOptions::default()).unwrap()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+        /// From text or from the parsed tree, the answer is the same.
+        #[test]
+        fn text_and_tree_agree(text in text(), pattern in pattern()) {
+            let tree: Value = serde_json::from_str(&text).unwrap();
+            prop_assert_eq!(pattern.matches_json(&text).unwrap(), pattern.root.matches(&tree), "{}", text);
+        }
+    }
+}

@@ -1,0 +1,401 @@
+//! Matching straight from a record's JSON text, without building a tree per record.
+//!
+//! The fields that patterns name form a tree of field names ([`Trie`]). One pass of
+//! serde_json's parser over the text descends into named fields only: every other value is
+//! skipped unbuilt (`IgnoredAny`), and the scalars found at named paths are kept, strings
+//! borrowed from the text where they hold no escape. The patterns are then evaluated over what
+//! was kept. Acceptance is serde_json's, so a text is valid here exactly when
+//! `serde_json::from_str::<Value>` accepts it, and the result equals [`super::Pattern::matches`]
+//! on the parsed tree:
+//! - arrays fan out and objects are not values, as in the tree walk;
+//! - an event key with dots stands for its segments (`"a.b"` is `a` then `b`);
+//! - a named field given twice in one object (JSON allows it; a parsed tree keeps the last)
+//!   makes the scan give up, and the record is parsed and matched as a tree instead.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::Value;
+use smallvec::SmallVec;
+
+use super::matcher::Scalar;
+use super::{Pattern, PatternSet};
+use crate::decimal::Decimal;
+
+/// The key serde_json (with `arbitrary_precision`) gives a number's text under.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
+/// Named paths as a tree of field names; node 0 is the root.
+#[derive(Debug, Clone)]
+struct Trie {
+    nodes: Vec<TrieNode>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct TrieNode {
+    children: Vec<(Box<str>, u32)>,
+    /// The id of the path that ends here, if any.
+    path: Option<u32>,
+}
+
+impl Trie {
+    fn new() -> Trie {
+        Trie { nodes: vec![TrieNode::default()] }
+    }
+
+    /// The id of `path` (ids count up from 0 in the order paths are first added).
+    fn insert(&mut self, path: &[Box<str>], next_id: &mut u32) -> u32 {
+        let mut node = 0;
+        for seg in path {
+            node = match self.child(node, seg) {
+                Some(c) => c,
+                None => {
+                    let c = self.node_count();
+                    self.nodes.push(TrieNode::default());
+                    self.nodes[node as usize].children.push((seg.clone(), c));
+                    c
+                }
+            };
+        }
+        *self.nodes[node as usize].path.get_or_insert_with(|| {
+            let id = *next_id;
+            *next_id += 1;
+            id
+        })
+    }
+
+    fn node_count(&self) -> u32 {
+        u32::try_from(self.nodes.len()).unwrap_or(u32::MAX)
+    }
+
+    fn child(&self, node: u32, name: &str) -> Option<u32> {
+        self.nodes[node as usize].children.iter().find(|(n, _)| &**n == name).map(|&(_, c)| c)
+    }
+
+    /// The node an event key leads to from `node`: a key with dots walks one segment per part
+    /// (names never hold a dot, so at most one child can begin a dotted key).
+    fn key(&self, node: u32, key: &str) -> Option<u32> {
+        let k = key.as_bytes();
+        for (name, c) in &self.nodes[node as usize].children {
+            let n = name.as_bytes();
+            if k.len() == n.len() {
+                if k == n {
+                    return Some(*c);
+                }
+            } else if k.len() > n.len() && k[n.len()] == b'.' && k.starts_with(n) {
+                return self.key(*c, &key[n.len() + 1..]);
+            }
+        }
+        None
+    }
+}
+
+/// A scalar found at a named path.
+#[derive(Debug)]
+enum Found<'de> {
+    Str(Cow<'de, str>),
+    Num(Option<Decimal>),
+    Bool(bool),
+    Null,
+}
+
+impl Found<'_> {
+    fn scalar(&self) -> Scalar<'_> {
+        match self {
+            Found::Str(s) => Scalar::Str(s),
+            Found::Num(n) => Scalar::Num(*n),
+            Found::Bool(b) => Scalar::Bool(*b),
+            Found::Null => Scalar::Null,
+        }
+    }
+}
+
+/// What one pass over a record kept: (path id, scalar) in the order met.
+pub(super) struct Scanned<'de> {
+    found: Kept<'de>,
+}
+
+/// Scalars kept by a scan: a stream record's patterns name a handful.
+type Kept<'de> = SmallVec<[(u32, Found<'de>); 8]>;
+
+impl Scanned<'_> {
+    /// The values found at path `id`.
+    pub(super) fn at(&self, id: u32) -> impl Iterator<Item = Scalar<'_>> {
+        self.found.iter().filter(move |(i, _)| *i == id).map(|(_, v)| v.scalar())
+    }
+}
+
+/// The scan could not decide from the text alone (a named field given twice in one object).
+struct Ambiguous;
+
+struct Scan<'t, 'de> {
+    trie: &'t Trie,
+    found: Kept<'de>,
+    ambiguous: bool,
+}
+
+impl<'de> Scan<'_, 'de> {
+    fn keep(&mut self, node: u32, value: Found<'de>) {
+        if let Some(id) = self.trie.nodes[node as usize].path {
+            self.found.push((id, value));
+        }
+    }
+}
+
+fn scan<'de>(trie: &Trie, text: &'de str) -> Result<Result<Scanned<'de>, Ambiguous>, serde_json::Error> {
+    let mut scan = Scan { trie, found: SmallVec::new(), ambiguous: false };
+    let mut de = serde_json::Deserializer::from_str(text);
+    NodeSeed { scan: &mut scan, node: 0 }.deserialize(&mut de)?;
+    de.end()?;
+    if scan.ambiguous {
+        return Ok(Err(Ambiguous));
+    }
+    Ok(Ok(Scanned { found: scan.found }))
+}
+
+/// A value at trie node `node`.
+struct NodeSeed<'s, 't, 'de> {
+    scan: &'s mut Scan<'t, 'de>,
+    node: u32,
+}
+
+impl<'de> DeserializeSeed<'de> for NodeSeed<'_, '_, 'de> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for NodeSeed<'_, '_, 'de> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<(), E> {
+        self.scan.keep(self.node, Found::Bool(v));
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
+        self.scan.keep(self.node, Found::Num(Decimal::parse(&v.to_string()).ok()));
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
+        self.scan.keep(self.node, Found::Num(Decimal::parse(&v.to_string()).ok()));
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
+        self.scan.keep(self.node, Found::Num(Decimal::parse(&v.to_string()).ok()));
+        Ok(())
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
+        self.scan.keep(self.node, Found::Str(Cow::Borrowed(v)));
+        Ok(())
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<(), E> {
+        self.scan.keep(self.node, Found::Str(Cow::Owned(v.to_owned())));
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        self.scan.keep(self.node, Found::Null);
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        // Arrays fan out: each element stands where the array does.
+        while seq.next_element_seed(NodeSeed { scan: &mut *self.scan, node: self.node })?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let trie = self.scan.trie;
+        // Named keys met in this object, to tell a key given twice.
+        let mut seen: SmallVec<[u32; 8]> = SmallVec::new();
+        while let Some(key) = map.next_key_seed(KeySeed { trie, node: self.node })? {
+            match key {
+                Key::Number => {
+                    let n = map.next_value_seed(NumberSeed)?;
+                    self.scan.keep(self.node, Found::Num(n));
+                }
+                Key::Named(child) => {
+                    if seen.contains(&child) {
+                        self.scan.ambiguous = true;
+                    }
+                    seen.push(child);
+                    map.next_value_seed(NodeSeed { scan: &mut *self.scan, node: child })?;
+                }
+                Key::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An object key, looked up as it is read (never kept).
+enum Key {
+    /// serde_json's number in disguise: the value is the number's text.
+    Number,
+    /// A named field: its trie node.
+    Named(u32),
+    Other,
+}
+
+struct KeySeed<'t> {
+    trie: &'t Trie,
+    node: u32,
+}
+
+impl<'de> DeserializeSeed<'de> for KeySeed<'_> {
+    type Value = Key;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Key, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed<'_> {
+    type Value = Key;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_str<E>(self, key: &str) -> Result<Key, E> {
+        Ok(match self.trie.key(self.node, key) {
+            Some(child) => Key::Named(child),
+            None if key == NUMBER_TOKEN => Key::Number,
+            None => Key::Other,
+        })
+    }
+}
+
+/// A number's text, as a decimal (None: not exactly representable, as in the tree walk).
+struct NumberSeed;
+
+impl<'de> DeserializeSeed<'de> for NumberSeed {
+    type Value = Option<Decimal>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Option<Decimal>, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for NumberSeed {
+    type Value = Option<Decimal>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a number's text")
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Option<Decimal>, E> {
+        Ok(Decimal::parse(v).ok())
+    }
+}
+
+/// One pattern within a [`RawMatcher`]: which set it belongs to, and its path ids in the
+/// matcher's trie (indexed by the pattern's own path ids).
+#[derive(Debug, Clone)]
+struct Entry {
+    set: usize,
+    pattern: Pattern,
+    ids: Box<[u32]>,
+}
+
+/// Several pattern sets (one per rule, say) matched together from raw JSON: one pass over
+/// the text serves them all.
+#[derive(Debug, Clone)]
+pub struct RawMatcher {
+    trie: Trie,
+    entries: Vec<Entry>,
+    sets: usize,
+}
+
+impl RawMatcher {
+    /// A matcher for `sets`; [`Self::matching`] answers in the same order.
+    pub fn new<'a>(sets: impl IntoIterator<Item = &'a PatternSet>) -> RawMatcher {
+        let mut trie = Trie::new();
+        let mut next_id = 0;
+        let mut entries = Vec::new();
+        let mut count = 0;
+        for (set, patterns) in sets.into_iter().enumerate() {
+            count = set + 1;
+            for pattern in patterns.patterns() {
+                let ids = pattern.paths.iter().map(|p| trie.insert(p, &mut next_id)).collect();
+                entries.push(Entry { set, pattern: pattern.clone(), ids });
+            }
+        }
+        RawMatcher { trie, entries, sets: count }
+    }
+
+    /// Which sets match the record `text`. Err: `text` is not JSON (serde_json's own error,
+    /// as `serde_json::from_str` gives it).
+    pub fn matching(&self, text: &str) -> Result<Matched, serde_json::Error> {
+        let mut out = Matched::new(self.sets);
+        match scan(&self.trie, text)? {
+            Ok(scanned) => {
+                for e in &self.entries {
+                    if !out.get(e.set) && e.pattern.root.matches_scanned(&scanned, &e.ids) {
+                        out.set(e.set);
+                    }
+                }
+            }
+            Err(Ambiguous) => {
+                let tree: Value = serde_json::from_str(text)?;
+                for e in &self.entries {
+                    if !out.get(e.set) && e.pattern.matches(&tree) {
+                        out.set(e.set);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The sets a record matched, by their index in [`RawMatcher::new`]'s list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matched {
+    words: SmallVec<[u64; 1]>,
+}
+
+impl Matched {
+    fn new(sets: usize) -> Matched {
+        Matched { words: SmallVec::from_elem(0, sets.div_ceil(64).max(1)) }
+    }
+
+    fn set(&mut self, i: usize) {
+        if let Some(w) = self.words.get_mut(i / 64) {
+            *w |= 1 << (i % 64);
+        }
+    }
+
+    /// Whether set `i` matched.
+    pub fn get(&self, i: usize) -> bool {
+        self.words.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    /// How many sets matched.
+    pub fn count(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+}
+
+impl Pattern {
+    /// [`Pattern::matches`] from the record's JSON text, without parsing it into a tree. Err:
+    /// `text` is not JSON. For many records, build a [`RawMatcher`] once instead.
+    pub fn matches_json(&self, text: &str) -> Result<bool, serde_json::Error> {
+        let set = PatternSet::new(vec![self.clone()]);
+        Ok(RawMatcher::new([&set]).matching(text)?.get(0))
+    }
+}
