@@ -320,11 +320,10 @@ def why_missed(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> l
     mr = match_ratio(results.get("micro"))
     if mr is not None and mr < MATCH_RATIO_TARGET:
         out.append(
-            f"Matching: {mr:.2f}x quamina from raw JSON. Ours (`RawMatcher`) makes one pass of serde_json's parser over "
-            "the text, skipping every value no pattern names unbuilt, as quamina's flattener does; most of its time is "
-            "serde_json's validation of the strings it skips (a text is accepted exactly when serde_json accepts it). "
-            "What would close the rest: a scanner of our own that skips strings without validating them, falling back to "
-            "serde_json for the error; not done."
+            f"Matching: {mr:.2f}x quamina from raw JSON. Ours (`RawMatcher`) scans the text once with a strict reader "
+            "of its own, keeping the scalars at named paths and skipping the rest undecoded, as quamina's flattener does "
+            "(serde_json makes the pass where the reader declines: escapes in named fields, texts that are not JSON). "
+            "What would close the rest: a profile of the scanner on the machine that missed; not done."
         )
     return out
 

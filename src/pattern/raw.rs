@@ -1,12 +1,14 @@
 //! Matching straight from a record's JSON text, without building a tree per record.
 //!
-//! The fields that patterns name form a tree of field names ([`Trie`]). One pass of
-//! serde_json's parser over the text descends into named fields only: every other value is
-//! skipped unbuilt (`IgnoredAny`), and the scalars found at named paths are kept, strings
-//! borrowed from the text where they hold no escape. The patterns are then evaluated over what
-//! was kept. Acceptance is serde_json's, so a text is valid here exactly when
-//! `serde_json::from_str::<Value>` accepts it, and the result equals [`super::Pattern::matches`]
-//! on the parsed tree:
+//! The fields that patterns name form a tree of field names ([`Trie`]). One pass over the text
+//! descends into named fields only: every other value is skipped unbuilt, and the scalars found
+//! at named paths are kept, strings borrowed from the text where they hold no escape. The
+//! patterns are then evaluated over what was kept. The pass is a strict scanner of our own
+//! ([`fast`]); wherever it declines (the text is not JSON, or holds something it leaves to
+//! serde_json), serde_json's parser makes the pass instead (`IgnoredAny` for what is skipped).
+//! So a text is valid here exactly when `serde_json::from_str::<Value>` accepts it, with
+//! serde_json's own error when not, and the result equals [`super::Pattern::matches`] on the
+//! parsed tree:
 //! - arrays fan out and objects are not values, as in the tree walk;
 //! - an event key with dots stands for its segments (`"a.b"` is `a` then `b`);
 //! - a named field given twice in one object (JSON allows it; a parsed tree keeps the last)
@@ -91,6 +93,8 @@ impl Trie {
     }
 }
 
+mod fast;
+
 /// A scalar found at a named path.
 #[derive(Debug)]
 enum Found<'de> {
@@ -114,6 +118,12 @@ impl Found<'_> {
 /// What one pass over a record kept: (path id, scalar) in the order met.
 pub(super) struct Scanned<'de> {
     found: Kept<'de>,
+}
+
+impl<'de> Scanned<'de> {
+    fn new(found: Kept<'de>) -> Scanned<'de> {
+        Scanned { found }
+    }
 }
 
 /// Scalars kept by a scan: a stream record's patterns name a handful.
@@ -143,7 +153,16 @@ impl<'de> Scan<'_, 'de> {
     }
 }
 
+/// One pass over `text`: the fast scanner, or where it declines (text that is not JSON, or
+/// that it leaves to serde_json: an escaped key, a number's disguise), serde_json's parser.
 fn scan<'de>(trie: &Trie, text: &'de str) -> Result<Result<Scanned<'de>, Ambiguous>, serde_json::Error> {
+    match fast::scan(trie, text) {
+        Ok(scanned) => Ok(scanned),
+        Err(fast::Declined) => scan_with_serde(trie, text),
+    }
+}
+
+fn scan_with_serde<'de>(trie: &Trie, text: &'de str) -> Result<Result<Scanned<'de>, Ambiguous>, serde_json::Error> {
     let mut scan = Scan { trie, found: SmallVec::new(), ambiguous: false };
     let mut de = serde_json::Deserializer::from_str(text);
     NodeSeed { scan: &mut scan, node: 0 }.deserialize(&mut de)?;
@@ -342,15 +361,17 @@ impl RawMatcher {
     /// as `serde_json::from_str` gives it).
     pub fn matching(&self, text: &str) -> Result<Matched, serde_json::Error> {
         let mut out = Matched::new(self.sets);
-        match scan(&self.trie, text)? {
-            Ok(scanned) => {
+        match scan(&self.trie, text) {
+            Ok(Ok(scanned)) => {
                 for e in &self.entries {
                     if !out.get(e.set) && e.pattern.root.matches_scanned(&scanned, &e.ids) {
                         out.set(e.set);
                     }
                 }
             }
-            Err(Ambiguous) => {
+            // Parsed as a tree for the answer, or for the error as `from_str` words it (its
+            // skipping reader places some errors elsewhere).
+            Ok(Err(Ambiguous)) | Err(_) => {
                 let tree: Value = serde_json::from_str(text)?;
                 for e in &self.entries {
                     if !out.get(e.set) && e.pattern.matches(&tree) {

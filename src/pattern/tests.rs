@@ -251,7 +251,7 @@ mod text_properties {
     /// JSON texts over a few field names (dotted ones and repeats included), as text so that
     /// repeated keys survive.
     fn text() -> impl Strategy<Value = String> {
-        let key = prop_oneof![Just("a"), Just("b"), Just("a.b"), Just("b.a"), Just("\\u0061")];
+        let key = prop_oneof![Just("a"), Just("b"), Just("a.b"), Just("b.a"), Just("\\u0061"), Just("a\\n")];
         let leaf = prop_oneof![
             Just("\"x\"".to_string()),
             Just("\"y\"".to_string()),
@@ -259,6 +259,8 @@ mod text_properties {
             Just("1.50".to_string()),
             Just("null".to_string()),
             Just("true".to_string()),
+            Just("\"x\\\"\"".to_string()),
+            Just("-0.5e+2".to_string()),
         ];
         leaf.prop_recursive(4, 24, 4, move |inner| {
             prop_oneof![
@@ -286,6 +288,11 @@ mod text_properties {
         })
     }
 
+    /// A byte of JSON's syntax, or a near miss.
+    fn edit_byte() -> impl Strategy<Value = u8> {
+        prop::sample::select(b"{}[],:\"\\ 0-.eEtx\n\t".to_vec())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
         /// From text or from the parsed tree, the answer is the same.
@@ -293,6 +300,26 @@ mod text_properties {
         fn text_and_tree_agree(text in text(), pattern in pattern()) {
             let tree: Value = serde_json::from_str(&text).unwrap();
             prop_assert_eq!(pattern.matches_json(&text).unwrap(), pattern.root.matches(&tree), "{}", text);
+        }
+
+        /// A text with one byte changed, removed or added: rejected exactly when serde_json
+        /// rejects it (with its error), and otherwise the parsed tree's answer.
+        #[test]
+        fn broken_texts_are_judged_as_serde_json_judges_them(
+            text in text(), pattern in pattern(), at in any::<prop::sample::Index>(), byte in edit_byte(), how in 0..3u8,
+        ) {
+            let mut bytes = text.into_bytes();
+            let i = at.index(bytes.len() + 1);
+            match how {
+                0 if i < bytes.len() => bytes[i] = byte,
+                1 if i < bytes.len() => { bytes.remove(i); }
+                _ => bytes.insert(i, byte),
+            }
+            let text = String::from_utf8(bytes).unwrap();
+            match serde_json::from_str::<Value>(&text) {
+                Ok(tree) => prop_assert_eq!(pattern.matches_json(&text).unwrap(), pattern.root.matches(&tree), "{}", text),
+                Err(e) => prop_assert_eq!(pattern.matches_json(&text).unwrap_err().to_string(), e.to_string(), "{}", text),
+            }
         }
     }
 }
