@@ -108,40 +108,34 @@ pub async fn sdk_config(settings: &crate::config::AwsSettings) -> aws_config::Sd
 }
 
 /// Typed DynamoDB JSON (`{"S": "x"}`, `{"N": "1"}`, ...) from an SDK attribute value. Total:
-/// a variant the SDK adds later is an error, never a panic. One body for both SDKs' types.
-macro_rules! attribute_json {
-    ($name:ident, $m:ident) => {
-        pub fn $name(v: &$m::types::AttributeValue) -> Result<serde_json::Value, String> {
-            use base64::Engine as _;
-            use serde_json::json;
-            use $m::types::AttributeValue as A;
-            let b64 = |b: &$m::primitives::Blob| base64::engine::general_purpose::STANDARD.encode(b.as_ref());
-            let map = |m: &std::collections::HashMap<String, A>| -> Result<serde_json::Value, String> {
-                let mut out = serde_json::Map::new();
-                for (k, v) in m {
-                    out.insert(k.clone(), $name(v).map_err(|e| format!("{k}: {e}"))?);
-                }
-                Ok(serde_json::Value::Object(out))
-            };
-            Ok(match v {
-                A::S(s) => json!({ "S": s }),
-                A::N(n) => json!({ "N": n }),
-                A::B(b) => json!({ "B": b64(b) }),
-                A::Bool(b) => json!({ "BOOL": b }),
-                A::Null(b) => json!({ "NULL": b }),
-                A::Ss(v) => json!({ "SS": v }),
-                A::Ns(v) => json!({ "NS": v }),
-                A::Bs(v) => json!({ "BS": v.iter().map(b64).collect::<Vec<_>>() }),
-                A::L(items) => json!({ "L": items.iter().map($name).collect::<Result<Vec<_>, _>>()? }),
-                A::M(m) => json!({ "M": map(m)? }),
-                _ => return Err("an attribute type this version does not know".to_string()),
-            })
+/// a variant the SDK adds later is an error, never a panic. (Stream records have their own,
+/// taking the value: [`crate::stream::dynamodb::attribute_to_json`].)
+pub fn attribute_to_json(v: &aws_sdk_dynamodb::types::AttributeValue) -> Result<serde_json::Value, String> {
+    use aws_sdk_dynamodb::types::AttributeValue as A;
+    use base64::Engine as _;
+    use serde_json::json;
+    let b64 = |b: &aws_sdk_dynamodb::primitives::Blob| base64::engine::general_purpose::STANDARD.encode(b.as_ref());
+    let map = |m: &std::collections::HashMap<String, A>| -> Result<serde_json::Value, String> {
+        let mut out = serde_json::Map::new();
+        for (k, v) in m {
+            out.insert(k.clone(), attribute_to_json(v).map_err(|e| format!("{k}: {e}"))?);
         }
+        Ok(serde_json::Value::Object(out))
     };
+    Ok(match v {
+        A::S(s) => json!({ "S": s }),
+        A::N(n) => json!({ "N": n }),
+        A::B(b) => json!({ "B": b64(b) }),
+        A::Bool(b) => json!({ "BOOL": b }),
+        A::Null(b) => json!({ "NULL": b }),
+        A::Ss(v) => json!({ "SS": v }),
+        A::Ns(v) => json!({ "NS": v }),
+        A::Bs(v) => json!({ "BS": v.iter().map(b64).collect::<Vec<_>>() }),
+        A::L(items) => json!({ "L": items.iter().map(attribute_to_json).collect::<Result<Vec<_>, _>>()? }),
+        A::M(m) => json!({ "M": map(m)? }),
+        _ => return Err("an attribute type this version does not know".to_string()),
+    })
 }
-
-attribute_json!(attribute_to_json, aws_sdk_dynamodb);
-attribute_json!(stream_attribute_to_json, aws_sdk_dynamodbstreams);
 
 /// An SDK attribute value from typed DynamoDB JSON (`{"S": "x"}`, `{"M": {...}}`, binary as
 /// base64), the inverse of [`attribute_to_json`]. Anything else is an error naming what is

@@ -5,13 +5,15 @@
 use std::collections::HashMap;
 
 use aws_sdk_dynamodbstreams::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodbstreams::primitives::Blob;
 use aws_sdk_dynamodbstreams::types::{AttributeValue, Record, ShardIteratorType};
 use aws_sdk_dynamodbstreams::Client;
 use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
-use serde_json::{json, Map, Value};
+use base64::Engine as _;
+use serde_json::{Map, Value};
 
 use super::{Page, Position, ShardInfo, StreamError, StreamSource};
-use crate::aws::{classify, stream_attribute_to_json as attribute_to_json, FailureKind};
+use crate::aws::{classify, FailureKind};
 
 #[derive(Clone)]
 pub struct DynamoDbStream {
@@ -91,33 +93,29 @@ impl StreamSource for DynamoDbStream {
         let mut records = Vec::with_capacity(sdk.len());
         // Each SDK record is freed once converted: the page is not held in both forms at once.
         for r in sdk {
-            records.push(record_to_json(&r).map_err(StreamError::Fatal)?);
+            records.push(record_to_json(r).map_err(StreamError::Fatal)?);
         }
         Ok(Page { records, next_iterator: resp.next_shard_iterator })
     }
 }
 
-/// An SDK record in the JSON shape of GetRecords and Lambda events.
-pub fn record_to_json(r: &Record) -> Result<Value, String> {
+/// An SDK record in the JSON shape of GetRecords and Lambda events. Takes the record: its
+/// strings move into the JSON tree, none is copied.
+pub fn record_to_json(r: Record) -> Result<Value, String> {
     let mut obj = Map::new();
-    if let Some(v) = r.event_id() {
-        obj.insert("eventID".into(), json!(v));
-    }
-    if let Some(v) = r.event_name() {
-        obj.insert("eventName".into(), json!(v.as_str()));
-    }
-    if let Some(v) = r.event_version() {
-        obj.insert("eventVersion".into(), json!(v));
-    }
-    if let Some(v) = r.event_source() {
-        obj.insert("eventSource".into(), json!(v));
-    }
-    if let Some(v) = r.aws_region() {
-        obj.insert("awsRegion".into(), json!(v));
-    }
-    if let Some(d) = r.dynamodb() {
+    let put = |m: &mut Map<String, Value>, k: &str, v: Option<String>| {
+        if let Some(v) = v {
+            m.insert(k.into(), Value::String(v));
+        }
+    };
+    put(&mut obj, "eventID", r.event_id);
+    put(&mut obj, "eventName", r.event_name.map(|v| v.as_str().to_string()));
+    put(&mut obj, "eventVersion", r.event_version);
+    put(&mut obj, "eventSource", r.event_source);
+    put(&mut obj, "awsRegion", r.aws_region);
+    if let Some(d) = r.dynamodb {
         let mut ddb = Map::new();
-        if let Some(t) = d.approximate_creation_date_time() {
+        if let Some(t) = d.approximate_creation_date_time {
             // Epoch seconds, as a JSON number (fractions kept exactly).
             let secs = t.secs();
             let nanos = t.subsec_nanos();
@@ -125,54 +123,68 @@ pub fn record_to_json(r: &Record) -> Result<Value, String> {
             let n: serde_json::Number = serde_json::from_str(&text).map_err(|e| format!("ApproximateCreationDateTime: {e}"))?;
             ddb.insert("ApproximateCreationDateTime".into(), Value::Number(n));
         }
-        if let Some(k) = d.keys() {
-            ddb.insert("Keys".into(), item_to_json(k)?);
+        for (name, item) in [("Keys", d.keys), ("NewImage", d.new_image), ("OldImage", d.old_image)] {
+            if let Some(item) = item {
+                ddb.insert(name.into(), item_to_json(item)?);
+            }
         }
-        if let Some(i) = d.new_image() {
-            ddb.insert("NewImage".into(), item_to_json(i)?);
+        put(&mut ddb, "SequenceNumber", d.sequence_number);
+        if let Some(s) = d.size_bytes {
+            ddb.insert("SizeBytes".into(), Value::Number(s.into()));
         }
-        if let Some(i) = d.old_image() {
-            ddb.insert("OldImage".into(), item_to_json(i)?);
-        }
-        if let Some(s) = d.sequence_number() {
-            ddb.insert("SequenceNumber".into(), json!(s));
-        }
-        if let Some(s) = d.size_bytes() {
-            ddb.insert("SizeBytes".into(), json!(s));
-        }
-        if let Some(v) = d.stream_view_type() {
-            ddb.insert("StreamViewType".into(), json!(v.as_str()));
-        }
+        put(&mut ddb, "StreamViewType", d.stream_view_type.map(|v| v.as_str().to_string()));
         obj.insert("dynamodb".into(), Value::Object(ddb));
     }
-    if let Some(u) = r.user_identity() {
+    if let Some(u) = r.user_identity {
         let mut id = Map::new();
-        if let Some(t) = u.r#type() {
-            id.insert("type".into(), json!(t));
-        }
-        if let Some(p) = u.principal_id() {
-            id.insert("principalId".into(), json!(p));
-        }
+        put(&mut id, "type", u.r#type);
+        put(&mut id, "principalId", u.principal_id);
         obj.insert("userIdentity".into(), Value::Object(id));
     }
     Ok(Value::Object(obj))
 }
 
-fn item_to_json(item: &HashMap<String, AttributeValue>) -> Result<Value, String> {
+fn item_to_json(item: HashMap<String, AttributeValue>) -> Result<Value, String> {
     let mut m = Map::new();
     for (k, v) in item {
-        m.insert(k.clone(), attribute_to_json(v).map_err(|e| format!("attribute {k}: {e}"))?);
+        match attribute_to_json(v) {
+            Ok(v) => m.insert(k, v),
+            Err(e) => return Err(format!("attribute {k}: {e}")),
+        };
     }
     Ok(Value::Object(m))
 }
 
+/// Typed DynamoDB JSON (`{"S": "x"}`, `{"N": "1"}`, ...) from a stream attribute value, taken
+/// by value. Total: a variant the SDK adds later is an error, never a panic.
+pub fn attribute_to_json(v: AttributeValue) -> Result<Value, String> {
+    let b64 = |b: Blob| Value::String(base64::engine::general_purpose::STANDARD.encode(b.into_inner()));
+    let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
+    let (ty, inner) = match v {
+        AttributeValue::S(s) => ("S", Value::String(s)),
+        AttributeValue::N(n) => ("N", Value::String(n)),
+        AttributeValue::B(b) => ("B", b64(b)),
+        AttributeValue::Bool(b) => ("BOOL", Value::Bool(b)),
+        AttributeValue::Null(b) => ("NULL", Value::Bool(b)),
+        AttributeValue::Ss(v) => ("SS", strings(v)),
+        AttributeValue::Ns(v) => ("NS", strings(v)),
+        AttributeValue::Bs(v) => ("BS", Value::Array(v.into_iter().map(b64).collect())),
+        AttributeValue::L(items) => ("L", Value::Array(items.into_iter().map(attribute_to_json).collect::<Result<_, _>>()?)),
+        AttributeValue::M(m) => ("M", item_to_json(m)?),
+        _ => return Err("an attribute type this version does not know".to_string()),
+    };
+    let mut typed = Map::new();
+    typed.insert(ty.into(), inner);
+    Ok(Value::Object(typed))
+}
+
 #[cfg(test)]
 mod tests {
-    use aws_sdk_dynamodbstreams::primitives::{Blob, DateTime};
+    use aws_sdk_dynamodbstreams::primitives::DateTime;
     use aws_sdk_dynamodbstreams::types::{Identity, OperationType, StreamRecord};
+    use serde_json::json;
 
     use super::*;
-    use crate::aws::stream_attribute_to_json as attribute_to_json;
 
     #[test]
     fn converts_every_attribute_type() {
@@ -191,7 +203,7 @@ mod tests {
             (AttributeValue::M(m), json!({"M": {"x": {"N": "1"}}})),
         ];
         for (v, want) in cases {
-            assert_eq!(attribute_to_json(&v).unwrap(), want);
+            assert_eq!(attribute_to_json(v).unwrap(), want);
         }
     }
 
@@ -212,7 +224,7 @@ mod tests {
             )
             .user_identity(Identity::builder().r#type("Service").principal_id("dynamodb.amazonaws.com").build())
             .build();
-        let v = record_to_json(&rec).unwrap();
+        let v = record_to_json(rec).unwrap();
         assert_eq!(v["eventName"], "REMOVE");
         assert_eq!(v["dynamodb"]["ApproximateCreationDateTime"].to_string(), "1764460800.5");
         assert_eq!(v["dynamodb"]["OldImage"]["PK"]["S"], "CUST#c1");
