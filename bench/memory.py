@@ -13,7 +13,8 @@ truth. Prints per run records/s and peak RSS (VmHWM), then the medians and their
 
 `--against NAME=VALUE` sets another variable in the second variant, e.g.
 `--against DDB_AGGREGATOR__AGGREGATES__WRITE_CONCURRENCY=16` (the fixed write concurrency of
-earlier releases, against the default window).
+earlier releases, against the default window). `--against-bin PATH` runs another build in the
+second variant instead, with no variable set (a build of an earlier commit, to measure a change).
 
 Run by scripts/bench-memory, which installs and starts the emulators and builds the binary.
 """
@@ -36,12 +37,20 @@ def main() -> int:
         default="MIMALLOC_PURGE_DELAY=1000",
         help="NAME=VALUE: the variable the second variant sets (default: mimalloc's own purge delay)",
     )
+    p.add_argument(
+        "--against-bin",
+        metavar="PATH",
+        help="run this binary in the second variant instead of setting a variable",
+    )
     a = p.parse_args()
     var, sep, val = a.against.partition("=")
     if not sep or not var:
         p.error(f"--against {a.against!r}: give NAME=VALUE")
-    other = f"{var}={val}"
-    variants = (("default", None), (other, val))
+    if a.against_bin and not os.access(a.against_bin, os.X_OK):
+        p.error(f"--against-bin {a.against_bin!r}: not an executable file")
+    ours = a.bin
+    other = f"{var}={val}" if not a.against_bin else f"bin {a.against_bin}"
+    variants = (("default", None), (other, None if a.against_bin else val))
     harness = bench.Harness(a)
     harness.write_backlog()
     figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
@@ -51,7 +60,8 @@ def main() -> int:
             os.environ.pop(var, None)
             if value is not None:
                 os.environ[var] = value
-            tag = 10 * run + len(figures[name]) + (0 if value is None else 5)
+            a.bin = a.against_bin if name != "default" and a.against_bin else ours
+            tag = 10 * run + len(figures[name]) + (0 if name == "default" else 5)
             out = harness.catchup_run("ddb-aggregator", tag, batch_size=a.batch_size)
             figures[name].append((out["records_per_second"], out["peak_rss_mib"]))
             bench.log(

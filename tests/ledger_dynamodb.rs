@@ -19,7 +19,7 @@ fn delta(seqs: &[u64], amount: &str) -> TargetDelta {
         contributions: seqs
             .iter()
             .map(|s| Contribution {
-                sequence: Some(format!("{s:021}")),
+                sequence: Some(format!("{s:021}").into()),
                 rule: None,
                 created: Some(Decimal::from_i64(1_764_460_800)),
                 values: vec![("revenue".into(), Decimal::parse(amount).unwrap())],
@@ -165,10 +165,10 @@ async fn writes_log_under_a_live_hold_and_end_an_expired_one_on_dynamodb_local()
             .send()
     };
     let order = |seq: u64, item: &str, amount: i64, after: Option<i64>| Contribution {
-        sequence: Some(format!("{seq:021}")),
+        sequence: Some(format!("{seq:021}").into()),
         values: vec![("revenue".into(), Decimal::from_i64(amount))],
         item: Some(Arc::from(item)),
-        after: Some(after.map(|a| vec![("revenue".to_string(), Decimal::from_i64(a))]).unwrap_or_default()),
+        after: Some(after.map(|a| vec![("revenue".into(), Decimal::from_i64(a))]).unwrap_or_default()),
         ..Default::default()
     };
     let batch = |cs: Vec<Contribution>| TargetDelta { contributions: cs, ..Default::default() };
@@ -225,10 +225,10 @@ async fn reconcile_places_reads_and_ends_a_hold_on_dynamodb_local() {
     let key = TargetKey(vec![Box::from("SALES#2026-12-04"), Box::from("TOTAL")].into_boxed_slice());
     let ctx = ShardContext::new(&Ledger::new("dep1"), "shardId-00000001700000000001-aaaaaaaa");
     let order = |seq: u64, item: &str, amount: i64| Contribution {
-        sequence: Some(format!("{seq:021}")),
+        sequence: Some(format!("{seq:021}").into()),
         values: vec![("revenue".into(), Decimal::from_i64(amount))],
         item: Some(Arc::from(item)),
-        after: Some(vec![("revenue".to_string(), Decimal::from_i64(amount))]),
+        after: Some(vec![("revenue".into(), Decimal::from_i64(amount))]),
         ..Default::default()
     };
     let write = |cs: Vec<Contribution>| TargetDelta { contributions: cs, ..Default::default() };
@@ -308,8 +308,8 @@ async fn the_service_deletes_expired_helpers_itself_on_dynamodb_local() {
     let helper = |v: &str| TargetKey(vec![Box::from("CUST#c1"), Box::from(sk(v))].into_boxed_slice());
     let refs = |seq: u64, d: i64| TargetDelta {
         contributions: vec![Contribution {
-            sequence: Some(format!("{seq:021}")),
-            values: vec![(REFS.to_string(), Decimal::from_i64(d))],
+            sequence: Some(format!("{seq:021}").into()),
+            values: vec![(REFS.into(), Decimal::from_i64(d))],
             ..Default::default()
         }],
         ..Default::default()

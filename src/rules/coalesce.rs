@@ -1,7 +1,7 @@
 //! Coalescing: the deltas of many records summed per target item, so a batch of 1,000 records
 //! touching 10 customers becomes at most 10 writes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use super::TargetKey;
@@ -11,26 +11,33 @@ use crate::decimal::{Decimal, DecimalError};
 /// or below a sequence number the target's ledger has already applied.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Contribution {
-    pub sequence: Option<String>,
+    /// Shared by the record's contributions to other targets.
+    pub sequence: Option<Arc<str>>,
     /// The rule that produced it.
     pub rule: Option<Arc<str>>,
     /// ApproximateCreationDateTime, epoch seconds.
     pub created: Option<Decimal>,
-    pub values: Vec<(String, Decimal)>,
+    /// Measure names are interned per batch ([`Coalescer`]): one copy of each.
+    pub values: Vec<(Arc<str>, Decimal)>,
     /// The source item's id for this rule ([`super::item::item_id`]); None where records
     /// come without one (unit tests).
     pub item: Option<Arc<str>>,
     /// What the item contributes to the target after this record (its new image's values on
     /// this target; empty when it no longer contributes): logged under a reconcile hold. None:
     /// the same as `values` (an insert), kept once ([`Contribution::after_values`]).
-    pub after: Option<Vec<(String, Decimal)>>,
+    pub after: Option<Vec<(Arc<str>, Decimal)>>,
 }
 
 impl Contribution {
     /// What the item contributes to the target after this record.
-    pub fn after_values(&self) -> &[(String, Decimal)] {
+    pub fn after_values(&self) -> &[(Arc<str>, Decimal)] {
         self.after.as_deref().unwrap_or(&self.values)
     }
+}
+
+/// `(name, value)` pairs with names as given, for contributions in tests and tools.
+pub fn values_of<N: AsRef<str>>(pairs: impl IntoIterator<Item = (N, Decimal)>) -> Vec<(Arc<str>, Decimal)> {
+    pairs.into_iter().map(|(n, v)| (Arc::from(n.as_ref()), v)).collect()
 }
 
 /// The source item a record is of, and its contributions after the record, per target.
@@ -57,6 +64,10 @@ pub struct TargetDelta {
 pub struct Coalescer {
     targets: BTreeMap<TargetKey, TargetDelta>,
     records: u64,
+    /// The measure names of this batch's contributions, one copy each.
+    names: HashSet<Arc<str>>,
+    /// The sequence number of the record added last, shared by its contributions.
+    last_record: Option<Arc<str>>,
 }
 
 /// Sequence numbers are decimal strings of varying length: compare as numbers.
@@ -132,18 +143,20 @@ impl Coalescer {
             return Err(e);
         }
         self.records += 1;
+        let shared = self.sequence(sequence);
         for (target, mut values) in deltas {
             values.retain(|(_, v)| !v.is_zero());
             if values.is_empty() {
                 continue;
             }
+            let after = source.and_then(|s| s.after.iter().find(|(t, _)| *t == target)).map(|(_, v)| v.as_slice()).unwrap_or_default();
+            // Most records are inserts, whose contribution after is their delta: kept once.
+            let after = (after != values.as_slice()).then(|| self.interned(after));
+            let values = self.interned(&values);
             if let Some(entry) = self.targets.get_mut(&target) {
                 entry.records += 1;
-                let after = source.and_then(|s| s.after.iter().find(|(t, _)| *t == target)).map(|(_, v)| v.as_slice()).unwrap_or_default();
-                // Most records are inserts, whose contribution after is their delta: kept once.
-                let after = (after != values.as_slice()).then(|| after.to_vec());
                 entry.contributions.push(Contribution {
-                    sequence: sequence.map(str::to_string),
+                    sequence: shared.clone(),
                     rule: rule.cloned(),
                     created,
                     values,
@@ -161,6 +174,37 @@ impl Coalescer {
             }
         }
         Ok(())
+    }
+
+    /// `values` with their names interned.
+    fn interned(&mut self, values: &[(String, Decimal)]) -> Vec<(Arc<str>, Decimal)> {
+        values
+            .iter()
+            .map(|(name, v)| {
+                let name = match self.names.get(name.as_str()) {
+                    Some(n) => n.clone(),
+                    None => {
+                        let n: Arc<str> = Arc::from(name.as_str());
+                        self.names.insert(n.clone());
+                        n
+                    }
+                };
+                (name, *v)
+            })
+            .collect()
+    }
+
+    /// The record's sequence number, shared with its contributions of other rules.
+    fn sequence(&mut self, sequence: Option<&str>) -> Option<Arc<str>> {
+        let seq = sequence?;
+        match &self.last_record {
+            Some(last) if &**last == seq => Some(last.clone()),
+            _ => {
+                let shared: Arc<str> = Arc::from(seq);
+                self.last_record = Some(shared.clone());
+                Some(shared)
+            }
+        }
     }
 
     /// Records added (that had at least one rule evaluate without poison).

@@ -23,7 +23,7 @@ use serde_json::Value;
 
 use crate::decimal::{Decimal, DecimalError};
 use crate::pattern::{Pattern, PatternSet};
-pub use coalesce::{Coalescer, Contribution, TargetDelta};
+pub use coalesce::{values_of, Coalescer, Contribution, TargetDelta};
 use helper::{Derive, Scalar};
 use record::{attribute, StreamRecord};
 use template::{ExpandError, Template, VarValue};

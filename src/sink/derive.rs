@@ -143,7 +143,7 @@ pub fn targets_to_derive(engine: &Engine, targets: &[(TargetKey, TargetDelta)]) 
             }
         }
         let raises =
-            delta.contributions.iter().any(|c| c.values.iter().any(|(a, v)| a == helper::REFS && *v > crate::decimal::Decimal::ZERO));
+            delta.contributions.iter().any(|c| c.values.iter().any(|(a, v)| &**a == helper::REFS && *v > crate::decimal::Decimal::ZERO));
         if raises && derive.scan() != HelperScan::Count {
             let mine = Raised::Tail(h.tail.to_string());
             let raised = match t.raised.remove(h.measure) {

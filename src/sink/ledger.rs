@@ -722,7 +722,7 @@ pub enum PlanError {
 }
 
 /// An item's latest planned record: (item, its sequence number, its contribution after it).
-type Latest<'a> = (&'a std::sync::Arc<str>, String, &'a [(String, Decimal)]);
+type Latest<'a> = (&'a std::sync::Arc<str>, String, &'a [(std::sync::Arc<str>, Decimal)]);
 
 /// Sums the contributions after `applied` (a padded sequence number, or None for all).
 /// None when every contribution is applied already. Records that cancel out still give a
@@ -750,9 +750,9 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
             }
         }
         for (name, v) in &c.values {
-            match adds.iter_mut().find(|(n, _)| n == name) {
+            match adds.iter_mut().find(|(n, _)| n.as_str() == &**name) {
                 Some((_, sum)) => *sum = sum.checked_add(*v)?,
-                None => adds.push((name.clone(), *v)),
+                None => adds.push((name.to_string(), *v)),
             }
         }
         if first.as_ref().is_none_or(|f| seq < *f) {
@@ -766,7 +766,8 @@ pub fn plan(contributions: &[Contribution], applied: Option<&str>) -> Result<Opt
     adds.sort_by(|a, b| a.0.cmp(&b.0));
     match (first, last) {
         (Some(first), Some(last)) => {
-            let logs = logs.into_iter().map(|(item, _, after)| (item.clone(), after.to_vec())).collect();
+            let logs =
+                logs.into_iter().map(|(item, _, after)| (item.clone(), after.iter().map(|(n, v)| (n.to_string(), *v)).collect())).collect();
             Ok(Some(WritePlan { adds, first, last, records, logs, unidentified }))
         }
         _ => Ok(None),
@@ -915,7 +916,7 @@ mod tests {
             sequence: Some(seq.into()),
             rule: None,
             created: Some(Decimal::from_i64(1_764_460_800)),
-            values: values.iter().map(|(n, v)| (n.to_string(), Decimal::parse(v).unwrap())).collect(),
+            values: crate::rules::values_of(values.iter().map(|(n, v)| (n, Decimal::parse(v).unwrap()))),
             ..Default::default()
         }
     }

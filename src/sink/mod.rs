@@ -680,10 +680,10 @@ mod tests {
 
     fn contribution(seq: u64, attr: &str) -> Contribution {
         Contribution {
-            sequence: Some(format!("{seq:021}")),
+            sequence: Some(format!("{seq:021}").into()),
             rule: None,
             created: None,
-            values: vec![(attr.to_string(), Decimal::from_i64(1))],
+            values: crate::rules::values_of([(attr, Decimal::from_i64(1))]),
             ..Default::default()
         }
     }
@@ -816,7 +816,10 @@ mod tests {
             ..ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa")
         };
         let refs = |seq: u64, d: i64| TargetDelta {
-            contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+            contributions: vec![Contribution {
+                values: crate::rules::values_of([(REFS, Decimal::from_i64(d))]),
+                ..contribution(seq, REFS)
+            }],
             ..Default::default()
         };
         let state = || {
@@ -857,7 +860,7 @@ mod tests {
         assert_eq!(state(), (Some("1".into()), None));
         // Items that are not helpers never get an expiry.
         let zero = TargetDelta {
-            contributions: vec![Contribution { values: vec![("n".into(), Decimal::ZERO)], ..contribution(6, "n") }],
+            contributions: vec![Contribution { values: crate::rules::values_of([("n", Decimal::ZERO)]), ..contribution(6, "n") }],
             ..Default::default()
         };
         assert_eq!(write_target(&store, &names, &key(), &zero, &with_ttl).await.unwrap().expiries_set, 0);
@@ -879,7 +882,10 @@ mod tests {
                 ..ShardContext::new(&Ledger::new("t"), "shardId-00000001700000000001-aaaaaaaa")
             };
             let refs = |seq: u64, d: i64| TargetDelta {
-                contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+                contributions: vec![Contribution {
+                    values: crate::rules::values_of([(REFS, Decimal::from_i64(d))]),
+                    ..contribution(seq, REFS)
+                }],
                 ..Default::default()
             };
             write_target(&store, &names, &helper, &refs(1, 1), &ctx).await.unwrap();
@@ -905,7 +911,10 @@ mod tests {
         let names = vec!["PK".to_string(), "SK".to_string()];
         let helper = |v: &str| TargetKey(vec![Box::from("CUST#c1"), Box::from(format!("PROFILE#_agg#largest#N{v}"))].into_boxed_slice());
         let refs = |seq: u64, d: i64| TargetDelta {
-            contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+            contributions: vec![Contribution {
+                values: crate::rules::values_of([(REFS, Decimal::from_i64(d))]),
+                ..contribution(seq, REFS)
+            }],
             ..Default::default()
         };
         let own = |after_ms| ShardContext {
@@ -968,7 +977,10 @@ mod tests {
         let names = vec!["PK".to_string(), "SK".to_string()];
         let sk = |v: u32| format!("PROFILE#_agg#largest#N{v}");
         let refs = |seq: u64, d: i64| TargetDelta {
-            contributions: vec![Contribution { values: vec![(REFS.to_string(), Decimal::from_i64(d))], ..contribution(seq, REFS) }],
+            contributions: vec![Contribution {
+                values: crate::rules::values_of([(REFS, Decimal::from_i64(d))]),
+                ..contribution(seq, REFS)
+            }],
             ..Default::default()
         };
         let ctx = ShardContext {
@@ -1013,8 +1025,8 @@ mod tests {
     fn of_item(seq: u64, item: &str, delta: i64, after: Option<i64>) -> Contribution {
         Contribution {
             item: Some(std::sync::Arc::from(item)),
-            after: Some(after.map(|a| vec![("n".to_string(), Decimal::from_i64(a))]).unwrap_or_default()),
-            values: vec![("n".to_string(), Decimal::from_i64(delta))],
+            after: Some(crate::rules::values_of(after.map(|a| ("n", Decimal::from_i64(a))))),
+            values: crate::rules::values_of([("n", Decimal::from_i64(delta))]),
             ..contribution(seq, "n")
         }
     }
