@@ -12,7 +12,7 @@ use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
 use base64::Engine as _;
 use serde_json::{Map, Value};
 
-use super::{Page, Position, ShardInfo, StreamError, StreamSource};
+use super::{Page, Position, Records, ShardInfo, StreamError, StreamSource};
 use crate::aws::{classify, FailureKind};
 
 #[derive(Clone)]
@@ -90,13 +90,52 @@ impl StreamSource for DynamoDbStream {
         let limit = i32::try_from(limit.clamp(1, 1000)).unwrap_or(1000);
         let resp = self.client.get_records().shard_iterator(iterator).limit(limit).send().await.map_err(map_err)?;
         let sdk = resp.records.unwrap_or_default();
-        let mut records = Vec::with_capacity(sdk.len());
-        // Each SDK record is freed once converted: the page is not held in both forms at once.
-        for r in sdk {
-            records.push(record_to_json(r).map_err(StreamError::Fatal)?);
+        // A record this version cannot represent fails the page, before any is taken.
+        for r in &sdk {
+            convertible(r).map_err(StreamError::Fatal)?;
         }
+        let first = sdk.iter().find_map(|r| r.dynamodb.as_ref()?.approximate_creation_date_time.and_then(|t| epoch_ms(&t)));
+        // Each record is converted as it is taken, and its SDK form is freed then: the page is
+        // never held as JSON trees all at once.
+        let records = Records::lazy(sdk.len(), first, sdk.into_iter().map(|r| record_to_json(r).unwrap_or_else(unconvertible)));
         Ok(Page { records, next_iterator: resp.next_shard_iterator })
     }
+}
+
+fn epoch_ms(t: &aws_sdk_dynamodbstreams::primitives::DateTime) -> Option<u64> {
+    u64::try_from(t.to_millis().ok()?).ok()
+}
+
+/// Whether [`record_to_json`] can convert `r`: every attribute of a type this version knows.
+fn convertible(r: &Record) -> Result<(), String> {
+    fn attribute(v: &AttributeValue) -> Result<(), String> {
+        match v {
+            AttributeValue::L(items) => items.iter().try_for_each(attribute),
+            AttributeValue::M(m) => item(m),
+            AttributeValue::S(_)
+            | AttributeValue::N(_)
+            | AttributeValue::B(_)
+            | AttributeValue::Bool(_)
+            | AttributeValue::Null(_)
+            | AttributeValue::Ss(_)
+            | AttributeValue::Ns(_)
+            | AttributeValue::Bs(_) => Ok(()),
+            _ => Err("an attribute type this version does not know".to_string()),
+        }
+    }
+    fn item(m: &HashMap<String, AttributeValue>) -> Result<(), String> {
+        m.iter().try_for_each(|(k, v)| attribute(v).map_err(|e| format!("attribute {k}: {e}")))
+    }
+    let Some(d) = &r.dynamodb else { return Ok(()) };
+    [&d.keys, &d.new_image, &d.old_image].into_iter().flatten().try_for_each(item)
+}
+
+/// What a record that [`convertible`] accepted and [`record_to_json`] still refused becomes:
+/// not a stream record, so the rules make it a poison letter carrying the reason.
+fn unconvertible(reason: String) -> Value {
+    let mut m = Map::new();
+    m.insert("conversionError".into(), Value::String(reason));
+    Value::Object(m)
 }
 
 /// An SDK record in the JSON shape of GetRecords and Lambda events. Takes the record: its
@@ -205,6 +244,21 @@ mod tests {
         for (v, want) in cases {
             assert_eq!(attribute_to_json(v).unwrap(), want);
         }
+    }
+
+    #[test]
+    fn every_known_attribute_type_is_convertible_and_a_refusal_becomes_a_poison_record() {
+        // The SDK's Unknown variant cannot be built outside it: the refusal itself is the
+        // `_` arm of `convertible` and of `attribute_to_json`, which agree.
+        let mut inner = HashMap::new();
+        inner.insert("x".to_string(), AttributeValue::Bs(vec![Blob::new(vec![0])]));
+        let mut image = HashMap::new();
+        image.insert("PK".to_string(), AttributeValue::S("CUST#c1".into()));
+        image.insert("doc".to_string(), AttributeValue::L(vec![AttributeValue::M(inner), AttributeValue::Null(true)]));
+        let rec = Record::builder().dynamodb(StreamRecord::builder().set_new_image(Some(image)).build()).build();
+        assert_eq!(convertible(&rec), Ok(()));
+        assert!(record_to_json(rec).is_ok());
+        assert!(crate::rules::record::StreamRecord::decode(&unconvertible("x".into())).is_err());
     }
 
     #[test]

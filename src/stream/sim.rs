@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use serde_json::{json, Value};
 
-use super::{Page, Position, ShardInfo, StreamError, StreamSource};
+use super::{Page, Position, Records, ShardInfo, StreamError, StreamSource};
 
 #[derive(Debug, Default)]
 struct SimShard {
@@ -303,7 +303,7 @@ impl StreamSource for SimStream {
         let has_records = index < sh.records.len();
         if s.empty_pages > 0 && has_records {
             s.empty_pages -= 1;
-            return Ok(Page { records: Vec::new(), next_iterator: Some(encode(&shard, index, current)) });
+            return Ok(Page { records: Records::default(), next_iterator: Some(encode(&shard, index, current)) });
         }
         let end = (index + limit as usize).min(sh.records.len());
         let mut records: Vec<(u64, Value)> = Vec::with_capacity(end.saturating_sub(index));
@@ -314,7 +314,7 @@ impl StreamSource for SimStream {
         let done = sh.closed && end == sh.records.len();
         let run = s.empty_on.get(&shard).and_then(|runs| runs.get(&index)).copied().unwrap_or(0);
         if has_records && seen < run {
-            return Ok(Page { records: Vec::new(), next_iterator: Some(encode_seen(&shard, index, current, seen + 1)) });
+            return Ok(Page { records: Records::default(), next_iterator: Some(encode_seen(&shard, index, current, seen + 1)) });
         }
         let next_iterator = (!done).then(|| encode(&shard, end, current));
         if !s.quiet {
@@ -322,6 +322,6 @@ impl StreamSource for SimStream {
                 s.reads.push((shard.clone(), *seq));
             }
         }
-        Ok(Page { records: records.into_iter().map(|(_, r)| r).collect(), next_iterator })
+        Ok(Page { records: Records::new(records.into_iter().map(|(_, r)| r).collect()), next_iterator })
     }
 }

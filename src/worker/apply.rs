@@ -403,7 +403,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         let mut it = self.shared.source.iterator(&self.lease.shard_id, &Position::At(seq.to_string())).await?;
         for _ in 0..3 {
             let page = self.shared.source.records(&it, 1).await?;
-            if let Some(first) = page.records.into_iter().next() {
+            let mut records = page.records;
+            if let Some(first) = records.next() {
                 return Ok(if sequence_of(&first) == seq { Reread::Found(first) } else { Reread::Missing(Missing::Elsewhere) });
             }
             match page.next_iterator {

@@ -85,14 +85,26 @@ impl PendingBatch {
     /// Runs a page's records through the rules (pure but for metrics); records older than
     /// `max_age_ms` at `now` become letters of the rules whose filters match them.
     /// `shard_created_ms` (the shard's creation time) orders the copy rules' changes.
-    pub fn add_page(&mut self, engine: &Engine, max_age_ms: Option<u64>, records: Vec<Value>, now: u64, shard_created_ms: Option<u64>) {
+    pub fn add_page(
+        &mut self,
+        engine: &Engine,
+        max_age_ms: Option<u64>,
+        records: impl IntoIterator<Item = Value>,
+        now: u64,
+        shard_created_ms: Option<u64>,
+    ) {
         let started = Instant::now();
-        metrics::counter!(names::RECORDS_READ).increment(records.len() as u64);
-        self.records += records.len();
-        self.created.reserve(records.len());
+        let records = records.into_iter();
+        self.created.reserve(records.size_hint().0);
+        let mut taken = 0;
+        // A page's records are made (converted from the SDK's form) as they are taken here,
+        // so evaluating includes converting.
         for record in records {
+            taken += 1;
             self.add_record(engine, max_age_ms, record, now, shard_created_ms);
         }
+        metrics::counter!(names::RECORDS_READ).increment(taken as u64);
+        self.records += taken;
         self.evaluate += started.elapsed();
     }
 
@@ -172,15 +184,7 @@ fn sharding(engine: &Engine, delta: &TargetDelta) -> Option<u16> {
 }
 
 /// The record's ApproximateCreationDateTime in epoch ms.
-pub fn created_ms(record: &Value) -> Option<u64> {
-    record
-        .pointer("/dynamodb/ApproximateCreationDateTime")
-        .and_then(Value::as_number)
-        .and_then(|n| crate::decimal::Decimal::parse(n.as_str()).ok())
-        .and_then(|t| t.checked_mul(crate::decimal::Decimal::from_i64(1000)).ok())
-        .and_then(|t| t.trunc_i64())
-        .and_then(|t| u64::try_from(t).ok())
-}
+pub use crate::stream::created_ms;
 
 pub fn sequence_of(record: &Value) -> &str {
     record.pointer("/dynamodb/SequenceNumber").and_then(Value::as_str).unwrap_or("")

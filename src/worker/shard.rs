@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use super::apply::Applier;
-use super::batch::{created_ms, PendingBatch};
+use super::batch::PendingBatch;
 use super::phases::Gathering;
 use super::tip::EmptyRun;
 use super::{Polling, Shared};
@@ -298,7 +298,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> ShardReader<S, L, A> {
         self.gathering.page(self.pending.records, got, gap, call_start.elapsed());
         if got > 0 {
             self.last_records_at = self.last_read_end;
-            let first = page.records.iter().find_map(created_ms);
+            let first = page.records.first_created_ms();
             self.shared.note_age(&self.lease.shard_id, |a| a.read(first));
             self.pending_since.get_or_insert_with(Instant::now);
             let max_age_ms = self.shared.config.source.max_record_age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
