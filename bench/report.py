@@ -295,8 +295,9 @@ def why_missed(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> l
             "BTreeMap lookups by attribute name (the matcher's paths, the deltas' attributes), the matcher's scan "
             "for dotted keys, and allocations per record: target key parts, measure names, and each record's "
             "contribution, kept per target so a write the ledger refuses can be redone without the records "
-            "already applied. mimalloc removed glibc malloc's bookkeeping (about 15% of the profile before). "
-            "Reaching 50% needs a borrowed record representation and interned measure names; not done."
+            "already applied (measure names are interned per batch). mimalloc removed glibc malloc's bookkeeping "
+            "(about 15% of the profile before). Reaching 50% needs a borrowed record representation in place of "
+            "serde_json trees; not done."
         )
     over = [(b, catchup_rss(results, b), limit) for b, limit in RSS_TARGETS_MIB.items()]
     over = [(b, peak, limit) for b, peak, limit in over if peak is not None and peak > limit]
@@ -307,15 +308,14 @@ def why_missed(summary: dict[str, dict[str, Any]], results: dict[str, Any]) -> l
                 f"{peak:.0f} MiB at batch_size {b:,} (target {limit:.0f})"
                 for b, peak, limit in over
             )
-            + ". A batch no longer holds its records: each GetRecords page is evaluated as it arrives and dropped (the "
-            "batch keeps its coalesced deltas, each record's contribution per target for a write the ledger refuses, and "
-            "the letters), and mimalloc returns freed pages at once (`MIMALLOC_PURGE_DELAY=0`, as the image sets it). "
-            "What is left: the idle service itself, about 30 MiB (VmHWM with no records, 16 MiB of it file-backed code: "
-            "the AWS SDK, rustls, tokio); a page of up to 1,000 records decoded twice, into the SDK's typed records and "
-            "then into serde_json `Value` trees for the matcher; and at batch_size 10,000, 20,000 contributions (one per "
-            "record and rule, each with its own measure-name strings). What would close it: decoding the page's bytes "
-            "straight into a borrowed form (no SDK records, no `Value` trees) and interning measure names per batch; "
-            "not done."
+            + ". A batch does not hold its records: each GetRecords page is converted to JSON one record at a time as "
+            "it is evaluated, and dropped (the batch keeps its coalesced deltas, each record's contribution per target "
+            "for a write the ledger refuses, with measure names interned, and the letters), and the binary sets "
+            "mimalloc to return freed pages at once. What is left: the idle service itself, about 30 MiB (VmHWM with no "
+            "records, 16 MiB of it file-backed code: the AWS SDK, rustls, tokio), and a page of up to 1,000 records in "
+            "the SDK's typed form while it is evaluated. The peaks of runs differ by 2 to 4 MiB on this machine "
+            "(`scripts/bench memory` compares builds side by side, medians of ABBA runs). What would close it: decoding "
+            "the page's bytes straight into a borrowed form (no SDK records); not done."
         )
     mr = match_ratio(results.get("micro"))
     if mr is not None and mr < MATCH_RATIO_TARGET:

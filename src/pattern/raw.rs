@@ -5,19 +5,16 @@
 //! at named paths are kept, strings borrowed from the text where they hold no escape. The
 //! patterns are then evaluated over what was kept. The pass is a strict scanner of our own
 //! ([`fast`]); wherever it declines (the text is not JSON, or holds something it leaves to
-//! serde_json), serde_json's parser makes the pass instead (`IgnoredAny` for what is skipped).
-//! So a text is valid here exactly when `serde_json::from_str::<Value>` accepts it, with
-//! serde_json's own error when not, and the result equals [`super::Pattern::matches`] on the
-//! parsed tree:
+//! serde_json), the text is parsed into a tree and matched as such. So a text is valid here
+//! exactly when `serde_json::from_str::<Value>` accepts it, with serde_json's own error when
+//! not, and the result equals [`super::Pattern::matches`] on the parsed tree:
 //! - arrays fan out and objects are not values, as in the tree walk;
 //! - an event key with dots stands for its segments (`"a.b"` is `a` then `b`);
 //! - a named field given twice in one object (JSON allows it; a parsed tree keeps the last)
 //!   makes the scan give up, and the record is parsed and matched as a tree instead.
 
 use std::borrow::Cow;
-use std::fmt;
 
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use smallvec::SmallVec;
 
@@ -25,7 +22,8 @@ use super::matcher::Scalar;
 use super::{Pattern, PatternSet};
 use crate::decimal::Decimal;
 
-/// The key serde_json (with `arbitrary_precision`) gives a number's text under.
+/// The key serde_json (with `arbitrary_precision`) gives a number's text under: a parsed tree
+/// reads an object that starts with it as a number, so the scanner leaves such texts to it.
 const NUMBER_TOKEN: &str = "$serde_json::private::Number";
 
 /// Named paths as a tree of field names; node 0 is the root.
@@ -139,189 +137,6 @@ impl Scanned<'_> {
 /// The scan could not decide from the text alone (a named field given twice in one object).
 struct Ambiguous;
 
-struct Scan<'t, 'de> {
-    trie: &'t Trie,
-    found: Kept<'de>,
-    ambiguous: bool,
-}
-
-impl<'de> Scan<'_, 'de> {
-    fn keep(&mut self, node: u32, value: Found<'de>) {
-        if let Some(id) = self.trie.nodes[node as usize].path {
-            self.found.push((id, value));
-        }
-    }
-}
-
-/// One pass over `text`: the fast scanner, or where it declines (text that is not JSON, or
-/// that it leaves to serde_json: an escaped key, a number's disguise), serde_json's parser.
-fn scan<'de>(trie: &Trie, text: &'de str) -> Result<Result<Scanned<'de>, Ambiguous>, serde_json::Error> {
-    match fast::scan(trie, text) {
-        Ok(scanned) => Ok(scanned),
-        Err(fast::Declined) => scan_with_serde(trie, text),
-    }
-}
-
-fn scan_with_serde<'de>(trie: &Trie, text: &'de str) -> Result<Result<Scanned<'de>, Ambiguous>, serde_json::Error> {
-    let mut scan = Scan { trie, found: SmallVec::new(), ambiguous: false };
-    let mut de = serde_json::Deserializer::from_str(text);
-    NodeSeed { scan: &mut scan, node: 0 }.deserialize(&mut de)?;
-    de.end()?;
-    if scan.ambiguous {
-        return Ok(Err(Ambiguous));
-    }
-    Ok(Ok(Scanned { found: scan.found }))
-}
-
-/// A value at trie node `node`.
-struct NodeSeed<'s, 't, 'de> {
-    scan: &'s mut Scan<'t, 'de>,
-    node: u32,
-}
-
-impl<'de> DeserializeSeed<'de> for NodeSeed<'_, '_, 'de> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for NodeSeed<'_, '_, 'de> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_bool<E>(self, v: bool) -> Result<(), E> {
-        self.scan.keep(self.node, Found::Bool(v));
-        Ok(())
-    }
-
-    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        self.scan.keep(self.node, Found::Num(Decimal::parse(&v.to_string()).ok()));
-        Ok(())
-    }
-
-    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        self.scan.keep(self.node, Found::Num(Decimal::parse(&v.to_string()).ok()));
-        Ok(())
-    }
-
-    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
-        self.scan.keep(self.node, Found::Num(Decimal::parse(&v.to_string()).ok()));
-        Ok(())
-    }
-
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
-        self.scan.keep(self.node, Found::Str(Cow::Borrowed(v)));
-        Ok(())
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        self.scan.keep(self.node, Found::Str(Cow::Owned(v.to_owned())));
-        Ok(())
-    }
-
-    fn visit_unit<E>(self) -> Result<(), E> {
-        self.scan.keep(self.node, Found::Null);
-        Ok(())
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        // Arrays fan out: each element stands where the array does.
-        while seq.next_element_seed(NodeSeed { scan: &mut *self.scan, node: self.node })?.is_some() {}
-        Ok(())
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let trie = self.scan.trie;
-        // Named keys met in this object, to tell a key given twice.
-        let mut seen: SmallVec<[u32; 8]> = SmallVec::new();
-        while let Some(key) = map.next_key_seed(KeySeed { trie, node: self.node })? {
-            match key {
-                Key::Number => {
-                    let n = map.next_value_seed(NumberSeed)?;
-                    self.scan.keep(self.node, Found::Num(n));
-                }
-                Key::Named(child) => {
-                    if seen.contains(&child) {
-                        self.scan.ambiguous = true;
-                    }
-                    seen.push(child);
-                    map.next_value_seed(NodeSeed { scan: &mut *self.scan, node: child })?;
-                }
-                Key::Other => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// An object key, looked up as it is read (never kept).
-enum Key {
-    /// serde_json's number in disguise: the value is the number's text.
-    Number,
-    /// A named field: its trie node.
-    Named(u32),
-    Other,
-}
-
-struct KeySeed<'t> {
-    trie: &'t Trie,
-    node: u32,
-}
-
-impl<'de> DeserializeSeed<'de> for KeySeed<'_> {
-    type Value = Key;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Key, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KeySeed<'_> {
-    type Value = Key;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("an object key")
-    }
-
-    fn visit_str<E>(self, key: &str) -> Result<Key, E> {
-        Ok(match self.trie.key(self.node, key) {
-            Some(child) => Key::Named(child),
-            None if key == NUMBER_TOKEN => Key::Number,
-            None => Key::Other,
-        })
-    }
-}
-
-/// A number's text, as a decimal (None: not exactly representable, as in the tree walk).
-struct NumberSeed;
-
-impl<'de> DeserializeSeed<'de> for NumberSeed {
-    type Value = Option<Decimal>;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Option<Decimal>, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for NumberSeed {
-    type Value = Option<Decimal>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a number's text")
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<Option<Decimal>, E> {
-        Ok(Decimal::parse(v).ok())
-    }
-}
-
 /// One pattern within a [`RawMatcher`]: which set it belongs to, and its path ids in the
 /// matcher's trie (indexed by the pattern's own path ids).
 #[derive(Debug, Clone)]
@@ -361,7 +176,7 @@ impl RawMatcher {
     /// as `serde_json::from_str` gives it).
     pub fn matching(&self, text: &str) -> Result<Matched, serde_json::Error> {
         let mut out = Matched::new(self.sets);
-        match scan(&self.trie, text) {
+        match fast::scan(&self.trie, text) {
             Ok(Ok(scanned)) => {
                 for e in &self.entries {
                     if !out.get(e.set) && e.pattern.root.matches_scanned(&scanned, &e.ids) {
@@ -369,12 +184,11 @@ impl RawMatcher {
                     }
                 }
             }
-            // Parsed as a tree for the answer, or for the error as `from_str` words it (its
-            // skipping reader places some errors elsewhere).
-            Ok(Err(Ambiguous)) | Err(_) => {
+            // Parsed as a tree: for the answer, or for the error as `from_str` words it.
+            Ok(Err(Ambiguous)) | Err(fast::Declined) => {
                 let tree: Value = serde_json::from_str(text)?;
                 for e in &self.entries {
-                    if !out.get(e.set) && e.pattern.matches(&tree) {
+                    if !out.get(e.set) && e.pattern.root.matches(&tree) {
                         out.set(e.set);
                     }
                 }

@@ -231,7 +231,20 @@ fn text_matching_handles_escapes_dotted_keys_and_numbers() {
 #[test]
 fn text_matching_gives_serde_json_errors_and_defers_on_repeated_keys() {
     let pat = p(json!({"a": ["x"]}));
-    for bad in [r#"{"a": "x""#, r#"{"a": "x"} 1"#, r#"{"b": tru, "a": "x"}"#, r#"{"b": "\q", "a": "x"}"#, "", "[1,]"] {
+    let deep = format!(r#"{{"a": "x", "z": {}{}}}"#, "[".repeat(200), "]".repeat(200));
+    for bad in [
+        r#"{"a": "x""#,
+        r#"{"a": "x"} 1"#,
+        r#"{"b": tru, "a": "x"}"#,
+        r#"{"b": "\q", "a": "x"}"#,
+        "",
+        "[1,]",
+        // Where the scanner declines, the tree decides: a lone surrogate, nesting past
+        // serde_json's limit, its number disguise with no number, all under unnamed keys.
+        r#"{"a": "x", "z": "\ud800"}"#,
+        deep.as_str(),
+        r#"{"a": "x", "z": {"$serde_json::private::Number": "abc"}}"#,
+    ] {
         let want = serde_json::from_str::<Value>(bad).unwrap_err().to_string();
         assert_eq!(pat.matches_json(bad).unwrap_err().to_string(), want, "{bad}");
     }
@@ -240,6 +253,13 @@ fn text_matching_gives_serde_json_errors_and_defers_on_repeated_keys() {
     assert!(pat.matches_json(r#"{"a": "y", "a": "x"}"#).unwrap());
     // Unnamed keys given twice change nothing.
     assert!(pat.matches_json(r#"{"b": 1, "b": 2, "a": "x"}"#).unwrap());
+    // serde_json's number disguise means what it does to serde_json: a number as an object's
+    // first key, an ordinary key after another.
+    let five = p(json!({"a": [5]}));
+    assert!(five.matches_json(r#"{"a": {"$serde_json::private::Number": "5"}}"#).unwrap());
+    let elsewhere = r#"{"a": {"x": 1, "$serde_json::private::Number": "5"}}"#;
+    assert!(serde_json::from_str::<Value>(elsewhere).unwrap()["a"].is_object());
+    assert!(!five.matches_json(elsewhere).unwrap());
 }
 
 mod text_properties {

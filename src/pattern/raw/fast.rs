@@ -5,8 +5,8 @@
 //! leading zeros, no control characters in strings, only the escapes JSON defines), and it
 //! declines rather than guess: on anything it does not accept, and on what it leaves to
 //! serde_json (a `\u` escape, a named key with an escape, a key spelled like serde_json's
-//! number disguise, nesting past serde_json's limit of 128), the caller parses the text with
-//! serde_json instead, which then gives the error or the same answer.
+//! number disguise, nesting as deep as serde_json's limit of 128), the caller parses the text
+//! into a tree with serde_json instead, which then gives the error or the same answer.
 
 use std::borrow::Cow;
 
@@ -21,7 +21,7 @@ pub(super) struct Declined;
 
 type Step<T = ()> = Result<T, Declined>;
 
-/// serde_json's recursion limit: deeper texts are its to refuse.
+/// serde_json's recursion limit: it refuses a text nested this deep (127 levels parse).
 const MAX_DEPTH: u32 = 128;
 
 pub(super) fn scan<'de>(trie: &Trie, text: &'de str) -> Step<Result<Scanned<'de>, Ambiguous>> {
@@ -105,7 +105,7 @@ impl<'de> Scanner<'_, 'de> {
 
     fn nested(&mut self, inner: impl FnOnce(&mut Self) -> Step) -> Step {
         self.depth += 1;
-        if self.depth > MAX_DEPTH {
+        if self.depth >= MAX_DEPTH {
             return Err(Declined);
         }
         inner(self)?;
@@ -314,9 +314,12 @@ mod tests {
         ] {
             assert_eq!(kept(&t, text), Err(Declined), "{text}");
         }
-        let deep = format!("{}{}", "[".repeat(129), "]".repeat(129));
+        // serde_json parses 127 levels and refuses 128.
+        let deep = format!("{}{}", "[".repeat(128), "]".repeat(128));
+        assert!(serde_json::from_str::<serde_json::Value>(&deep).is_err());
         assert_eq!(kept(&t, &deep), Err(Declined));
-        let ok = format!("{}{}", "[".repeat(128), "]".repeat(128));
+        let ok = format!("{}{}", "[".repeat(127), "]".repeat(127));
+        assert!(serde_json::from_str::<serde_json::Value>(&ok).is_ok());
         assert!(kept(&t, &ok).is_ok());
         // Escapes where nothing is named are only checked; a repeated named key is ambiguous.
         assert!(kept(&t, r#"{"c": {"d\n": "x\t\""}, "a": {"b": 1}}"#).unwrap().len() == 1);
