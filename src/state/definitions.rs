@@ -521,6 +521,31 @@ mod tests {
         assert_eq!(decide("old-2", &old, seen(Some(&next), &[beat("new-1", &new, 5_000)], 0)), Gate::Wait(WaitReason::CommittedLive));
     }
 
+    /// The gate's path for a change with nothing to rebuild, from `old` (the orders rule
+    /// alone) to `new`: `new` waits while `old` is live, drains, commits generation 2, and
+    /// `old` then waits. The committed definitions before and after.
+    fn committed_without_rebuild(old: &Running, new: &Running) -> (Committed, Committed) {
+        assert_eq!(old.digest(), digest([("orders", "{A}")].into_iter(), PROTOCOL, None, None));
+        assert_ne!(old.digest(), new.digest());
+        let c = committed(old);
+        let beats = [beat("old-1", old, 5_000), beat("new-1", new, 5_000)];
+        assert_eq!(decide("new-1", new, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::CommittedLive));
+        let gone = [beat("new-1", new, 5_000)];
+        assert_eq!(decide("new-1", new, seen(Some(&c), &gone, 0)), Gate::Drain);
+        let Gate::Commit(next) = decide("new-1", new, seen(Some(&marked(&c, "new-1")), &gone, 0)) else { panic!() };
+        assert_eq!(next.generation, 2);
+        assert!(next.settled(), "nothing to rebuild or retire: {next:?}");
+        assert_eq!(decide("old-2", old, seen(Some(&next), &gone, 0)), Gate::Wait(WaitReason::CommittedLive));
+        (c, next)
+    }
+
+    /// Stored and read back; `field` is in the text exactly when `present`.
+    fn round_trips(c: &Committed, field: &str, present: bool) {
+        let text = serde_json::to_string(c).unwrap();
+        assert_eq!(text.contains(field), present, "{text}");
+        assert_eq!(&serde_json::from_str::<Committed>(&text).unwrap(), c);
+    }
+
     /// Naming the helper expiry attribute is a change like a rule's: the replicas that name it
     /// write nothing until none of those that do not (and would not remove expiries) is live,
     /// then commit it, with nothing to rebuild. Without one, the digest is what releases before
@@ -529,24 +554,12 @@ mod tests {
     fn the_helper_expiry_attribute_is_committed_like_a_rule() {
         let old = running(&[("orders", "{A}")]);
         let new = running(&[("orders", "{A}")]).with_expiry(Some("expiresAt".into()));
-        assert_eq!(old.digest(), digest([("orders", "{A}")].into_iter(), PROTOCOL, None, None));
-        assert_ne!(old.digest(), new.digest());
-        let c = committed(&old);
+        let (c, next) = committed_without_rebuild(&old, &new);
         assert_eq!(c.expiry, None);
-        let beats = [beat("old-1", &old, 5_000), beat("new-1", &new, 5_000)];
-        assert_eq!(decide("new-1", &new, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::CommittedLive));
-        let gone = [beat("new-1", &new, 5_000)];
-        assert_eq!(decide("new-1", &new, seen(Some(&c), &gone, 0)), Gate::Drain);
-        let Gate::Commit(next) = decide("new-1", &new, seen(Some(&marked(&c, "new-1")), &gone, 0)) else { panic!() };
-        assert_eq!((next.generation, next.expiry.as_deref()), (2, Some("expiresAt")));
-        assert!(next.settled(), "nothing to rebuild or retire: {next:?}");
+        assert_eq!(next.expiry.as_deref(), Some("expiresAt"));
         assert_eq!(decide("new-2", &new, seen(Some(&next), &[], 0)), Gate::Run);
-        assert_eq!(decide("old-2", &old, seen(Some(&next), &gone, 0)), Gate::Wait(WaitReason::CommittedLive));
-        // Stored and read back, with and without it.
         for c in [&c, &next] {
-            let text = serde_json::to_string(c).unwrap();
-            assert_eq!(text.contains("expiry"), c.expiry.is_some(), "{text}");
-            assert_eq!(&serde_json::from_str::<Committed>(&text).unwrap(), c);
+            round_trips(c, "expiry", c.expiry.is_some());
         }
     }
 
@@ -559,21 +572,10 @@ mod tests {
     fn copy_rules_are_committed_like_rules() {
         let old = running(&[("orders", "{A}")]);
         let new = running(&[("orders", "{A}")]).with_copies(Some("names\u{0}{C}".into()));
-        assert_eq!(old.digest(), digest([("orders", "{A}")].into_iter(), PROTOCOL, None, None));
-        assert_ne!(old.digest(), new.digest());
-        let c = committed(&old);
-        let beats = [beat("old-1", &old, 5_000), beat("new-1", &new, 5_000)];
-        assert_eq!(decide("new-1", &new, seen(Some(&c), &beats, 0)), Gate::Wait(WaitReason::CommittedLive));
-        let gone = [beat("new-1", &new, 5_000)];
-        assert_eq!(decide("new-1", &new, seen(Some(&c), &gone, 0)), Gate::Drain);
-        let Gate::Commit(next) = decide("new-1", &new, seen(Some(&marked(&c, "new-1")), &gone, 0)) else { panic!() };
-        assert_eq!((next.generation, next.copies.as_deref()), (2, Some("names\u{0}{C}")));
-        assert!(next.settled(), "nothing to rebuild or retire: {next:?}");
-        assert_eq!(decide("old-2", &old, seen(Some(&next), &gone, 0)), Gate::Wait(WaitReason::CommittedLive));
+        let (c, next) = committed_without_rebuild(&old, &new);
+        assert_eq!(next.copies.as_deref(), Some("names\u{0}{C}"));
         for c in [&c, &next] {
-            let text = serde_json::to_string(c).unwrap();
-            assert_eq!(text.contains("copies"), c.copies.is_some(), "{text}");
-            assert_eq!(&serde_json::from_str::<Committed>(&text).unwrap(), c);
+            round_trips(c, "copies", c.copies.is_some());
         }
     }
 

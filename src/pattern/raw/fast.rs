@@ -154,14 +154,8 @@ impl<'de> Scanner<'_, 'de> {
                 seen.push(c);
             }
             self.value(child)?;
-            self.whitespace();
-            match self.peek() {
-                Some(b',') => self.at += 1,
-                Some(b'}') => {
-                    self.at += 1;
-                    return Ok(());
-                }
-                _ => return Err(Declined),
+            if self.closed(b'}')? {
+                return Ok(());
             }
         }
     }
@@ -176,15 +170,25 @@ impl<'de> Scanner<'_, 'de> {
         loop {
             // Arrays fan out: each element stands where the array does.
             self.value(node)?;
-            self.whitespace();
-            match self.peek() {
-                Some(b',') => self.at += 1,
-                Some(b']') => {
-                    self.at += 1;
-                    return Ok(());
-                }
-                _ => return Err(Declined),
+            if self.closed(b']')? {
+                return Ok(());
             }
+        }
+    }
+
+    /// After a member or element: a comma (false: another follows) or `close` (true).
+    fn closed(&mut self, close: u8) -> Step<bool> {
+        self.whitespace();
+        match self.peek() {
+            Some(b',') => {
+                self.at += 1;
+                Ok(false)
+            }
+            Some(b) if b == close => {
+                self.at += 1;
+                Ok(true)
+            }
+            _ => Err(Declined),
         }
     }
 
