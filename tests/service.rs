@@ -27,7 +27,10 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     // namespace (by default derived from the state table's name, which would make it a second
     // deployment counting everything again).
     let namespace = [("DDB_AGGREGATOR__AGGREGATES__LEDGER_NAMESPACE", "orders")];
-    let mut svc = Service::start(&config, dir.path(), "svc", &namespace);
+    // A budget of 1 WCU a second per partition key: writes to the daily total (one a batch)
+    // and to busy customers wait for it, and every value is still exact.
+    let paced = [namespace[0], ("DDB_AGGREGATOR__AGGREGATES__PARTITION_WRITE_RATE", "1")];
+    let mut svc = Service::start(&config, dir.path(), "svc", &paced);
     let started = Instant::now();
     let writes = workload(&c, &table, 2000, 60, 8, 1).await;
     let write_time = started.elapsed();
@@ -76,6 +79,10 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     assert_eq!(metric(&m, "ddb_aggregator_leases_lost_total"), 0.0, "one replica loses no lease");
     assert!(calls < folded, "coalescing saved calls");
     assert_phases_account_for_batches(&m);
+    let waited = metric(&m, "ddb_aggregator_partition_pacing_seconds_count");
+    let waited_s = metric(&m, "ddb_aggregator_partition_pacing_seconds_sum");
+    println!("pacing at 1 WCU/s per partition key: {waited} writes waited {waited_s:.1} s in all");
+    assert!(waited > 0.0 && waited_s > 0.0, "writes waited for their partition key's budget:\n{m}");
     let (code, took) = svc.terminate();
     assert_eq!(code, Some(0), "SIGTERM exits 0:\n{}", svc.log_tail());
     assert!(took < Duration::from_secs(10), "drained in {took:?}");

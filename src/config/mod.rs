@@ -71,6 +71,9 @@ pub struct Config {
     pub ledger_namespace_explicit: bool,
     /// Most target writes a shard keeps in flight (`aggregates.write_concurrency`).
     pub write_concurrency: usize,
+    /// Most WCU per second to one partition key from this replica, 0: unpaced
+    /// (`aggregates.partition_write_rate`, [`crate::sink::pace`]).
+    pub partition_write_rate: u32,
     /// How often each replica folds the sharded totals it wrote (`aggregates.fold_interval`).
     pub fold_interval: Duration,
     /// The aggregates table's TTL attribute for helper items (`aggregates.helper_expiry_attribute`,
@@ -208,6 +211,10 @@ fn aws_settings(raw: Option<&raw::RawAws>) -> Result<AwsSettings, ConfigError> {
 /// batch sizes, CPU-bound); against DynamoDB's network latency a wider one can pay, so it is a
 /// setting.
 pub const DEFAULT_WRITE_CONCURRENCY: usize = 16;
+
+/// `aggregates.partition_write_rate` when not set: 800 WCU/s and a burst of 100 keep one key
+/// at or under 900 WCU in any second, under a DynamoDB partition's 1,000.
+pub const DEFAULT_PARTITION_WRITE_RATE: u32 = 800;
 
 /// A configuration error: where and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -472,6 +479,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         Some(n @ 1..=256) => n as usize,
         Some(n) => return Err(err("aggregates.write_concurrency", format!("{n}: use 1 to 256"))),
     };
+    let partition_write_rate = match raw.aggregates.as_ref().and_then(|a| a.partition_write_rate) {
+        None => DEFAULT_PARTITION_WRITE_RATE,
+        Some(n @ 0..=100_000) => n,
+        Some(n) => return Err(err("aggregates.partition_write_rate", format!("{n}: use 0 (no pacing) to 100000 WCU per second"))),
+    };
     let fold_interval = duration("aggregates.fold_interval", raw.aggregates.as_ref().and_then(|a| a.fold_interval.as_deref()), "1s")?;
     if fold_interval < Duration::from_millis(100) || fold_interval > Duration::from_secs(3600) {
         return Err(err("aggregates.fold_interval", format!("{fold_interval:?}: use 100ms to 1h (default 1s)")));
@@ -594,6 +606,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         ledger_namespace_explicit,
         helper_expiry_attribute,
         write_concurrency,
+        partition_write_rate,
         fold_interval,
         dead_letter,
         reconcile_interval,

@@ -164,6 +164,13 @@ pub struct RawAggregates {
     #[serde(default)]
     #[schemars(range(min = 1, max = 256))]
     pub write_concurrency: Option<u32>,
+    /// Most WCU per second this replica writes to one partition key, 0 to 100,000 (default
+    /// 800; 0: no pacing). A target and its helper items share a partition key, and a
+    /// partition takes about 1,000 WCU/s: writes beyond the budget wait instead of being
+    /// throttled.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 100000))]
+    pub partition_write_rate: Option<u32>,
     /// The table's TTL attribute, for the helper items of max, min, latest and distinct: one at
     /// zero gets an expiry there (once TTL is enabled on it), and every helper write removes
     /// it (default: none, helpers at zero stay).

@@ -495,6 +495,20 @@ fn write_concurrency_defaults_takes_1_to_256_and_needs_no_aggregates_table() {
     }
 }
 
+#[test]
+fn partition_write_rate_defaults_to_800_and_takes_0_to_100000() {
+    assert_eq!(load(DEMO).unwrap().partition_write_rate, 800);
+    let set = |v: &str| {
+        demo_with("aggregates:\n  table: commerce-main\n", &format!("aggregates:\n  table: commerce-main\n  partition_write_rate: {v}\n"))
+    };
+    assert_eq!(load(&set("0")).unwrap().partition_write_rate, 0, "0 turns pacing off");
+    assert_eq!(load(&set("100000")).unwrap().partition_write_rate, 100_000);
+    assert_eq!(load_err(&set("100001")), "aggregates.partition_write_rate: 100001: use 0 (no pacing) to 100000 WCU per second");
+    assert!(load_err(&set("-1")).contains("aggregates.partition_write_rate"), "a negative rate names its key");
+    let env = vec![("DDB_AGGREGATOR__AGGREGATES__PARTITION_WRITE_RATE".to_string(), "2400".to_string())];
+    assert_eq!(Config::from_yaml(DEMO, env).unwrap().partition_write_rate, 2400);
+}
+
 const DAILY_TARGET: &str = r#"target: { PK: "SALES#{date|day}", SK: "TOTAL" }"#;
 
 fn sharded(n: &str) -> String {

@@ -10,6 +10,7 @@ pub mod expiry;
 pub mod hold;
 pub mod ledger;
 pub mod memory;
+pub mod pace;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -72,6 +72,7 @@ pub fn install_metrics(gauge_idle: Duration) -> Result<PrometheusHandle, String>
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::END_TO_END_LAG_SECONDS.into()), &buckets))
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::BATCH_PHASE_SECONDS.into()), &PHASE_BUCKETS))
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::BATCH_WRITES_IN_FLIGHT.into()), &IN_FLIGHT_BUCKETS))
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(names::PARTITION_PACING_SECONDS.into()), &PHASE_BUCKETS))
         .map_err(|e| e.to_string())?
         .idle_timeout(metrics_util::MetricKindMask::GAUGE, Some(gauge_idle))
         .install_recorder()

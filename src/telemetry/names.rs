@@ -63,6 +63,8 @@ pub const END_TO_END_LAG_SECONDS: &str = "ddb_aggregator_end_to_end_lag_seconds"
 pub const BATCH_PHASE_SECONDS: &str = "ddb_aggregator_batch_phase_seconds";
 /// Target writes a batch kept in flight at once (its write window, [`crate::worker::window`]).
 pub const BATCH_WRITES_IN_FLIGHT: &str = "ddb_aggregator_batch_writes_in_flight";
+/// How long a write waited for its partition key's budget (`aggregates.partition_write_rate`).
+pub const PARTITION_PACING_SECONDS: &str = "ddb_aggregator_partition_pacing_seconds";
 pub const SHARDS: &str = "ddb_aggregator_shards";
 pub const LEASES_HELD: &str = "ddb_aggregator_leases_held";
 pub const GET_RECORDS: &str = "ddb_aggregator_get_records_total";
@@ -147,6 +149,11 @@ pub fn describe() {
     describe_histogram!(
         BATCH_WRITES_IN_FLIGHT,
         "Target writes a batch kept in flight at once: its targets, up to a window that grows while batches need more and halves on throttling (aggregates.write_concurrency caps it)."
+    );
+    describe_histogram!(
+        PARTITION_PACING_SECONDS,
+        Unit::Seconds,
+        "Writes that waited for their partition key's budget (aggregates.partition_write_rate), by how long; writes that did not wait are not recorded."
     );
     describe_gauge!(SHARDS, "Shards of the stream by state (reading, waiting, finished).");
     describe_gauge!(LEASES_HELD, "Shard leases this replica holds.");

@@ -21,6 +21,7 @@ use super::Shared;
 use crate::rules::{TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
 use crate::sink::expiry::{self, Expiry};
+use crate::sink::pace::Spent;
 use crate::sink::{is_helper, write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
@@ -186,10 +187,14 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         let store = shared.sink.as_ref();
         let ctx = ShardContext { plan: shared.floor_plan(), expiry, oldest_ms, ..self.ctx.clone() };
         let ctx = &ctx;
+        let paced_by = shared.as_ref();
         let mut writes = Vec::with_capacity(targets.len());
         for (key, delta) in targets {
             let seen = shared.take_seen(key);
-            writes.push(async move { (key, delta, write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref()).await) });
+            writes.push(async move {
+                let write = write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref());
+                (key, delta, paced_by.paced(key, write, written).await)
+            });
         }
         let in_flight = self.window.in_flight(writes.len());
         if !writes.is_empty() {
@@ -254,7 +259,8 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         let expiry = expiry.as_ref();
         let mut runs = Vec::with_capacity(derive.len());
         for t in &derive {
-            runs.push(async move { (&t.key, crate::sink::derive::derive_target(store, key_names, ledger, t, expiry).await) });
+            let run = crate::sink::derive::derive_target(store, key_names, ledger, t, expiry);
+            runs.push(async move { (&t.key, shared.paced(&t.key, run, derived).await) });
         }
         let in_flight = self.window.in_flight(runs.len());
         let results: Vec<_> = stream::iter(runs).buffer_unordered(in_flight).collect().await;
@@ -514,4 +520,20 @@ fn record_write<S, L, A>(shared: &Shared<S, L, A>, stats: &crate::sink::WriteSta
     metrics::counter!(names::COALESCED_UPDATES).increment(stats.applied_records + stats.skipped_records);
     metrics::counter!(names::WRITE_CAPACITY_UNITS).increment(stats.capacity.round() as u64);
     shared.capacity_milli.fetch_add((stats.capacity * 1000.0).round() as u64, Ordering::Relaxed);
+}
+
+/// What a target write spent, for its partition key's budget.
+fn written(r: &Result<crate::sink::WriteStats, SinkError>) -> Spent {
+    match r {
+        Ok(stats) => Spent { cost: Some(stats.capacity), throttled: stats.throttled > 0 },
+        Err(e) => Spent { cost: None, throttled: matches!(e, SinkError::Throttled(_)) },
+    }
+}
+
+/// What a derivation spent, for its partition key's budget.
+fn derived(r: &Result<crate::sink::derive::DeriveStats, SinkError>) -> Spent {
+    match r {
+        Ok(stats) => Spent { cost: Some(stats.write_capacity), throttled: false },
+        Err(e) => Spent { cost: None, throttled: matches!(e, SinkError::Throttled(_)) },
+    }
 }

@@ -90,6 +90,8 @@ pub struct Shared<S, L, A> {
     pub expiry_after_ms: u64,
     /// The table the copy rules write ([`crate::sink::copy`]); None: no copy rules.
     pub copies: Option<Arc<dyn crate::sink::copy::CopyStore>>,
+    /// This replica's budget per partition key (`aggregates.partition_write_rate`); None: unpaced.
+    pub pacer: Option<crate::sink::pace::Pacer>,
 }
 
 impl<S, L, A> Shared<S, L, A> {
@@ -97,6 +99,7 @@ impl<S, L, A> Shared<S, L, A> {
         let expiry_attribute = config.helper_expiry_attribute.clone();
         let engine = config.engine.clone();
         let ledger = crate::sink::ledger::Ledger::new(&config.ledger_namespace);
+        let pacer = crate::sink::pace::Pacer::new(config.partition_write_rate);
         Shared {
             config,
             engine,
@@ -125,6 +128,7 @@ impl<S, L, A> Shared<S, L, A> {
             expiry_own: Default::default(),
             expiry_after_ms: crate::sink::expiry::EXPIRE_AFTER_MS,
             copies: None,
+            pacer,
         }
     }
 
@@ -236,6 +240,22 @@ impl<S, L, A> Shared<S, L, A> {
             p.clear();
         }
         p.insert(key.clone(), seen);
+    }
+
+    /// Runs a write to `key`'s item within its partition key's budget ([`crate::sink::pace`]):
+    /// waits for it first, then settles what the write `spent` (a failed write keeps its
+    /// estimate charged; a throttled one slows the key's next writes).
+    pub async fn paced<T, E>(
+        &self,
+        key: &crate::rules::TargetKey,
+        write: impl std::future::Future<Output = Result<T, E>>,
+        spent: impl FnOnce(&Result<T, E>) -> crate::sink::pace::Spent,
+    ) -> Result<T, E> {
+        let (Some(pacer), Some(pk)) = (&self.pacer, key.0.first()) else { return write.await };
+        let reserved = pacer.reserve(pk).await;
+        let out = write.await;
+        pacer.settle(pk, reserved, spent(&out));
+        out
     }
 
     pub fn floor_plan(&self) -> Option<Arc<crate::sink::ledger::FloorPlan>> {

@@ -1,0 +1,273 @@
+//! Keeps one replica's writes to one partition key under a rate (`aggregates.partition_write_rate`).
+//!
+//! A DynamoDB partition takes about 1,000 WCU/s. A target and its helper items (max, min,
+//! latest, distinct) share a partition key, and a reader catching up writes a batch's worth of
+//! them at once: a busy customer's helpers alone can pass the limit, and the table throttles.
+//! Pacing spreads them out instead, as a token bucket per partition key:
+//!
+//! - a key holds up to `burst` WCU of credit and earns `rate` WCU per second;
+//! - a write reserves its expected cost before it is sent (the last cost seen on the key, 1 WCU
+//!   at first) and waits until the key's credit is back to zero if that took it below;
+//! - once the write is done its real cost settles the difference.
+//!
+//! So in any second a key takes at most `burst + rate` WCU from this replica (plus what writes
+//! cost beyond their estimate). Pacing only delays writes: which records are applied, and how,
+//! does not depend on it. A target written from many shards (a global total) is the business of
+//! `write_shards`, not of this per-replica budget.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Keys held before idle ones (credit full again) are dropped.
+const KEYS_BEFORE_SWEEP: usize = 4096;
+
+/// One partition key's credit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Bucket {
+    /// WCU of credit at `at_ms` (below zero: owed by writes already sent).
+    credit: f64,
+    at_ms: u64,
+    /// What the last write to the key cost (the next one's estimate).
+    last_cost: f64,
+}
+
+/// A token bucket's rate and size, in WCU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Budget {
+    /// Credit earned per second.
+    pub rate: f64,
+    /// Most credit a key holds.
+    pub burst: f64,
+}
+
+impl Budget {
+    /// A budget of `rate` WCU/s whose burst is an eighth of it, so that a key takes at most
+    /// `1.125 x rate` in any second: 900 at the default 800, which leaves room for writes that
+    /// cost more than their estimate under DynamoDB's 1,000.
+    pub fn of_rate(rate: u32) -> Budget {
+        let rate = f64::from(rate.max(1));
+        Budget { rate, burst: (rate / 8.0).max(1.0) }
+    }
+
+    /// The bucket as of `now_ms`: credit earned since, up to the burst.
+    fn refill(&self, b: Bucket, now_ms: u64) -> Bucket {
+        let earned = now_ms.saturating_sub(b.at_ms) as f64 * self.rate / 1000.0;
+        Bucket { credit: (b.credit + earned).min(self.burst), at_ms: now_ms.max(b.at_ms), ..b }
+    }
+
+    /// Reserves a write's expected cost on a key (None: not seen yet, full credit): the key's
+    /// bucket after it, and how long the write waits (until the credit is back to zero).
+    fn reserve(&self, b: Option<Bucket>, now_ms: u64) -> (Bucket, Duration) {
+        let b = self.refill(b.unwrap_or(Bucket { credit: self.burst, at_ms: now_ms, last_cost: 1.0 }), now_ms);
+        let credit = b.credit - b.last_cost;
+        let wait = if credit >= 0.0 { Duration::ZERO } else { Duration::from_secs_f64(-credit / self.rate) };
+        (Bucket { credit, ..b }, wait)
+    }
+
+    /// A write that reserved `reserved` and cost `cost` settles the difference; its cost is the
+    /// key's next estimate.
+    fn settle(&self, b: Bucket, reserved: f64, cost: f64, now_ms: u64) -> Bucket {
+        let b = self.refill(b, now_ms);
+        Bucket { credit: (b.credit + reserved - cost).min(self.burst), last_cost: cost.max(1.0), ..b }
+    }
+
+    /// The table throttled a write to the key anyway (another writer shares it, or writes cost
+    /// more than estimated): the key's next write waits at least a burst's worth of time.
+    fn throttled(&self, b: Bucket, now_ms: u64) -> Bucket {
+        let b = self.refill(b, now_ms);
+        Bucket { credit: b.credit.min(-self.burst), ..b }
+    }
+
+    /// Whether a key's bucket is full again by `now_ms` (dropping it changes nothing).
+    fn idle(&self, b: Bucket, now_ms: u64) -> bool {
+        self.refill(b, now_ms).credit >= self.burst
+    }
+}
+
+/// What a paced write cost, as far as it is known.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Spent {
+    /// WCU consumed (None: the write failed, and its estimate stays charged).
+    pub cost: Option<f64>,
+    /// The table throttled one of its calls.
+    pub throttled: bool,
+}
+
+/// A reservation to settle once the write is done ([`Pacer::settle`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[must_use]
+pub struct Reserved(f64);
+
+/// The partition keys this replica writes, each with its own bucket.
+#[derive(Debug)]
+pub struct Pacer {
+    budget: Budget,
+    /// The pacer's clock starts at its first use (tokio's clock: paused and advanced in
+    /// simulations, so read inside the runtime).
+    started: std::sync::OnceLock<tokio::time::Instant>,
+    keys: Mutex<HashMap<String, Bucket>>,
+    waited_ms: AtomicU64,
+    waits: AtomicU64,
+}
+
+impl Pacer {
+    /// None for a rate of 0 (no pacing).
+    pub fn new(rate: u32) -> Option<Pacer> {
+        (rate > 0).then(|| Pacer {
+            budget: Budget::of_rate(rate),
+            started: std::sync::OnceLock::new(),
+            keys: Mutex::default(),
+            waited_ms: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        let started = self.started.get_or_init(tokio::time::Instant::now);
+        u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Bucket>> {
+        self.keys.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Waits until a write to `partition_key` fits the budget; settle it when done.
+    pub async fn reserve(&self, partition_key: &str) -> Reserved {
+        let now = self.now_ms();
+        let (reserved, wait) = {
+            let mut keys = self.keys();
+            if keys.len() >= KEYS_BEFORE_SWEEP && !keys.contains_key(partition_key) {
+                keys.retain(|_, b| !self.budget.idle(*b, now));
+            }
+            let (b, wait) = self.budget.reserve(keys.get(partition_key).copied(), now);
+            keys.insert(partition_key.to_string(), b);
+            (b.last_cost, wait)
+        };
+        if !wait.is_zero() {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            self.waited_ms.fetch_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
+            metrics::histogram!(crate::telemetry::names::PARTITION_PACING_SECONDS).record(wait.as_secs_f64());
+            tokio::time::sleep(wait).await;
+        }
+        Reserved(reserved)
+    }
+
+    /// Settles a reservation with what the write cost (None: unknown, the estimate stays
+    /// charged), and whether the table throttled it.
+    pub fn settle(&self, partition_key: &str, reserved: Reserved, spent: Spent) {
+        let now = self.now_ms();
+        let mut keys = self.keys();
+        if let Some(mut b) = keys.get(partition_key).copied() {
+            if let Some(cost) = spent.cost {
+                b = self.budget.settle(b, reserved.0, cost, now);
+            }
+            if spent.throttled {
+                b = self.budget.throttled(b, now);
+            }
+            keys.insert(partition_key.to_string(), b);
+        }
+    }
+
+    /// Writes that waited, and for how long in all (ms), since the pacer started.
+    pub fn waited(&self) -> (u64, u64) {
+        (self.waits.load(Ordering::Relaxed), self.waited_ms.load(Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sends `writes` writes of `cost` WCU each as fast as the budget lets them, one after the
+    /// other, from `start_ms`; the most WCU sent in any calendar second.
+    fn peak_per_second(budget: &Budget, writes: usize, cost: f64, start_ms: u64) -> f64 {
+        let mut bucket = None;
+        let mut now = start_ms;
+        let mut per_second: HashMap<u64, f64> = HashMap::new();
+        for _ in 0..writes {
+            let (b, wait) = budget.reserve(bucket, now);
+            now += u64::try_from(wait.as_millis()).unwrap() + u64::from(wait.subsec_nanos() % 1_000_000 > 0);
+            *per_second.entry(now / 1000).or_default() += cost;
+            bucket = Some(budget.settle(b, b.last_cost, cost, now));
+        }
+        per_second.into_values().fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn a_key_takes_at_most_its_rate_and_burst_in_any_second() {
+        let budget = Budget::of_rate(800);
+        assert_eq!(budget.burst, 100.0);
+        for start in [0, 1, 500, 999] {
+            let peak = peak_per_second(&budget, 5_000, 1.0, start);
+            assert!((800.0..=900.0).contains(&peak), "start {start}: {peak} WCU in one second");
+        }
+        // Writes of 3 WCU: the estimate learns the cost after the first.
+        let peak = peak_per_second(&budget, 2_000, 3.0, 0);
+        assert!(peak <= 903.0, "{peak} WCU in one second at 3 WCU a write");
+    }
+
+    #[test]
+    fn the_burst_goes_at_once_and_the_rest_waits_its_turn() {
+        let budget = Budget::of_rate(800);
+        let mut b = None;
+        let mut waits = Vec::new();
+        for _ in 0..103 {
+            let (next, wait) = budget.reserve(b, 10_000);
+            b = Some(next);
+            waits.push(wait);
+        }
+        assert!(waits[..100].iter().all(Duration::is_zero), "the burst of 100 goes at once");
+        // The 101st is 1 WCU in debt: 1/800 s; the 103rd 3/800 s.
+        assert_eq!(waits[100], Duration::from_secs_f64(1.0 / 800.0));
+        assert_eq!(waits[102], Duration::from_secs_f64(3.0 / 800.0));
+    }
+
+    #[test]
+    fn credit_comes_back_with_time_up_to_the_burst() {
+        let budget = Budget::of_rate(800);
+        let (b, _) = budget.reserve(None, 0);
+        let spent = Bucket { credit: -100.0, ..b };
+        assert_eq!(budget.refill(spent, 125).credit, 0.0, "100 WCU owed, earned back in 125 ms");
+        assert_eq!(budget.refill(spent, 60_000).credit, 100.0, "never above the burst");
+        assert!(budget.idle(spent, 60_000) && !budget.idle(spent, 200));
+        // A clock that goes back earns nothing and loses nothing.
+        assert_eq!(budget.refill(Bucket { at_ms: 1_000, ..spent }, 900).credit, -100.0);
+    }
+
+    #[test]
+    fn settling_charges_what_the_write_cost_and_refunds_one_never_sent() {
+        let budget = Budget::of_rate(800);
+        let (b, _) = budget.reserve(None, 0);
+        assert_eq!(b.credit, 99.0);
+        let dearer = budget.settle(b, 1.0, 4.0, 0);
+        assert_eq!((dearer.credit, dearer.last_cost), (96.0, 4.0), "3 WCU more than reserved; the next estimate is 4");
+        let unsent = budget.settle(dearer, 4.0, 0.0, 0);
+        assert_eq!((unsent.credit, unsent.last_cost), (100.0, 1.0), "refunded, and the estimate never below 1 WCU");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pacer_delays_writes_past_the_burst_and_counts_the_waits() {
+        let pacer = Pacer::new(400).unwrap();
+        let started = tokio::time::Instant::now();
+        for _ in 0..200 {
+            let r = pacer.reserve("CUST#c1").await;
+            pacer.settle("CUST#c1", r, Spent { cost: Some(1.0), throttled: false });
+        }
+        // 50 go at once, the other 150 at 400 a second.
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(374) && took <= Duration::from_millis(385), "{took:?}");
+        let other = tokio::time::Instant::now();
+        let r = pacer.reserve("CUST#c2").await;
+        pacer.settle("CUST#c2", r, Spent { cost: Some(1.0), throttled: true });
+        assert_eq!(other.elapsed(), Duration::ZERO, "another key has its own budget");
+        let after_throttle = tokio::time::Instant::now();
+        let _ = pacer.reserve("CUST#c2").await;
+        // A throttled key's next write waits for a burst and its own cost: 51/400 s.
+        let waited = after_throttle.elapsed();
+        assert!(waited >= Duration::from_millis(127) && waited <= Duration::from_millis(129), "{waited:?}");
+        assert_eq!(pacer.waited().0, 151);
+        assert!(Pacer::new(0).is_none(), "0: no pacing");
+    }
+}
