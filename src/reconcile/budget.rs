@@ -3,7 +3,10 @@
 //! not starve the service or the application of capacity.
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock: the system's in the service, the simulated one in a simulation.
+use tokio::time::Instant;
 
 /// Read capacity units per second across every read of one reconcile; None: unlimited.
 #[derive(Debug)]

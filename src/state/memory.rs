@@ -61,6 +61,11 @@ impl MemoryLeases {
         self.jobs().len()
     }
 
+    /// The pending copy fan-out jobs as stored (a simulation explains what waits).
+    pub fn copy_jobs_snapshot(&self) -> Vec<crate::rules::copy::job::StoredJob> {
+        self.jobs().values().cloned().collect()
+    }
+
     /// Copy fan-out jobs recorded so far.
     pub fn copy_jobs_recorded(&self) -> u64 {
         self.jobs_recorded.load(std::sync::atomic::Ordering::Relaxed)

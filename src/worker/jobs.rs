@@ -10,9 +10,11 @@
 //! version, which the copies' conditions refuse or make no difference.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
+// tokio's clock: the system's in the service, the simulated one in a simulation.
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
