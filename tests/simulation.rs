@@ -84,6 +84,9 @@ fn scale() {
             own_expiry: std::env::var("SIM_EXPIRY").is_ok_and(|v| v == "own"),
             // DynamoDB's per-partition limit (0: none, to compare).
             partition_limit_wcu: Some(env("SIM_PARTITION_LIMIT", 1000) as f64).filter(|l| *l > 0.0),
+            // The replicas' aggregates.partition_write_rate (unset: the service's default; 0:
+            // no pacing, to compare).
+            partition_write_rate: std::env::var("SIM_PACING").ok().and_then(|v| v.parse().ok()),
             // The daily totals' write_shards (0: unsharded).
             daily_shards: u16::try_from(env("SIM_WRITE_SHARDS", 0)).ok().filter(|n| *n > 0),
             // Every partition at SIM_PEAK_RATE records a second (0: no peak) for 10 minutes.

@@ -104,6 +104,9 @@ pub struct Params {
     /// Simulated milliseconds every call of the replicas (stream, leases, aggregates) takes
     /// to answer; 0: calls answer at once.
     pub call_latency_ms: u64,
+    /// The replicas' `aggregates.partition_write_rate` (None: the service's default; 0: no
+    /// pacing).
+    pub partition_write_rate: Option<u32>,
 }
 
 /// A peak-load phase: `per_partition_per_s` records a second per partition for `minutes`,
@@ -137,6 +140,7 @@ impl Default for Params {
             daily_shards: None,
             order_lifetime_days: ORDER_LIFETIME_DAYS,
             call_latency_ms: 0,
+            partition_write_rate: None,
         }
     }
 }
@@ -436,6 +440,10 @@ impl Report {
 
 /// Runs one seeded simulation to its end.
 pub fn run(p: &Params) -> Report {
+    // SIM_LOG=<filter> prints the replicas' log lines (e.g. `ddb_aggregator::worker::jobs=info`).
+    if let Ok(filter) = std::env::var("SIM_LOG") {
+        let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(filter)).with_test_writer().try_init();
+    }
     let started = std::time::Instant::now();
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("runtime");
     fastrand::seed(p.seed);
@@ -785,6 +793,9 @@ impl World {
         let b = slot == self.p.replicas;
         let fate = Arc::new(Fate::default());
         let mut config = if b { config_b() } else { config_a(self.p.daily_shards) };
+        if let Some(rate) = self.p.partition_write_rate {
+            config.partition_write_rate = rate;
+        }
         let fold_interval = config.fold_interval;
         let namespace = config.ledger_namespace.clone();
         // What `run_stream` does on a stream that follows another (service.rs).
@@ -961,7 +972,8 @@ impl World {
                         draining_since = None;
                         next_check = now + DAY;
                     } else if now - since > 12 * HOUR {
-                        self.report.problems.push(format!("day {}: not caught up 12 h after writes stopped", (now - start) / DAY));
+                        let why = self.not_caught_up();
+                        self.report.problems.push(format!("day {}: not caught up 12 h after writes stopped ({why})", (now - start) / DAY));
                         draining_since = None;
                         next_check = now + DAY;
                     }
@@ -988,7 +1000,8 @@ impl World {
         if self.caught_up() {
             self.check().await;
         } else {
-            self.report.problems.push("not caught up 12 h after the end".into());
+            let why = self.not_caught_up();
+            self.report.problems.push(format!("not caught up 12 h after the end ({why})"));
         }
         self.finish().await;
     }
@@ -1719,6 +1732,44 @@ impl World {
     /// deployments.
     fn caught_up(&self) -> bool {
         [&self.leases_a, &self.leases_b].iter().all(|leases| leases.copy_jobs_pending() == 0) && self.shards_read()
+    }
+
+    /// What [`World::caught_up`] waits for, in words.
+    fn not_caught_up(&self) -> String {
+        let jobs: Vec<usize> = [&self.leases_a, &self.leases_b].iter().map(|l| l.copy_jobs_pending()).collect();
+        let now = now_ms();
+        let stored = self.leases_a.copy_jobs_snapshot();
+        let mut owners: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+        for j in &stored {
+            let o = owners.entry(j.owner.clone().unwrap_or_else(|| "-".into())).or_default();
+            if j.expires_at_ms > now {
+                o.0 += 1;
+            } else {
+                o.1 += 1;
+            }
+        }
+        let claimed: Vec<String> = stored
+            .iter()
+            .filter(|j| j.owner.is_some() && j.expires_at_ms > now)
+            .take(4)
+            .map(|j| {
+                format!(
+                    "{} found {} cursor {:?} age {} s",
+                    j.job.id(),
+                    j.job.found,
+                    j.job.cursor,
+                    now.saturating_sub(j.job.created_ms) / 1000
+                )
+            })
+            .collect();
+        let not_due = stored.iter().filter(|j| j.job.due_ms > now).count();
+        let oldest = stored.iter().map(|j| now.saturating_sub(j.job.created_ms) / 1000).max().unwrap_or(0);
+        let live: Vec<String> = self.replicas.iter().flatten().map(|r| format!("{}", r.fate.dead.load(Ordering::Relaxed))).collect();
+        format!(
+            "copy jobs pending {jobs:?} (by owner: claimed, lapsed {owners:?}; not due {not_due}; oldest {oldest} s; replicas dead {live:?}; claimed: {claimed:?}), every shard read {}, closed shards done {}",
+            self.shards_read(),
+            self.closed_shards_done()
+        )
     }
 
     /// Every listed shard read to its last record, by both deployments.
