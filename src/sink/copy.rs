@@ -213,7 +213,10 @@ pub async fn fan_out_page(
     let mut writes = Vec::with_capacity(due.len());
     let attribute = attribute.as_str();
     for f in due {
-        writes.push(async move { (f, store.write(&f.key, change, attribute).await) });
+        // A transient failure is retried here (the write is conditioned on its version, so a
+        // write that took effect is found older), not by failing the page: one page writes
+        // 100 copies, and a job that restarted its page on any of them would rarely finish.
+        writes.push(async move { (f, super::retrying(|| store.write(&f.key, change, attribute)).await) });
     }
     let results: Vec<_> = stream::iter(writes).buffer_unordered(in_flight.max(1)).collect().await;
     for (found, result) in results {

@@ -140,3 +140,77 @@ async fn a_write_to_an_item_deleted_after_the_query_does_not_create_it() {
     assert_eq!(s.write(&gone, &c, "_aggc:names").await.unwrap(), CopyOutcome::Gone);
     assert!(get(&s, "CUST#c1", "ORDER#000").is_none());
 }
+
+/// A store whose copy writes fail with a transient error every other call, after taking
+/// effect half of those times (as a timeout can).
+struct Flaky {
+    inner: Arc<MemorySources>,
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl CopyStore for Flaky {
+    fn find<'a>(
+        &'a self,
+        q: &'a FindQuery,
+        version: &'a str,
+        project: &'a [String],
+        start: Option<&'a ItemKey>,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<FoundPage, SinkError>> {
+        self.inner.find(q, version, project, start, limit)
+    }
+
+    fn correct<'a>(
+        &'a self,
+        key: &'a ItemKey,
+        fix: &'a CopyFix,
+        version: &'a str,
+        read: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Corrected, SinkError>> {
+        self.inner.correct(key, fix, version, read)
+    }
+
+    fn source<'a>(&'a self, key: &'a ItemKey, attributes: &'a [String]) -> BoxFuture<'a, Result<Option<Map<String, Value>>, SinkError>> {
+        self.inner.source(key, attributes)
+    }
+
+    fn write<'a>(&'a self, key: &'a ItemKey, change: &'a CopyChange, version: &'a str) -> BoxFuture<'a, Result<CopyOutcome, SinkError>> {
+        Box::pin(async move {
+            let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match n % 4 {
+                1 => Err(SinkError::Transient("timed out before it was sent".into())),
+                3 => {
+                    self.inner.write(key, change, version).await?;
+                    Err(SinkError::Transient("timed out after it took effect".into()))
+                }
+                _ => self.inner.write(key, change, version).await,
+            }
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_page_retries_a_copy_write_that_failed_for_a_moment_instead_of_failing() {
+    let s = store(10);
+    profile(&s, Some("Bea"));
+    let flaky = Flaky { inner: s.clone(), calls: Default::default() };
+    let c = change("5", Some("Bea"), Some(SortValue::BeginsWith("ORDER#".into())));
+    let (mut cursor, mut found, mut written, mut older) = (None, 0, 0, 0);
+    for _ in 0..10 {
+        // Pages of 3 (the store's page size): none fails.
+        let out = fan_out_page(&flaky, &rule(), &c, 1, cursor.as_ref(), 100).await.unwrap();
+        (found, written, older) = (found + out.found, written + out.written, older + out.older);
+        cursor = out.next;
+        if cursor.is_none() {
+            break;
+        }
+    }
+    assert_eq!((found, cursor), (10, None));
+    // Every order holds the name; a write that took effect before its error is found older
+    // when retried.
+    assert_eq!(written + older, 10, "{written} written, {older} older");
+    assert!(older > 0, "a retried write that had taken effect is found older");
+    for i in 0..10 {
+        assert_eq!(name_on(&s, "CUST#c1", &format!("ORDER#{i:03}")), Some(json!({"S": "Bea"})));
+    }
+}
