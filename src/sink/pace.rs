@@ -20,8 +20,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// Keys held before idle ones (credit full again) are dropped.
+/// Keys held before idle ones (credit full again) are dropped; after a sweep, the next one
+/// waits until the keys left have doubled, so sweeps cost O(1) a write however many keys are busy.
 const KEYS_BEFORE_SWEEP: usize = 4096;
+
+/// The buckets of the keys seen lately, and the count at which idle ones are dropped next.
+#[derive(Debug)]
+struct Keys {
+    buckets: HashMap<String, Bucket>,
+    sweep_at: usize,
+}
+
+impl Default for Keys {
+    fn default() -> Keys {
+        Keys { buckets: HashMap::new(), sweep_at: KEYS_BEFORE_SWEEP }
+    }
+}
 
 /// One partition key's credit.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -107,7 +121,7 @@ pub struct Pacer {
     /// The pacer's clock starts at its first use (tokio's clock: paused and advanced in
     /// simulations, so read inside the runtime).
     started: std::sync::OnceLock<tokio::time::Instant>,
-    keys: Mutex<HashMap<String, Bucket>>,
+    keys: Mutex<Keys>,
     waited_ms: AtomicU64,
     waits: AtomicU64,
 }
@@ -129,7 +143,7 @@ impl Pacer {
         u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Bucket>> {
+    fn keys(&self) -> std::sync::MutexGuard<'_, Keys> {
         self.keys.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -138,11 +152,12 @@ impl Pacer {
         let now = self.now_ms();
         let (reserved, wait) = {
             let mut keys = self.keys();
-            if keys.len() >= KEYS_BEFORE_SWEEP && !keys.contains_key(partition_key) {
-                keys.retain(|_, b| !self.budget.idle(*b, now));
+            if keys.buckets.len() >= keys.sweep_at && !keys.buckets.contains_key(partition_key) {
+                keys.buckets.retain(|_, b| !self.budget.idle(*b, now));
+                keys.sweep_at = (2 * keys.buckets.len()).max(KEYS_BEFORE_SWEEP);
             }
-            let (b, wait) = self.budget.reserve(keys.get(partition_key).copied(), now);
-            keys.insert(partition_key.to_string(), b);
+            let (b, wait) = self.budget.reserve(keys.buckets.get(partition_key).copied(), now);
+            keys.buckets.insert(partition_key.to_string(), b);
             (b.last_cost, wait)
         };
         if !wait.is_zero() {
@@ -159,14 +174,14 @@ impl Pacer {
     pub fn settle(&self, partition_key: &str, reserved: Reserved, spent: Spent) {
         let now = self.now_ms();
         let mut keys = self.keys();
-        if let Some(mut b) = keys.get(partition_key).copied() {
+        if let Some(mut b) = keys.buckets.get(partition_key).copied() {
             if let Some(cost) = spent.cost {
                 b = self.budget.settle(b, reserved.0, cost, now);
             }
             if spent.throttled {
                 b = self.budget.throttled(b, now);
             }
-            keys.insert(partition_key.to_string(), b);
+            keys.buckets.insert(partition_key.to_string(), b);
         }
     }
 
@@ -245,6 +260,33 @@ mod tests {
         assert_eq!((dearer.credit, dearer.last_cost), (96.0, 4.0), "3 WCU more than reserved; the next estimate is 4");
         let unsent = budget.settle(dearer, 4.0, 0.0, 0);
         assert_eq!((unsent.credit, unsent.last_cost), (100.0, 1.0), "refunded, and the estimate never below 1 WCU");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_keys_are_dropped_and_busy_ones_kept() {
+        let pacer = Pacer::new(800).unwrap();
+        let spent = Spent { cost: Some(1.0), throttled: false };
+        // The customers and the total make KEYS_BEFORE_SWEEP keys: the next new key sweeps.
+        for i in 0..KEYS_BEFORE_SWEEP - 1 {
+            let r = pacer.reserve(&format!("CUST#c{i}")).await;
+            pacer.settle(&format!("CUST#c{i}"), r, spent);
+        }
+        // A busy key: a write of 1,000 WCU leaves it in debt for more than a second.
+        let r = pacer.reserve("SALES#d").await;
+        pacer.settle("SALES#d", r, Spent { cost: Some(1000.0), throttled: false });
+        tokio::time::advance(Duration::from_millis(10)).await;
+        let _ = pacer.reserve("CUST#new").await;
+        {
+            let keys = pacer.keys();
+            assert_eq!(keys.buckets.len(), 2, "the idle customers went, the busy total and the new key stay");
+            assert!(keys.buckets.contains_key("SALES#d"));
+            assert_eq!(keys.sweep_at, KEYS_BEFORE_SWEEP, "the next sweep at the floor");
+        }
+        // When a sweep finds every key busy, the next waits until they have doubled.
+        for i in 0..KEYS_BEFORE_SWEEP {
+            let _ = pacer.reserve(&format!("CUST#d{i}")).await;
+        }
+        assert_eq!(pacer.keys().sweep_at, 2 * KEYS_BEFORE_SWEEP, "no sweep per new key while all are busy");
     }
 
     #[tokio::test(start_paused = true)]
