@@ -20,6 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+/// The longest one write waits for its key, whatever the key owes.
+const MAX_WAIT: Duration = Duration::from_secs(60);
+
 /// Keys held before idle ones (credit full again) are dropped; after a sweep, the next one
 /// waits until the keys left have doubled, so sweeps cost O(1) a write however many keys are busy.
 const KEYS_BEFORE_SWEEP: usize = 4096;
@@ -76,7 +79,9 @@ impl Budget {
     fn reserve(&self, b: Option<Bucket>, now_ms: u64) -> (Bucket, Duration) {
         let b = self.refill(b.unwrap_or(Bucket { credit: self.burst, at_ms: now_ms, last_cost: 1.0 }), now_ms);
         let credit = b.credit - b.last_cost;
-        let wait = if credit >= 0.0 { Duration::ZERO } else { Duration::from_secs_f64(-credit / self.rate) };
+        // Never NaN or negative (costs are finite and at least 0); capped all the same.
+        let wait =
+            if credit >= 0.0 { Duration::ZERO } else { Duration::try_from_secs_f64(-credit / self.rate).unwrap_or(MAX_WAIT).min(MAX_WAIT) };
         (Bucket { credit, ..b }, wait)
     }
 
@@ -84,6 +89,7 @@ impl Budget {
     /// key's next estimate.
     fn settle(&self, b: Bucket, reserved: f64, cost: f64, now_ms: u64) -> Bucket {
         let b = self.refill(b, now_ms);
+        let cost = if cost.is_finite() { cost.max(0.0) } else { reserved };
         Bucket { credit: (b.credit + reserved - cost).min(self.burst), last_cost: cost.max(1.0), ..b }
     }
 
@@ -156,8 +162,12 @@ impl Pacer {
                 keys.buckets.retain(|_, b| !self.budget.idle(*b, now));
                 keys.sweep_at = (2 * keys.buckets.len()).max(KEYS_BEFORE_SWEEP);
             }
+            // The key is allocated once, when it is new, not on every write.
             let (b, wait) = self.budget.reserve(keys.buckets.get(partition_key).copied(), now);
-            keys.buckets.insert(partition_key.to_string(), b);
+            match keys.buckets.get_mut(partition_key) {
+                Some(old) => *old = b,
+                None => drop(keys.buckets.insert(partition_key.to_string(), b)),
+            }
             (b.last_cost, wait)
         };
         if !wait.is_zero() {
@@ -174,14 +184,13 @@ impl Pacer {
     pub fn settle(&self, partition_key: &str, reserved: Reserved, spent: Spent) {
         let now = self.now_ms();
         let mut keys = self.keys();
-        if let Some(mut b) = keys.buckets.get(partition_key).copied() {
+        if let Some(b) = keys.buckets.get_mut(partition_key) {
             if let Some(cost) = spent.cost {
-                b = self.budget.settle(b, reserved.0, cost, now);
+                *b = self.budget.settle(*b, reserved.0, cost, now);
             }
             if spent.throttled {
-                b = self.budget.throttled(b, now);
+                *b = self.budget.throttled(*b, now);
             }
-            keys.buckets.insert(partition_key.to_string(), b);
         }
     }
 
@@ -260,6 +269,13 @@ mod tests {
         assert_eq!((dearer.credit, dearer.last_cost), (96.0, 4.0), "3 WCU more than reserved; the next estimate is 4");
         let unsent = budget.settle(dearer, 4.0, 0.0, 0);
         assert_eq!((unsent.credit, unsent.last_cost), (100.0, 1.0), "refunded, and the estimate never below 1 WCU");
+        // A cost that is not a number keeps the reservation charged; no wait overflows.
+        for odd in [f64::NAN, f64::INFINITY, -5.0] {
+            let b = budget.settle(b, 1.0, odd, 0);
+            assert!(b.credit.is_finite() && b.credit <= 100.0, "{odd}: {b:?}");
+        }
+        let deep = Bucket { credit: -1e300, ..b };
+        assert_eq!(budget.reserve(Some(deep), 0).1, MAX_WAIT);
     }
 
     #[tokio::test(start_paused = true)]
