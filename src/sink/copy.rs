@@ -178,8 +178,9 @@ impl FanOut {
 /// so a newer change of the source comes after it, finds the item, and writes a newer version
 /// over this write or refuses it. That holds for a writer that lost its lease and wakes up
 /// late, whose old values would otherwise land on items that carry no version yet.
-/// A transient or throttled error ends the fan-out (the batch or job is retried, and the items
-/// already written are skipped then).
+/// A copy write that fails transiently or is throttled is retried with backoff (up to 8
+/// times); one that still fails ends the fan-out (the batch or job is retried, and the items
+/// already written are skipped then), as does a failed query or source read.
 pub async fn fan_out_page(
     store: &dyn CopyStore,
     rule: &CopyRule,
