@@ -294,12 +294,70 @@ pub struct Sink<A> {
     pub inner: Arc<A>,
     pub fate: Arc<Fate>,
     pub faults: Arc<Faults>,
+    /// Who writes each partition key in each second, printed when the store throttles one
+    /// (`SIM_TRACE_THROTTLES=1`; None: not traced).
+    pub trace: Option<WriteTrace>,
+}
+
+/// One replica's view of the shared [`TraceLog`].
+#[derive(Debug, Clone)]
+pub struct WriteTrace {
+    pub who: Arc<str>,
+    pub log: Arc<Mutex<TraceLog>>,
+}
+
+/// The ledger writes applied to each partition key in its current second (replica, sort key,
+/// WCU), and how many throttles were printed.
+#[derive(Debug, Default)]
+pub struct TraceLog {
+    keys: std::collections::HashMap<String, (u64, Vec<(Arc<str>, String, f64)>)>,
+    printed: u64,
+}
+
+/// Throttles printed at most, so that a run with many stays readable.
+const TRACE_PRINTS: u64 = 200;
+
+impl WriteTrace {
+    /// Notes an applied write to `key`; prints who wrote the key this second when it was throttled.
+    fn note(&self, key: &[(String, String)], out: &Result<WriteOutcome, SinkError>) {
+        let pk = key.first().map_or("", |(_, v)| v.as_str());
+        let sk = key.get(1).map_or("", |(_, v)| v.as_str());
+        let now = now_ms();
+        let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = log.keys.entry(pk.to_string()).or_insert((now / 1000, Vec::new()));
+        if entry.0 != now / 1000 {
+            *entry = (now / 1000, Vec::new());
+        }
+        match out {
+            Ok(WriteOutcome::Applied { capacity, .. }) => entry.1.push((self.who.clone(), sk.to_string(), *capacity)),
+            Err(SinkError::Throttled(_)) => {
+                let mut by_who: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
+                for (who, _, wcu) in &entry.1 {
+                    let e = by_who.entry(&**who).or_default();
+                    (e.0, e.1) = (e.0 + 1, e.1 + wcu);
+                }
+                let line = format!("throttled {pk} {sk} by {} at {} ms into the second; this second: {by_who:?}", self.who, now % 1000);
+                if log.printed < TRACE_PRINTS {
+                    log.printed += 1;
+                    eprintln!("{line}");
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 impl<A: AggregateStore> AggregateStore for Sink<A> {
     async fn apply(&self, write: &LedgerWrite) -> Result<WriteOutcome, SinkError> {
         let t = || SinkError::Transient("simulated".into());
-        call(&self.fate, &self.faults, self.inner.apply(write), t, t).await
+        let traced = async {
+            let out = self.inner.apply(write).await;
+            if let Some(trace) = &self.trace {
+                trace.note(&write.key, &out);
+            }
+            out
+        };
+        call(&self.fate, &self.faults, traced, t, t).await
     }
 
     async fn live_helpers(&self, q: &HelperQuery<'_>) -> Result<LiveHelpers, SinkError> {

@@ -440,7 +440,9 @@ impl Report {
 
 /// Runs one seeded simulation to its end.
 pub fn run(p: &Params) -> Report {
-    // SIM_LOG=<filter> prints the replicas' log lines (e.g. `ddb_aggregator::worker::jobs=info`).
+    // SIM_LOG=<filter> prints the replicas' log lines (e.g. `ddb_aggregator::worker::jobs=info`);
+    // SIM_TRACE_THROTTLES=1 prints who wrote a partition key in the second one of its writes was
+    // throttled (World.trace).
     if let Ok(filter) = std::env::var("SIM_LOG") {
         let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(filter)).with_test_writer().try_init();
     }
@@ -692,6 +694,9 @@ struct World {
     /// until deployment A applied every record appended before.
     outage_back: Option<Backlog>,
     peak_ended: Option<Backlog>,
+    /// Who wrote each partition key in each second, printed at each throttle
+    /// (`SIM_TRACE_THROTTLES=1`).
+    trace: Option<Arc<std::sync::Mutex<faults::TraceLog>>>,
     report: Report,
 }
 
@@ -784,6 +789,7 @@ impl World {
             old_stream_at_switch: Default::default(),
             outage_back: None,
             peak_ended: None,
+            trace: std::env::var_os("SIM_TRACE_THROTTLES").map(|_| Default::default()),
             report,
         }
     }
@@ -806,7 +812,15 @@ impl World {
             config,
             Source { inner: self.stream.clone(), fate: fate.clone(), faults: self.faults.clone() },
             Leases { inner: leases, fate: fate.clone(), faults: self.faults.clone() },
-            Arc::new(Sink { inner: self.aggregates.clone(), fate: fate.clone(), faults: self.faults.clone() }),
+            Arc::new(Sink {
+                inner: self.aggregates.clone(),
+                fate: fate.clone(),
+                faults: self.faults.clone(),
+                trace: self
+                    .trace
+                    .as_ref()
+                    .map(|log| faults::WriteTrace { who: format!("{}replica-{slot}", if b { "B " } else { "" }).into(), log: log.clone() }),
+            }),
             format!("replica-{slot}-{}", self.generation),
             Arc::new(Health::default()),
         )

@@ -323,7 +323,7 @@ impl World {
             config,
             Source { inner: self.stream.clone(), fate: fate.clone(), faults: faults.clone() },
             Leases { inner: self.leases.clone(), fate: fate.clone(), faults: faults.clone() },
-            Arc::new(Sink { inner: self.aggregates.clone(), fate, faults }),
+            Arc::new(Sink { inner: self.aggregates.clone(), fate, faults, trace: None }),
             owner.into(),
             Arc::new(Health::default()),
         );

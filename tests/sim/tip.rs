@@ -309,7 +309,7 @@ impl World {
             self.config.clone(),
             Source { inner: self.stream.clone(), fate: fate.clone(), faults: faults.clone() },
             Leases { inner: self.leases.clone(), fate: fate.clone(), faults: faults.clone() },
-            Arc::new(Sink { inner: self.aggregates.clone(), fate, faults }),
+            Arc::new(Sink { inner: self.aggregates.clone(), fate, faults, trace: None }),
             "replica-1".into(),
             Arc::new(Health::default()),
         );
