@@ -310,9 +310,13 @@ pub struct WriteTrace {
 /// WCU), and how many throttles were printed.
 #[derive(Debug, Default)]
 pub struct TraceLog {
-    keys: std::collections::HashMap<String, (u64, Vec<(Arc<str>, String, f64)>)>,
+    keys: std::collections::HashMap<String, Second>,
     printed: u64,
 }
+
+/// A partition key's current second and the writes applied to it in that second (replica,
+/// sort key, WCU).
+type Second = (u64, Vec<(Arc<str>, String, f64)>);
 
 /// Throttles printed at most, so that a run with many stays readable.
 const TRACE_PRINTS: u64 = 200;

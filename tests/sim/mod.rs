@@ -816,10 +816,10 @@ impl World {
                 inner: self.aggregates.clone(),
                 fate: fate.clone(),
                 faults: self.faults.clone(),
-                trace: self
-                    .trace
-                    .as_ref()
-                    .map(|log| faults::WriteTrace { who: format!("{}replica-{slot}", if b { "B " } else { "" }).into(), log: log.clone() }),
+                trace: self.trace.as_ref().map(|log| faults::WriteTrace {
+                    who: format!("{}replica-{slot}-{}", if b { "B " } else { "" }, self.generation).into(),
+                    log: log.clone(),
+                }),
             }),
             format!("replica-{slot}-{}", self.generation),
             Arc::new(Health::default()),
