@@ -6,12 +6,15 @@
 //! Pacing spreads them out instead, as a token bucket per partition key:
 //!
 //! - a key holds up to `burst` WCU of credit and earns `rate` WCU per second;
-//! - a write reserves its expected cost before it is sent (the last cost seen on the key, 1 WCU
-//!   at first) and waits until the key's credit is back to zero if that took it below;
+//! - a write reserves its expected cost before it is sent (the last cost seen on the key for its
+//!   [`Kind`] of write, 1 WCU at first) and waits until the key's credit is back to zero if that
+//!   took it below;
 //! - once the write is done its real cost settles the difference.
 //!
-//! So in any second a key takes at most `burst + rate` WCU from this replica (plus what writes
-//! cost beyond their estimate). Pacing only delays writes: which records are applied, and how,
+//! So in any second a key takes at most `burst + rate` WCU from this replica, plus what writes
+//! cost beyond their estimate. A batch sends its writes to a key together, their estimates made
+//! before any of them is settled: estimated per kind, a batch's many small helper writes are not
+//! charged at its target's cost, nor its target or derivation at a helper's. Pacing only delays writes: which records are applied, and how,
 //! does not depend on it. A target written from many shards (a global total) is the business of
 //! `write_shards`, not of this per-replica budget.
 
@@ -46,8 +49,30 @@ struct Bucket {
     /// WCU of credit at `at_ms` (below zero: owed by writes already sent).
     credit: f64,
     at_ms: u64,
-    /// What the last write to the key cost (the next one's estimate).
-    last_cost: f64,
+    /// What the last write of each [`Kind`] to the key cost (the next one's estimate).
+    last_cost: [f64; 3],
+}
+
+/// The kind of a paced write: writes of one kind to a key cost about the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A batch's write to a target item (its counters and its ledger).
+    Target,
+    /// A batch's write to a helper item of a max, min, latest or distinct measure (small).
+    Helper,
+    /// A derivation of a target's max, min, latest or distinct from its helpers (a
+    /// transaction over several items for `distinct`).
+    Derivation,
+}
+
+impl Kind {
+    fn index(self) -> usize {
+        match self {
+            Kind::Target => 0,
+            Kind::Helper => 1,
+            Kind::Derivation => 2,
+        }
+    }
 }
 
 /// A token bucket's rate and size, in WCU.
@@ -76,9 +101,9 @@ impl Budget {
 
     /// Reserves a write's expected cost on a key (None: not seen yet, full credit): the key's
     /// bucket after it, and how long the write waits (until the credit is back to zero).
-    fn reserve(&self, b: Option<Bucket>, now_ms: u64) -> (Bucket, Duration) {
-        let b = self.refill(b.unwrap_or(Bucket { credit: self.burst, at_ms: now_ms, last_cost: 1.0 }), now_ms);
-        let credit = b.credit - b.last_cost;
+    fn reserve(&self, b: Option<Bucket>, now_ms: u64, kind: Kind) -> (Bucket, Duration) {
+        let b = self.refill(b.unwrap_or(Bucket { credit: self.burst, at_ms: now_ms, last_cost: [1.0; 3] }), now_ms);
+        let credit = b.credit - b.last_cost[kind.index()];
         // Never NaN or negative (costs are finite and at least 0); capped all the same.
         let wait =
             if credit >= 0.0 { Duration::ZERO } else { Duration::try_from_secs_f64(-credit / self.rate).unwrap_or(MAX_WAIT).min(MAX_WAIT) };
@@ -86,11 +111,13 @@ impl Budget {
     }
 
     /// A write that reserved `reserved` and cost `cost` settles the difference; its cost is the
-    /// key's next estimate.
-    fn settle(&self, b: Bucket, reserved: f64, cost: f64, now_ms: u64) -> Bucket {
+    /// key's next estimate for its kind.
+    fn settle(&self, b: Bucket, reserved: Reserved, cost: f64, now_ms: u64) -> Bucket {
         let b = self.refill(b, now_ms);
-        let cost = if cost.is_finite() { cost.max(0.0) } else { reserved };
-        Bucket { credit: (b.credit + reserved - cost).min(self.burst), last_cost: cost.max(1.0), ..b }
+        let cost = if cost.is_finite() { cost.max(0.0) } else { reserved.cost };
+        let mut last_cost = b.last_cost;
+        last_cost[reserved.kind.index()] = cost.max(1.0);
+        Bucket { credit: (b.credit + reserved.cost - cost).min(self.burst), last_cost, ..b }
     }
 
     /// The table throttled a write to the key anyway (another writer shares it, or writes cost
@@ -118,7 +145,10 @@ pub struct Spent {
 /// A reservation to settle once the write is done ([`Pacer::settle`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[must_use]
-pub struct Reserved(f64);
+pub struct Reserved {
+    cost: f64,
+    kind: Kind,
+}
 
 /// The partition keys this replica writes, each with its own bucket.
 #[derive(Debug)]
@@ -153,8 +183,8 @@ impl Pacer {
         self.keys.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Waits until a write to `partition_key` fits the budget; settle it when done.
-    pub async fn reserve(&self, partition_key: &str) -> Reserved {
+    /// Waits until a write of `kind` to `partition_key` fits the budget; settle it when done.
+    pub async fn reserve(&self, partition_key: &str, kind: Kind) -> Reserved {
         let now = self.now_ms();
         let (reserved, wait) = {
             let mut keys = self.keys();
@@ -163,12 +193,12 @@ impl Pacer {
                 keys.sweep_at = (2 * keys.buckets.len()).max(KEYS_BEFORE_SWEEP);
             }
             // The key is allocated once, when it is new, not on every write.
-            let (b, wait) = self.budget.reserve(keys.buckets.get(partition_key).copied(), now);
+            let (b, wait) = self.budget.reserve(keys.buckets.get(partition_key).copied(), now, kind);
             match keys.buckets.get_mut(partition_key) {
                 Some(old) => *old = b,
                 None => drop(keys.buckets.insert(partition_key.to_string(), b)),
             }
-            (b.last_cost, wait)
+            (Reserved { cost: b.last_cost[kind.index()], kind }, wait)
         };
         if !wait.is_zero() {
             self.waits.fetch_add(1, Ordering::Relaxed);
@@ -176,7 +206,7 @@ impl Pacer {
             metrics::histogram!(crate::telemetry::names::PARTITION_PACING_SECONDS).record(wait.as_secs_f64());
             tokio::time::sleep(wait).await;
         }
-        Reserved(reserved)
+        reserved
     }
 
     /// Settles a reservation with what the write cost (None: unknown, the estimate stays
@@ -186,7 +216,7 @@ impl Pacer {
         let mut keys = self.keys();
         if let Some(b) = keys.buckets.get_mut(partition_key) {
             if let Some(cost) = spent.cost {
-                *b = self.budget.settle(*b, reserved.0, cost, now);
+                *b = self.budget.settle(*b, reserved, cost, now);
             }
             if spent.throttled {
                 *b = self.budget.throttled(*b, now);
@@ -211,10 +241,10 @@ mod tests {
         let mut now = start_ms;
         let mut per_second: HashMap<u64, f64> = HashMap::new();
         for _ in 0..writes {
-            let (b, wait) = budget.reserve(bucket, now);
+            let (b, wait) = budget.reserve(bucket, now, Kind::Target);
             now += u64::try_from(wait.as_millis()).unwrap() + u64::from(wait.subsec_nanos() % 1_000_000 > 0);
             *per_second.entry(now / 1000).or_default() += cost;
-            bucket = Some(budget.settle(b, b.last_cost, cost, now));
+            bucket = Some(budget.settle(b, Reserved { cost: b.last_cost[0], kind: Kind::Target }, cost, now));
         }
         per_second.into_values().fold(0.0, f64::max)
     }
@@ -238,7 +268,7 @@ mod tests {
         let mut b = None;
         let mut waits = Vec::new();
         for _ in 0..103 {
-            let (next, wait) = budget.reserve(b, 10_000);
+            let (next, wait) = budget.reserve(b, 10_000, Kind::Helper);
             b = Some(next);
             waits.push(wait);
         }
@@ -249,9 +279,25 @@ mod tests {
     }
 
     #[test]
+    fn each_kind_of_write_is_charged_its_own_last_cost() {
+        let budget = Budget::of_rate(800);
+        let (b, _) = budget.reserve(None, 0, Kind::Target);
+        let b = budget.settle(b, Reserved { cost: 1.0, kind: Kind::Target }, 40.0, 0);
+        let (b, _) = budget.reserve(Some(b), 0, Kind::Helper);
+        let b = budget.settle(b, Reserved { cost: 1.0, kind: Kind::Helper }, 1.0, 0);
+        let (b, _) = budget.reserve(Some(b), 0, Kind::Derivation);
+        let b = budget.settle(b, Reserved { cost: 1.0, kind: Kind::Derivation }, 6.0, 0);
+        assert_eq!(b.last_cost, [40.0, 1.0, 6.0]);
+        for (kind, cost) in [(Kind::Target, 40.0), (Kind::Helper, 1.0), (Kind::Derivation, 6.0)] {
+            let (after, _) = budget.reserve(Some(b), 0, kind);
+            assert_eq!(b.credit - after.credit, cost, "{kind:?} is charged its own last cost");
+        }
+    }
+
+    #[test]
     fn credit_comes_back_with_time_up_to_the_burst() {
         let budget = Budget::of_rate(800);
-        let (b, _) = budget.reserve(None, 0);
+        let (b, _) = budget.reserve(None, 0, Kind::Target);
         let spent = Bucket { credit: -100.0, ..b };
         assert_eq!(budget.refill(spent, 125).credit, 0.0, "100 WCU owed, earned back in 125 ms");
         assert_eq!(budget.refill(spent, 60_000).credit, 100.0, "never above the burst");
@@ -263,19 +309,71 @@ mod tests {
     #[test]
     fn settling_charges_what_the_write_cost_and_refunds_one_never_sent() {
         let budget = Budget::of_rate(800);
-        let (b, _) = budget.reserve(None, 0);
+        let (b, _) = budget.reserve(None, 0, Kind::Target);
         assert_eq!(b.credit, 99.0);
-        let dearer = budget.settle(b, 1.0, 4.0, 0);
-        assert_eq!((dearer.credit, dearer.last_cost), (96.0, 4.0), "3 WCU more than reserved; the next estimate is 4");
-        let unsent = budget.settle(dearer, 4.0, 0.0, 0);
-        assert_eq!((unsent.credit, unsent.last_cost), (100.0, 1.0), "refunded, and the estimate never below 1 WCU");
+        let target = |cost| Reserved { cost, kind: Kind::Target };
+        let dearer = budget.settle(b, target(1.0), 4.0, 0);
+        assert_eq!((dearer.credit, dearer.last_cost), (96.0, [4.0, 1.0, 1.0]), "3 WCU more than reserved; the target's next estimate is 4");
+        let unsent = budget.settle(dearer, target(4.0), 0.0, 0);
+        assert_eq!((unsent.credit, unsent.last_cost), (100.0, [1.0; 3]), "refunded, and the estimate never below 1 WCU");
         // A cost that is not a number keeps the reservation charged; no wait overflows.
         for odd in [f64::NAN, f64::INFINITY, -5.0] {
-            let b = budget.settle(b, 1.0, odd, 0);
+            let b = budget.settle(b, target(1.0), odd, 0);
             assert!(b.credit.is_finite() && b.credit <= 100.0, "{odd}: {b:?}");
         }
         let deep = Bucket { credit: -1e300, ..b };
-        assert_eq!(budget.reserve(Some(deep), 0).1, MAX_WAIT);
+        assert_eq!(budget.reserve(Some(deep), 0, Kind::Target).1, MAX_WAIT);
+    }
+
+    /// Batches of writes to one key, each sent together as a batch sends them: its target's write
+    /// of `target_wcu` and `helpers` helper writes of 1 WCU, `window` in flight, each taking
+    /// `latency_ms`, then the target's derivation of `target_wcu`. A first batch teaches the
+    /// estimates and the bucket fills again; the most WCU sent in any calendar second of the
+    /// three batches after it (paused clock).
+    async fn batches_peak(window: usize, latency_ms: u64, target_wcu: f64, helpers: usize) -> f64 {
+        use futures::StreamExt;
+        let pacer = Pacer::new(800).unwrap();
+        let start = tokio::time::Instant::now();
+        let sent = Mutex::new(HashMap::<u64, f64>::new());
+        let write = |kind: Kind, cost: f64| {
+            let (pacer, sent) = (&pacer, &sent);
+            async move {
+                let r = pacer.reserve("CUST#c1", kind).await;
+                let at = u64::try_from(start.elapsed().as_millis()).unwrap();
+                *sent.lock().unwrap().entry(at / 1000).or_default() += cost;
+                tokio::time::sleep(Duration::from_millis(latency_ms)).await;
+                pacer.settle("CUST#c1", r, Spent { cost: Some(cost), throttled: false });
+            }
+        };
+        for batch in 0..4 {
+            let kinds = std::iter::once((Kind::Target, target_wcu)).chain(std::iter::repeat_n((Kind::Helper, 1.0), helpers));
+            futures::stream::iter(kinds.map(|(kind, cost)| write(kind, cost))).buffer_unordered(window).collect::<Vec<()>>().await;
+            write(Kind::Derivation, target_wcu).await;
+            if batch == 0 {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                sent.lock().unwrap().clear();
+            }
+        }
+        sent.into_inner().unwrap().into_values().fold(0.0, f64::max)
+    }
+
+    /// A batch reserves all its writes to a key before any is settled: with one estimate per
+    /// key, its target was charged at the cost of the helper written before it (over the
+    /// budget by the difference) and its helpers at the target's cost (slow).
+    #[tokio::test(start_paused = true)]
+    async fn a_batchs_writes_to_one_key_take_at_most_rate_and_burst_in_any_second() {
+        let mut over = Vec::new();
+        for window in [1, 16, 256, 2_000] {
+            for latency in [0, 3, 40] {
+                for target_wcu in [1.0, 5.0, 40.0] {
+                    let peak = batches_peak(window, latency, target_wcu, 1_500).await;
+                    if peak > 900.0 {
+                        over.push(format!("window {window}, latency {latency} ms, target {target_wcu} WCU: {peak} WCU in one second"));
+                    }
+                }
+            }
+        }
+        assert!(over.is_empty(), "{over:#?}");
     }
 
     #[tokio::test(start_paused = true)]
@@ -284,14 +382,14 @@ mod tests {
         let spent = Spent { cost: Some(1.0), throttled: false };
         // The customers and the total make KEYS_BEFORE_SWEEP keys: the next new key sweeps.
         for i in 0..KEYS_BEFORE_SWEEP - 1 {
-            let r = pacer.reserve(&format!("CUST#c{i}")).await;
+            let r = pacer.reserve(&format!("CUST#c{i}"), Kind::Helper).await;
             pacer.settle(&format!("CUST#c{i}"), r, spent);
         }
         // A busy key: a write of 1,000 WCU leaves it in debt for more than a second.
-        let r = pacer.reserve("SALES#d").await;
+        let r = pacer.reserve("SALES#d", Kind::Target).await;
         pacer.settle("SALES#d", r, Spent { cost: Some(1000.0), throttled: false });
         tokio::time::advance(Duration::from_millis(10)).await;
-        let _ = pacer.reserve("CUST#new").await;
+        let _ = pacer.reserve("CUST#new", Kind::Target).await;
         {
             let keys = pacer.keys();
             assert_eq!(keys.buckets.len(), 2, "the idle customers went, the busy total and the new key stay");
@@ -300,7 +398,7 @@ mod tests {
         }
         // When a sweep finds every key busy, the next waits until they have doubled.
         for i in 0..KEYS_BEFORE_SWEEP {
-            let _ = pacer.reserve(&format!("CUST#d{i}")).await;
+            let _ = pacer.reserve(&format!("CUST#d{i}"), Kind::Helper).await;
         }
         assert_eq!(pacer.keys().sweep_at, 2 * KEYS_BEFORE_SWEEP, "no sweep per new key while all are busy");
     }
@@ -310,18 +408,18 @@ mod tests {
         let pacer = Pacer::new(400).unwrap();
         let started = tokio::time::Instant::now();
         for _ in 0..200 {
-            let r = pacer.reserve("CUST#c1").await;
+            let r = pacer.reserve("CUST#c1", Kind::Target).await;
             pacer.settle("CUST#c1", r, Spent { cost: Some(1.0), throttled: false });
         }
         // 50 go at once, the other 150 at 400 a second.
         let took = started.elapsed();
         assert!(took >= Duration::from_millis(374) && took <= Duration::from_millis(385), "{took:?}");
         let other = tokio::time::Instant::now();
-        let r = pacer.reserve("CUST#c2").await;
+        let r = pacer.reserve("CUST#c2", Kind::Target).await;
         pacer.settle("CUST#c2", r, Spent { cost: Some(1.0), throttled: true });
         assert_eq!(other.elapsed(), Duration::ZERO, "another key has its own budget");
         let after_throttle = tokio::time::Instant::now();
-        let _ = pacer.reserve("CUST#c2").await;
+        let _ = pacer.reserve("CUST#c2", Kind::Target).await;
         // A throttled key's next write waits for a burst and its own cost: 51/400 s.
         let waited = after_throttle.elapsed();
         assert!(waited >= Duration::from_millis(127) && waited <= Duration::from_millis(129), "{waited:?}");

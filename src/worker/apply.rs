@@ -21,7 +21,7 @@ use super::Shared;
 use crate::rules::{TargetDelta, TargetKey};
 use crate::sink::dead_letter::{DeadLetter, Reason};
 use crate::sink::expiry::{self, Expiry};
-use crate::sink::pace::Spent;
+use crate::sink::pace::{Kind, Spent};
 use crate::sink::{is_helper, write_target, write_target_pruning, AggregateStore, ShardContext, SinkError};
 use crate::state::{now_ms, Checkpoint, LeaseStore, Progress};
 use crate::stream::{Position, StreamError, StreamSource};
@@ -193,7 +193,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             let seen = shared.take_seen(key);
             writes.push(async move {
                 let write = write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref());
-                (key, delta, paced_by.paced(key, write, written).await)
+                (key, delta, paced_by.paced((key, write_kind(key)), write, written).await)
             });
         }
         let in_flight = self.window.in_flight(writes.len());
@@ -260,7 +260,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         let mut runs = Vec::with_capacity(derive.len());
         for t in &derive {
             let run = crate::sink::derive::derive_target(store, key_names, ledger, t, expiry);
-            runs.push(async move { (&t.key, shared.paced(&t.key, run, derived).await) });
+            runs.push(async move { (&t.key, shared.paced((&t.key, Kind::Derivation), run, derived).await) });
         }
         let in_flight = self.window.in_flight(runs.len());
         let results: Vec<_> = stream::iter(runs).buffer_unordered(in_flight).collect().await;
@@ -333,7 +333,10 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         for single in by_record(delta) {
             let mut attempts = 0;
             loop {
-                match write_target(shared.sink.as_ref(), &shared.engine.key_names, key, &single, ctx).await {
+                // Paced as the batch's writes are: a refused target's records go to its key one
+                // by one, as many writes as records.
+                let write = write_target(shared.sink.as_ref(), &shared.engine.key_names, key, &single, ctx);
+                match shared.paced((key, write_kind(key)), write, written).await {
                     Ok(stats) => {
                         fenced |= stats.fenced;
                         self.written(key, &single, stats);
@@ -527,6 +530,15 @@ fn written(r: &Result<crate::sink::WriteStats, SinkError>) -> Spent {
     match r {
         Ok(stats) => Spent { cost: Some(stats.capacity), throttled: stats.throttled > 0 },
         Err(e) => Spent { cost: None, throttled: matches!(e, SinkError::Throttled(_)) },
+    }
+}
+
+/// The kind of a batch's write to `key`, for its partition key's budget.
+fn write_kind(key: &TargetKey) -> Kind {
+    if is_helper(key) {
+        Kind::Helper
+    } else {
+        Kind::Target
     }
 }
 

@@ -247,12 +247,12 @@ impl<S, L, A> Shared<S, L, A> {
     /// estimate charged; a throttled one slows the key's next writes).
     pub async fn paced<T, E>(
         &self,
-        key: &crate::rules::TargetKey,
+        (key, kind): (&crate::rules::TargetKey, crate::sink::pace::Kind),
         write: impl std::future::Future<Output = Result<T, E>>,
         spent: impl FnOnce(&Result<T, E>) -> crate::sink::pace::Spent,
     ) -> Result<T, E> {
         let (Some(pacer), Some(pk)) = (&self.pacer, key.0.first()) else { return write.await };
-        let reserved = pacer.reserve(pk).await;
+        let reserved = pacer.reserve(pk, kind).await;
         let out = write.await;
         pacer.settle(pk, reserved, spent(&out));
         out
