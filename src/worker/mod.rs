@@ -242,7 +242,7 @@ impl<S, L, A> Shared<S, L, A> {
         p.insert(key.clone(), seen);
     }
 
-    /// Runs a write to `key`'s item within its partition key's budget ([`crate::sink::pace`]):
+    /// Runs a write of `kind` to `key`'s item within its partition key's budget ([`crate::sink::pace`]):
     /// waits for it first, then settles what the write `spent` (a failed write keeps its
     /// estimate charged; a throttled one slows the key's next writes).
     pub async fn paced<T, E>(
