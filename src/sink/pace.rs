@@ -14,9 +14,9 @@
 //! So in any second a key takes at most `burst + rate` WCU from this replica, plus what writes
 //! cost beyond their estimate. A batch sends its writes to a key together, their estimates made
 //! before any of them is settled: estimated per kind, a batch's many small helper writes are not
-//! charged at its target's cost, nor its target or derivation at a helper's. Pacing only delays writes: which records are applied, and how,
-//! does not depend on it. A target written from many shards (a global total) is the business of
-//! `write_shards`, not of this per-replica budget.
+//! charged at its target's cost, nor its target or derivation at a helper's. Pacing only delays
+//! writes: which records are applied, and how, does not depend on it. A target written from many
+//! shards (a global total) is the business of `write_shards`, not of this per-replica budget.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,21 +57,18 @@ struct Bucket {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// A batch's write to a target item (its counters and its ledger).
-    Target,
+    Target = 0,
     /// A batch's write to a helper item of a max, min, latest or distinct measure (small).
-    Helper,
+    Helper = 1,
     /// A derivation of a target's max, min, latest or distinct from its helpers (a
     /// transaction over several items for `distinct`).
-    Derivation,
+    Derivation = 2,
 }
 
 impl Kind {
+    /// The kind's estimate in [`Bucket::last_cost`].
     fn index(self) -> usize {
-        match self {
-            Kind::Target => 0,
-            Kind::Helper => 1,
-            Kind::Derivation => 2,
-        }
+        self as usize
     }
 }
 

@@ -193,7 +193,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
             let seen = shared.take_seen(key);
             writes.push(async move {
                 let write = write_target_pruning(store, key_names, key, delta, ctx, seen.as_ref());
-                (key, delta, paced_by.paced((key, write_kind(key)), write, written).await)
+                (key, delta, paced_by.paced(key, write_kind(key), write, written).await)
             });
         }
         let in_flight = self.window.in_flight(writes.len());
@@ -260,7 +260,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
         let mut runs = Vec::with_capacity(derive.len());
         for t in &derive {
             let run = crate::sink::derive::derive_target(store, key_names, ledger, t, expiry);
-            runs.push(async move { (&t.key, shared.paced((&t.key, Kind::Derivation), run, derived).await) });
+            runs.push(async move { (&t.key, shared.paced(&t.key, Kind::Derivation, run, derived).await) });
         }
         let in_flight = self.window.in_flight(runs.len());
         let results: Vec<_> = stream::iter(runs).buffer_unordered(in_flight).collect().await;
@@ -336,7 +336,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Applier<S, L, A> {
                 // Paced as the batch's writes are: a refused target's records go to its key one
                 // by one, as many writes as records.
                 let write = write_target(shared.sink.as_ref(), &shared.engine.key_names, key, &single, ctx);
-                match shared.paced((key, write_kind(key)), write, written).await {
+                match shared.paced(key, write_kind(key), write, written).await {
                     Ok(stats) => {
                         fenced |= stats.fenced;
                         self.written(key, &single, stats);

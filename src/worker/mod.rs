@@ -247,7 +247,8 @@ impl<S, L, A> Shared<S, L, A> {
     /// estimate charged; a throttled one slows the key's next writes).
     pub async fn paced<T, E>(
         &self,
-        (key, kind): (&crate::rules::TargetKey, crate::sink::pace::Kind),
+        key: &crate::rules::TargetKey,
+        kind: crate::sink::pace::Kind,
         write: impl std::future::Future<Output = Result<T, E>>,
         spent: impl FnOnce(&Result<T, E>) -> crate::sink::pace::Spent,
     ) -> Result<T, E> {
