@@ -731,8 +731,9 @@ def render(results: dict[str, Any], summary: dict[str, dict[str, Any]], results_
     w("### Machine and emulators")
     w("")
     w(f"- CPU: {m['cpu']}, {m['cores']} cores; memory {m['memory_gib']} GiB; {m['os']}.")
+    storage = v.get("dynamodb_local_storage", "in memory")
     w(
-        f"- DynamoDB Local {v.get('dynamodb_local', '?')} in memory ({v.get('java', '?')}); moto {v.get('moto', '?')} (SQS). "
+        f"- DynamoDB Local {v.get('dynamodb_local', '?')} {storage} ({v.get('java', '?')}); moto {v.get('moto', '?')} (SQS). "
         "All on 127.0.0.1, on the same machine as the consumers and the harness."
     )
     w(

@@ -846,6 +846,10 @@ def versions(binary: str) -> dict[str, str]:
         out["dynamodb_local"] = (
             f"{version.group(1) if version else '?'} (npm amplify-dynamodb-simulator {npm})"
         )
+    storage = os.environ.get("DDB_LOCAL_DB_DIR", "")
+    out["dynamodb_local_storage"] = (
+        "in memory" if storage == "memory" else "in a file, stream records indexed"
+    )
     req = (ROOT / "scripts/requirements-local-aws.txt").read_text()
     moto = re.search(r"^moto==(\S+)", req, re.M)
     out["moto"] = moto.group(1) if moto else "?"

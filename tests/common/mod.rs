@@ -17,8 +17,9 @@ use aws_sdk_dynamodb::types::{
 use aws_sdk_dynamodb::Client;
 use ddb_aggregator::decimal::Decimal;
 
-/// Each test binary gets emulators of its own (DynamoDB Local slows down as tables and
-/// stream records pile up, and the heavy binaries would slow the timing-sensitive ones):
+/// Each test binary gets emulators of its own (the heavy binaries would slow the
+/// timing-sensitive ones; scripts/local-aws indexes DynamoDB Local's stream records, without
+/// which each write costs more the more streams the emulator has seen):
 /// DynamoDB Local on 8100 + k, moto on 9424 + k (k < 9). scripts/test stops them all. DDB_LOCAL_PORT
 /// and SQS_LOCAL_PORT move the bases (two checkouts testing on one machine).
 pub const EMULATOR_SLOTS: &[&str] =
