@@ -846,9 +846,9 @@ def versions(binary: str) -> dict[str, str]:
         out["dynamodb_local"] = (
             f"{version.group(1) if version else '?'} (npm amplify-dynamodb-simulator {npm})"
         )
-    storage = os.environ.get("DDB_LOCAL_DB_DIR", "")
+    storage = os.environ.get("DDB_LOCAL_DB_DIR", "memory")
     out["dynamodb_local_storage"] = (
-        "in memory" if storage == "memory" else "in a file, stream records indexed"
+        "in memory" if storage in ("", "memory") else "in a file, stream records indexed"
     )
     req = (ROOT / "scripts/requirements-local-aws.txt").read_text()
     moto = re.search(r"^moto==(\S+)", req, re.M)
