@@ -7,6 +7,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use aws_sdk_dynamodb::types::AttributeValue;
 use common::*;
 
 /// The tests share two CPU cores and one emulator: run them one at a time.
@@ -30,6 +31,17 @@ async fn workload_while_running_is_exact_and_replay_changes_nothing() {
     // A budget of 1 WCU a second per partition key: writes to the daily total (one a batch)
     // and to busy customers wait for it, and every value is still exact.
     let paced = [namespace[0], ("DDB_AGGREGATOR__AGGREGATES__PARTITION_WRITE_RATE", "1")];
+    // Customer c0's profile holds 1.5 KB of notes, so each write of its order count costs 2 WCU,
+    // twice the key's budget and burst: its next write within a few seconds must wait, however
+    // fast the batches come.
+    c.put_item()
+        .table_name(&table)
+        .item("PK", AttributeValue::S("CUST#c0".into()))
+        .item("SK", AttributeValue::S("PROFILE".into()))
+        .item("notes", AttributeValue::S("n".repeat(1500)))
+        .send()
+        .await
+        .unwrap();
     let mut svc = Service::start(&config, dir.path(), "svc", &paced);
     let started = Instant::now();
     let writes = workload(&c, &table, 2000, 60, 8, 1).await;
