@@ -50,8 +50,8 @@ pub fn root() -> PathBuf {
 /// Where DynamoDB Local keeps its database (scripts/local-aws's DDB_LOCAL_DB_DIR), unless the
 /// environment says: in a file with its stream records indexed, where each write otherwise costs
 /// more the more streams the emulator has seen (tests/service.rs alone: 310 s instead of 611);
-/// in memory for tests/copies.rs, whose 20,000-item fan-out reads more than it writes (146 s in
-/// memory, 418 s in a file).
+/// in memory for tests/copies.rs, whose 20,000-order fan-out reads more than it writes (146 s in
+/// memory, 189 s in a file).
 fn db_dir() -> String {
     std::env::var("DDB_LOCAL_DB_DIR").unwrap_or_else(|_| if EMULATOR_SLOTS[slot() as usize] == "copies" { "memory" } else { "shm" }.into())
 }
