@@ -1745,7 +1745,9 @@ impl World {
     /// Every listed shard read to its last record, and every copy fan-out job done, by both
     /// deployments.
     fn caught_up(&self) -> bool {
-        [&self.leases_a, &self.leases_b].iter().all(|leases| leases.copy_jobs_pending() == 0) && self.shards_read()
+        // After a stream switch, not before every replica follows the new stream.
+        let switching = self.events.iter().any(|(_, e)| matches!(e, Event::Switch(_)));
+        !switching && [&self.leases_a, &self.leases_b].iter().all(|leases| leases.copy_jobs_pending() == 0) && self.shards_read()
     }
 
     /// What [`World::caught_up`] waits for, in words.
@@ -1791,7 +1793,8 @@ impl World {
         [&self.leases_a, &self.leases_b].iter().all(|leases| {
             let by_id: BTreeMap<String, Option<Checkpoint>> = leases.snapshot().into_iter().map(|l| (l.shard_id, l.checkpoint)).collect();
             self.leaves.iter().all(|leaf| match self.stream.last_sequence(&leaf.shard) {
-                None => true,
+                // No records yet: read once a replica of this deployment has its lease.
+                None => by_id.contains_key(&leaf.shard),
                 Some(last) => match by_id.get(&leaf.shard) {
                     Some(Some(Checkpoint::ShardEnd)) => true,
                     Some(Some(Checkpoint::Sequence(s))) => s.parse::<u64>().is_ok_and(|s| s >= last),
