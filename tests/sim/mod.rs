@@ -1535,8 +1535,9 @@ impl World {
     }
 
     /// Deletes orders placed more than [`Params::order_lifetime_days`] ago, a hundred a step,
-    /// and those of the peak-load phase after [`PEAK_ORDER_LIFETIME_MS`], a thousand a step
-    /// (poison orders are never placed here: they never change).
+    /// and those of the peak-load phase after [`PEAK_ORDER_LIFETIME_MS`], a thousand a step.
+    /// Poison orders go too (their removal is poison as well), or the one customer that holds
+    /// them would grow for ever, and with it every check and reconcile.
     fn archive(&mut self) {
         let now = now_ms();
         self.archive_from(false, now.saturating_sub(self.p.order_lifetime_days.saturating_mul(DAY)), 100);
@@ -1562,7 +1563,11 @@ impl World {
                 continue;
             }
             let Some(old) = self.items.get(&key).cloned() else { continue };
-            self.emit("REMOVE", &key, Some(&old), None);
+            let seq = self.emit("REMOVE", &key, Some(&old), None);
+            if old.cents.is_none() {
+                self.poison.push((seq, now_ms()));
+                self.report.poison += 1;
+            }
             self.sources.delete(&[format!("CUST#c{}", key.0), format!("ORDER#{}#o{}", key.1, key.2)]);
             self.items.remove(&key);
             self.report.archived += 1;
@@ -1620,13 +1625,15 @@ impl World {
         let day = chrono_day(now);
         let roll = self.rng.f64();
         if roll < 0.01 {
-            let customer = self.customers(); // a customer of its own: its orders never change
+            let customer = self.customers(); // a customer of its own: its orders only leave (`archive`)
             self.next_order += 1;
             let order = Order { status: "PENDING", cents: None, updated: now };
             let key = (customer, day, self.next_order);
             let seq = self.emit("INSERT", &key, None, Some(&order));
             self.poison.push((seq, now));
             self.sources.put(source_item(&key, &order));
+            let peak = self.peaking;
+            self.placed(peak).push_back((now, key.clone()));
             self.items.insert(key, order);
             self.report.poison += 1;
             return;
@@ -1634,7 +1641,7 @@ impl World {
         let existing: Vec<(u32, String, u64)> = if roll < 0.5 || self.items.is_empty() {
             Vec::new()
         } else {
-            // An order of a random customer (poison orders, of customer `customers()`, never change).
+            // An order of a random customer (poison orders, of customer `customers()`, only leave).
             let customer = self.rng.u32(..self.customers());
             let orders: Vec<&(u32, String, u64)> = self
                 .items
