@@ -3,12 +3,13 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use super::{JobStep, Lease, LeaseStore, Progress, StateError};
+use super::{JobStep, Lease, LeaseStore, LeaseView, Progress, StateError, ViewMark};
 use crate::rules::copy::job::{CopyJob, StoredJob};
 
 #[derive(Debug, Default)]
 pub struct MemoryLeases {
-    leases: Mutex<BTreeMap<String, Lease>>,
+    id: StoreId,
+    leases: Mutex<Table>,
     /// (oldest, latest) pending request.
     reconcile_request: Mutex<Option<(u64, u64)>>,
     unowned: Mutex<Unowned>,
@@ -23,6 +24,76 @@ pub struct MemoryLeases {
     jobs: Mutex<BTreeMap<String, StoredJob>>,
     /// Copy fan-out jobs recorded so far (follow-ups included).
     jobs_recorded: std::sync::atomic::AtomicU64,
+}
+
+/// Tells stores apart, so a view is only ever brought up to date from its own store's log.
+#[derive(Debug)]
+struct StoreId(u64);
+
+impl Default for StoreId {
+    fn default() -> StoreId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        StoreId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// Deleted leases the change log remembers before it forgets them and starts a new epoch
+/// (every view then reads the whole table once).
+const FORGET_DELETED_AFTER: usize = 4096;
+
+/// The leases, and a log of which changed when ([`LeaseStore::refresh`]).
+#[derive(Debug, Default)]
+struct Table {
+    leases: BTreeMap<String, Lease>,
+    /// Bumped at every change of a lease.
+    version: u64,
+    /// Bumped when the log forgets deleted leases.
+    epoch: u64,
+    /// Version -> the lease changed then (each lease at its latest change only).
+    log: BTreeMap<u64, String>,
+    latest: std::collections::HashMap<String, u64>,
+    /// Deleted leases still in the log.
+    deleted: usize,
+}
+
+impl Table {
+    /// Records that `shard`'s lease changed (or was created or deleted).
+    fn touch(&mut self, shard: &str) {
+        self.version += 1;
+        if let Some(before) = self.latest.insert(shard.to_string(), self.version) {
+            self.log.remove(&before);
+        }
+        self.log.insert(self.version, shard.to_string());
+    }
+
+    fn remove(&mut self, shard: &str) {
+        self.leases.remove(shard);
+        self.touch(shard);
+        self.deleted += 1;
+        if self.deleted > FORGET_DELETED_AFTER {
+            let leases = &self.leases;
+            self.log.retain(|_, s| leases.contains_key(s));
+            self.latest.retain(|s, _| leases.contains_key(s));
+            self.deleted = 0;
+            self.epoch += 1;
+        }
+    }
+
+    /// Brings `view` up to date: the leases changed since its mark, or all of them.
+    fn refresh(&self, store: u64, view: &mut LeaseView) {
+        match view.mark {
+            Some(m) if m.store == store && m.epoch == self.epoch && m.version <= self.version => {
+                for (_, shard) in self.log.range(m.version + 1..) {
+                    match self.leases.get(shard) {
+                        Some(l) => view.leases.insert(shard.clone(), l.clone()),
+                        None => view.leases.remove(shard),
+                    };
+                }
+            }
+            _ => view.leases = self.leases.clone(),
+        }
+        view.mark = Some(ViewMark { store, epoch: self.epoch, version: self.version });
+    }
 }
 
 /// When each lease became free to take, to measure how long shards went unowned.
@@ -42,7 +113,7 @@ impl MemoryLeases {
     }
 
     pub fn snapshot(&self) -> Vec<Lease> {
-        self.lock().values().cloned().collect()
+        self.lock().leases.values().cloned().collect()
     }
 
     /// The longest time a ready lease waited to be taken (ms): from its creation, release,
@@ -84,15 +155,16 @@ impl MemoryLeases {
         self.jobs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Lease>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn update(&self, shard_id: &str, owner: &str, counter: u64, f: impl FnOnce(&mut Lease)) -> bool {
         let mut m = self.lock();
-        match m.get_mut(shard_id) {
+        match m.leases.get_mut(shard_id) {
             Some(l) if l.owner.as_deref() == Some(owner) && l.counter == counter => {
                 f(l);
+                m.touch(shard_id);
                 true
             }
             _ => false,
@@ -109,13 +181,19 @@ impl LeaseStore for MemoryLeases {
         Ok(self.snapshot())
     }
 
+    async fn refresh(&self, view: &mut LeaseView) -> Result<(), StateError> {
+        self.lock().refresh(self.id.0, view);
+        Ok(())
+    }
+
     async fn create(&self, lease: &Lease) -> Result<bool, StateError> {
         let mut m = self.lock();
-        if m.contains_key(&lease.shard_id) {
+        if m.leases.contains_key(&lease.shard_id) {
             return Ok(false);
         }
-        m.insert(lease.shard_id.clone(), lease.clone());
-        let size = m.len();
+        m.leases.insert(lease.shard_id.clone(), lease.clone());
+        m.touch(&lease.shard_id);
+        let size = m.leases.len();
         drop(m);
         let mut u = self.unowned.lock().unwrap_or_else(|e| e.into_inner());
         u.since.insert(lease.shard_id.clone(), super::now_ms());
@@ -125,7 +203,7 @@ impl LeaseStore for MemoryLeases {
 
     async fn take(&self, lease: &Lease, owner: &str, expires_at_ms: u64) -> Result<Option<Lease>, StateError> {
         let mut m = self.lock();
-        match m.get_mut(&lease.shard_id) {
+        let taken = match m.leases.get_mut(&lease.shard_id) {
             Some(l) if l.counter == lease.counter => {
                 let now = super::now_ms();
                 let parent_end = l
@@ -141,10 +219,12 @@ impl LeaseStore for MemoryLeases {
                 l.owner = Some(owner.to_string());
                 l.counter += 1;
                 l.expires_at_ms = expires_at_ms;
-                Ok(Some(l.clone()))
+                l.clone()
             }
-            _ => Ok(None),
-        }
+            _ => return Ok(None),
+        };
+        m.touch(&lease.shard_id);
+        Ok(Some(taken))
     }
 
     async fn renew(&self, shard_id: &str, owner: &str, counter: u64, expires_at_ms: u64) -> Result<bool, StateError> {
@@ -184,7 +264,7 @@ impl LeaseStore for MemoryLeases {
 
     async fn delete(&self, lease: &Lease) -> Result<bool, StateError> {
         let mut m = self.lock();
-        match m.get(&lease.shard_id) {
+        match m.leases.get(&lease.shard_id) {
             Some(l) if l.counter == lease.counter && l.finished() => {
                 m.remove(&lease.shard_id);
                 let mut u = self.unowned.lock().unwrap_or_else(|e| e.into_inner());
@@ -343,5 +423,80 @@ mod named_tests {
         assert!(!l.hold_named("s", "a", 600, 400).await.unwrap(), "a cannot release b's");
         l.release_named("s", "b").await.unwrap();
         assert!(l.hold_named("s", "a", 700, 400).await.unwrap(), "released: free");
+    }
+}
+
+#[cfg(test)]
+mod view_tests {
+    use super::*;
+    use crate::state::Checkpoint;
+
+    fn table(l: &MemoryLeases) -> BTreeMap<String, Lease> {
+        l.snapshot().into_iter().map(|x| (x.shard_id.clone(), x)).collect()
+    }
+
+    /// One random operation on the table, as replicas make them (most fail their condition).
+    async fn random_op(l: &MemoryLeases, rng: &mut fastrand::Rng, shards: u32, step: u32) {
+        let shard = format!("s{}", rng.u32(..shards));
+        let current = l.lock().leases.get(&shard).cloned();
+        let owner = ["a", "b", "c"][rng.usize(..3)];
+        let counter = current.as_ref().map_or(0, |c| c.counter) + u64::from(rng.u8(..4) == 0);
+        match (rng.u8(..7), current) {
+            (0, _) => drop(l.create(&Lease::new(&shard, None)).await),
+            (1, Some(c)) => drop(l.take(&c, owner, rng.u64(..1000)).await),
+            (2, _) => drop(l.renew(&shard, owner, counter, rng.u64(..1000)).await),
+            (3, _) => {
+                let checkpoint = Some(if rng.bool() { Checkpoint::ShardEnd } else { Checkpoint::Sequence(rng.u32(..).to_string()) });
+                drop(l.checkpoint(&shard, owner, counter, &Progress { checkpoint, ..Progress::default() }).await)
+            }
+            (4, _) => drop(l.release(&shard, owner, counter).await),
+            (5, Some(c)) => drop(l.delete(&c).await),
+            // A shard's whole life, so that many are deleted.
+            (6, _) => {
+                let short = Lease::new(&format!("t{step}"), None);
+                l.create(&short).await.unwrap();
+                let taken = l.take(&short, owner, 1).await.unwrap().unwrap();
+                let end = Progress { checkpoint: Some(Checkpoint::ShardEnd), ..Progress::default() };
+                assert!(l.checkpoint(&taken.shard_id, owner, taken.counter, &end).await.unwrap());
+                let finished = l.lock().leases[&taken.shard_id].clone();
+                assert!(l.delete(&finished).await.unwrap());
+            }
+            _ => {}
+        }
+    }
+
+    /// Views refreshed at random points, some rarely, across the log's epochs: each equals
+    /// the whole table after its refresh, whatever changed and was deleted in between.
+    #[tokio::test]
+    async fn a_refreshed_view_equals_the_table() {
+        let l = MemoryLeases::new();
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut views = [LeaseView::default(), LeaseView::default(), LeaseView::default()];
+        for step in 0..70_000u32 {
+            random_op(&l, &mut rng, 50, step).await;
+            let v = rng.usize(..views.len());
+            // View 0 every few steps, view 2 rarely (often a whole epoch behind).
+            if rng.u32(..[4, 40, 4000][v]) == 0 {
+                l.refresh(&mut views[v]).await.unwrap();
+                assert_eq!(views[v].leases, table(&l), "view {v} after step {step}");
+            }
+        }
+        let epochs = l.lock().epoch;
+        assert!(epochs >= 2, "the log forgot deleted leases {epochs} times; the test needs it to");
+    }
+
+    /// A view from another store, or a full list, is read again in full.
+    #[tokio::test]
+    async fn a_view_of_another_store_is_read_in_full() {
+        let (a, b) = (MemoryLeases::new(), MemoryLeases::new());
+        a.create(&Lease::new("x", None)).await.unwrap();
+        b.create(&Lease::new("y", None)).await.unwrap();
+        let mut view = LeaseView::default();
+        a.refresh(&mut view).await.unwrap();
+        b.refresh(&mut view).await.unwrap();
+        assert_eq!(view.leases.keys().collect::<Vec<_>>(), ["y"]);
+        view.replace(a.list().await.unwrap());
+        b.refresh(&mut view).await.unwrap();
+        assert_eq!(view.leases.keys().collect::<Vec<_>>(), ["y"]);
     }
 }

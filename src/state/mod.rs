@@ -93,6 +93,33 @@ impl Lease {
     }
 }
 
+/// The lease table as a replica last read it, kept from one maintenance round to the next
+/// ([`LeaseStore::refresh`]). A store that keeps a log of its changes brings it up to date by
+/// copying only the leases changed since; the default reads every lease again.
+#[derive(Debug, Default, Clone)]
+pub struct LeaseView {
+    pub leases: BTreeMap<String, Lease>,
+    /// Whose changes `leases` holds, and up to which one (None: the next refresh reads all).
+    pub mark: Option<ViewMark>,
+}
+
+/// A store's change log position: which store, which generation of its log (a log that
+/// forgets deleted leases starts a new one), and the last change a view holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ViewMark {
+    pub store: u64,
+    pub epoch: u64,
+    pub version: u64,
+}
+
+impl LeaseView {
+    /// Every lease as just read: the whole view replaced.
+    pub fn replace(&mut self, leases: Vec<Lease>) {
+        self.leases = leases.into_iter().map(|l| (l.shard_id.clone(), l)).collect();
+        self.mark = None;
+    }
+}
+
 /// A checkpoint update from the shard reader.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Progress {
@@ -129,6 +156,15 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// Checks the table exists, creating it when `create` is set.
     fn prepare(&self, create: bool) -> impl Future<Output = Result<(), StateError>> + Send;
     fn list(&self) -> impl Future<Output = Result<Vec<Lease>, StateError>> + Send;
+    /// Brings `view` up to date: afterwards it holds exactly the leases [`LeaseStore::list`]
+    /// would return. By default every lease is read again.
+    fn refresh(&self, view: &mut LeaseView) -> impl Future<Output = Result<(), StateError>> + Send {
+        async move {
+            let leases = self.list().await?;
+            view.replace(leases);
+            Ok(())
+        }
+    }
     /// Creates the lease if it does not exist yet.
     fn create(&self, lease: &Lease) -> impl Future<Output = Result<bool, StateError>> + Send;
     /// Takes `lease` (as last read) for `owner`: succeeds only if its counter is unchanged.

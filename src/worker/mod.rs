@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::rules::Engine;
 use crate::sink::dead_letter::DeadLetters;
 use crate::sink::AggregateStore;
-use crate::state::{now_ms, Checkpoint, Lease, LeaseStore, Progress};
+use crate::state::{now_ms, Checkpoint, Lease, LeaseStore, LeaseView, Progress};
 use crate::stream::{lineage, ShardInfo, StreamSource};
 use crate::telemetry::{names, Health};
 use shard::{read_shard, ShardExit, ShardLease};
@@ -332,6 +332,9 @@ pub struct Worker<S, L, A> {
     last_discovery_ms: u64,
     /// When each leased shard was first seen missing from DescribeStream.
     missing_since: BTreeMap<String, u64>,
+    /// The lease table as the last round read it (and wrote it since), brought up to date at
+    /// the start of each round.
+    lease_view: LeaseView,
     gate: gate::DefinitionsGate,
     /// Leases whose readers were stopped because the definitions gate closed: released once
     /// the reader finished its batch (shard -> fencing counter).
@@ -363,6 +366,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             newest_listed_ms: 0,
             last_discovery_ms: 0,
             missing_since: BTreeMap::new(),
+            lease_view: LeaseView::default(),
             jobs: BTreeMap::new(),
             job_tasks: FuturesUnordered::new(),
         }
@@ -492,15 +496,25 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 Err(e) => return Err(WorkerError::Aws(format!("DescribeStream: {e}"))),
             }
         }
-        let mut leases: BTreeMap<String, Lease> =
-            self.shared.leases.list().await.map_err(state_error)?.into_iter().map(|l| (l.shard_id.clone(), l)).collect();
+        // Taken out for the round; an error leaves it out, so the next round reads all again.
+        let mut view = std::mem::take(&mut self.lease_view);
+        self.shared.leases.refresh(&mut view).await.map_err(state_error)?;
+        let round = self.lease_round(&mut view.leases, now).await;
+        self.lease_view = view;
+        round
+    }
+
+    /// The rest of a round, on the lease table as just read: create the leases of new shards,
+    /// keep the table tidy, take and balance, report. The changes this round makes to the
+    /// table are made to `leases` too when they succeed; the next refresh brings in the rest.
+    async fn lease_round(&mut self, leases: &mut BTreeMap<String, Lease>, now: u64) -> Result<(), WorkerError> {
         let shards = self.shards.clone();
         let listed: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         // One failed call costs one lease a round, not the round: with hundreds of shards a
         // round must not depend on every call succeeding.
         for s in shards.iter() {
             if !leases.contains_key(&s.shard_id) {
-                let lease = plan::new_lease(s, &leases);
+                let lease = plan::new_lease(s, leases);
                 let created = self.shared.leases.create(&lease).await;
                 self.shared.health.beat();
                 match created {
@@ -512,16 +526,16 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
             }
         }
         self.shared.health.aws_reachable.store(true, Ordering::Relaxed);
-        if !self.definitions_gate(&leases, now).await? {
-            self.report(&[], &leases);
+        if !self.definitions_gate(leases, now).await? {
+            self.report(&[], leases);
             return Ok(());
         }
-        self.finish_lost(&listed, &mut leases, now).await;
-        self.delete_finished(&listed, &leases).await;
+        self.finish_lost(&listed, leases, now).await;
+        self.delete_finished(&listed, leases).await;
         let finished = |id: &str| leases.get(id).is_some_and(Lease::finished);
         let ready: Vec<String> = lineage::ready(&shards, &finished).into_iter().map(|s| s.shard_id.clone()).collect();
         let running: BTreeSet<String> = self.running.keys().cloned().collect();
-        let want: Vec<Lease> = plan::leases_to_take(&ready, &leases, &self.shared.owner, &running, now)
+        let want: Vec<Lease> = plan::leases_to_take(&ready, leases, &self.shared.owner, &running, now)
             .into_iter()
             .filter(|l| self.shared.balance || l.available(now))
             .filter(|_| self.gate.takes_leases())
@@ -546,7 +560,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
                 }
                 let start = plan::initial_position(
                     got.checkpoint.as_ref(),
-                    plan::parent_known(&got, &leases, &listed),
+                    plan::parent_known(&got, leases, &listed),
                     self.shared.start_position(&l),
                 );
                 // A finished parent's unfolded totals: its owner may have died after its end.
@@ -558,7 +572,7 @@ impl<S: StreamSource, L: LeaseStore, A: AggregateStore> Worker<S, L, A> {
         }
         self.start_if_still_current(taken_now, now + lease_ms).await;
         self.start_jobs().await;
-        self.report(&ready, &leases);
+        self.report(&ready, leases);
         Ok(())
     }
 

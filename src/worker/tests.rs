@@ -121,6 +121,9 @@ impl LeaseStore for ArcLeases {
     async fn list(&self) -> Result<Vec<Lease>, crate::state::StateError> {
         self.0.list().await
     }
+    async fn refresh(&self, view: &mut crate::state::LeaseView) -> Result<(), crate::state::StateError> {
+        self.0.refresh(view).await
+    }
     async fn create(&self, lease: &Lease) -> Result<bool, crate::state::StateError> {
         self.0.create(lease).await
     }

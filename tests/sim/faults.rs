@@ -16,7 +16,7 @@ use ddb_aggregator::sink::{
     SinkError, TransitionWrite, WriteOutcome,
 };
 use ddb_aggregator::state::definitions::{Beat, Committed};
-use ddb_aggregator::state::{now_ms, JobStep, Lease, LeaseStore, Progress, StateError};
+use ddb_aggregator::state::{now_ms, JobStep, Lease, LeaseStore, LeaseView, Progress, StateError};
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
 use futures::future::BoxFuture;
 
@@ -172,6 +172,9 @@ impl<L: LeaseStore> LeaseStore for Leases<L> {
     }
     async fn list(&self) -> Result<Vec<Lease>, StateError> {
         call(&self.fate, &self.faults, self.inner.list(), state_fault, state_fault).await
+    }
+    async fn refresh(&self, view: &mut LeaseView) -> Result<(), StateError> {
+        call(&self.fate, &self.faults, self.inner.refresh(view), state_fault, state_fault).await
     }
     async fn create(&self, lease: &Lease) -> Result<bool, StateError> {
         call(&self.fate, &self.faults, self.inner.create(lease), state_fault, state_fault).await
