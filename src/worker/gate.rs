@@ -323,8 +323,11 @@ mod tests {
         store.drop_beat("a").await.unwrap();
         assert!(!b.round(&store, "b", &none, (4_000, std::time::Instant::now()), 10_000).await.unwrap());
         assert!(!b.round(&store, "b", &none, (15_000, std::time::Instant::now()), 10_000).await.unwrap(), "mark until 24,000: too close");
+        // Marked again from a fresh clock: 15,000 plus the round's own time (a few ms, or more
+        // on a loaded machine), plus two lease durations.
         let (c, _) = store.definitions().await.unwrap().unwrap();
-        assert_eq!((c.generation, c.draining.map(|d| d.until_ms)), (1, Some(35_000)), "marked again");
+        let until = c.draining.map(|d| d.until_ms);
+        assert!(c.generation == 1 && until.is_some_and(|u| (35_000..36_000).contains(&u)), "marked again: {until:?}");
         assert!(b.round(&store, "b", &none, (16_000, std::time::Instant::now()), 10_000).await.unwrap(), "then commits");
     }
 }
