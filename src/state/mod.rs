@@ -95,7 +95,10 @@ impl Lease {
 
 /// The lease table as a replica last read it, kept from one maintenance round to the next
 /// ([`LeaseStore::refresh`]). A store that keeps a log of its changes brings it up to date by
-/// copying only the leases changed since; the default reads every lease again.
+/// copying only the leases changed since; the default reads every lease again. A caller may
+/// change `leases` only as a write to the store just did (that write is then in the store's log
+/// after the mark, and the next refresh replaces the caller's copy): any other change would
+/// stay in the view until that lease next changes in the store.
 #[derive(Debug, Default, Clone)]
 pub struct LeaseView {
     pub leases: BTreeMap<String, Lease>,
