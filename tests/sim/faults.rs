@@ -20,10 +20,13 @@ use ddb_aggregator::state::{now_ms, JobStep, Lease, LeaseStore, LeaseView, Progr
 use ddb_aggregator::stream::{Page, Position, ShardInfo, StreamError, StreamSource};
 use futures::future::BoxFuture;
 
+/// The payload a crashed replica's task unwinds with ([`gate`]).
+struct Crashed;
+
 /// One replica process, as the world sees it.
 #[derive(Debug, Default)]
 pub struct Fate {
-    /// Crashed: every call hangs for ever (its task is as good as gone).
+    /// Crashed: every call ends its task there ([`gate`]), without effect.
     pub dead: AtomicBool,
     /// Paused (GC, SIGSTOP) until this epoch ms: calls wait, then go through.
     pub paused_until: AtomicU64,
@@ -87,11 +90,15 @@ impl Faults {
     }
 }
 
-/// The replica's fate at a call boundary: hangs for ever when dead, waits out a pause.
+/// The replica's fate at a call boundary: ends the calling task when dead (as the process
+/// would be gone), waits out a pause.
 async fn gate(fate: &Fate) {
     loop {
         if fate.dead.load(Ordering::Relaxed) {
-            std::future::pending::<()>().await;
+            // Unwinds the task without the panic hook's message; tokio ends the task there.
+            // A task that waited for ever instead kept the crashed replica's whole state
+            // (its readers, caches and engine) until the end of the run: gigabytes in a year.
+            std::panic::resume_unwind(Box::new(Crashed));
         }
         let until = fate.paused_until.load(Ordering::Relaxed);
         let now = now_ms();
