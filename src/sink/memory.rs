@@ -72,8 +72,11 @@ struct State {
     read_limit: Option<f64>,
     reads_throttled_since_asked: u64,
     peak_read_since_asked: (f64, String),
-    /// Per item: writes applied and the capacity they consumed.
+    /// Per item: writes applied and the capacity they consumed (an item deleted leaves it:
+    /// [`State::forget_usage`]).
     usage: HashMap<Vec<String>, (u64, f64)>,
+    /// The most written of the items deleted since, with its usage.
+    hottest_gone: Option<(Vec<String>, (u64, f64))>,
 }
 
 #[derive(Debug, Default)]
@@ -209,6 +212,7 @@ impl MemoryAggregates {
             let still = Decimal::from_i64(i64::try_from(at).unwrap_or(i64::MAX));
             if s.items.get(&key).is_some_and(|item| matches!(item.get(attribute), Some(MemValue::Num(x)) if *x == still)) {
                 s.items.remove(&key);
+                s.forget_usage(&key);
                 deleted += 1;
             }
         }
@@ -285,7 +289,8 @@ impl MemoryAggregates {
     /// The most written item: its key, writes and mean WCU per write.
     pub fn hottest(&self) -> Option<(Vec<String>, u64, f64)> {
         let s = self.lock();
-        s.usage.iter().max_by(|a, b| a.1 .0.cmp(&b.1 .0).then_with(|| b.0.cmp(a.0))).map(|(k, (n, c))| (k.clone(), *n, c / *n as f64))
+        let gone = s.hottest_gone.as_ref().map(|(k, u)| (k, u));
+        s.usage.iter().chain(gone).max_by(|a, b| hotter(*a, *b)).map(|(k, (n, c))| (k.clone(), *n, c / *n as f64))
     }
 
     /// The keys of the items whose key is `rest` followed by a last part that begins with
@@ -428,6 +433,7 @@ impl MemoryAggregates {
         let holds = matches!(s.items.get(key).and_then(|i| i.get(version_attribute)), Some(MemValue::Num(n)) if n.to_string() == seen);
         if holds {
             s.items.remove(key);
+            s.forget_usage(key);
         }
         holds
     }
@@ -581,7 +587,22 @@ fn charge_in(per_second: &mut HashMap<String, (u64, f64)>, partition: &str, seco
     }
 }
 
+/// Which of two items' usage is the greater: more writes, then the smaller key.
+fn hotter(a: (&Vec<String>, &(u64, f64)), b: (&Vec<String>, &(u64, f64))) -> std::cmp::Ordering {
+    a.1 .0.cmp(&b.1 .0).then_with(|| b.0.cmp(a.0))
+}
+
 impl State {
+    /// An item was deleted: its usage leaves the map (helpers keyed by value or version come
+    /// and go by the million over a simulated year), kept only if it is the most written yet.
+    fn forget_usage(&mut self, key: &[String]) {
+        let Some(gone) = self.usage.remove_entry(key) else { return };
+        let beats = self.hottest_gone.as_ref().is_none_or(|(k, u)| hotter((&gone.0, &gone.1), (k, u)).is_gt());
+        if beats {
+            self.hottest_gone = Some(gone);
+        }
+    }
+
     /// Whether `capacity` more would take `partition` over the limit in the current second.
     fn over_partition_limit(&self, partition: &str, capacity: f64) -> bool {
         self.partition_limit.is_some_and(|limit| self.used_this_second(partition, crate::state::now_ms() / 1000) + capacity > limit)
@@ -836,6 +857,7 @@ impl AggregateStore for MemoryAggregates {
         });
         if expired {
             s.items.remove(&key);
+            s.forget_usage(&key);
         }
         s.pending.remove(&pending_key(p));
         Ok(expired)

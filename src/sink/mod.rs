@@ -746,6 +746,39 @@ mod tests {
         crate::state::simulate_clock(None);
     }
 
+    /// The memory store forgets a deleted item's write count (a long simulation deletes
+    /// millions of helpers) but still reports the most written item, deleted or not.
+    #[tokio::test]
+    async fn the_memory_store_reports_the_hottest_item_after_it_is_deleted() {
+        let store = MemoryAggregates::new();
+        let names = vec!["PK".to_string(), "SK".to_string()];
+        let ledger = Ledger::new("t");
+        let ctx = ShardContext::new(&ledger, "shardId-00000001700000000001-aaaaaaaa");
+        let target = |sk: &str| TargetKey(vec![Box::from("CUST#c1"), Box::from(sk)].into_boxed_slice());
+        for seq in 1..=3 {
+            let delta = TargetDelta { contributions: vec![contribution(seq, "orders")], ..Default::default() };
+            write_target(&store, &names, &target("A"), &delta, &ctx).await.unwrap();
+        }
+        for seq in 4..=5 {
+            let delta = TargetDelta { contributions: vec![contribution(seq, "orders")], ..Default::default() };
+            write_target(&store, &names, &target("B"), &delta, &ctx).await.unwrap();
+        }
+        let hottest = |store: &MemoryAggregates| store.hottest().map(|(k, n, _)| (k.join("/"), n));
+        assert_eq!(hottest(&store), Some(("CUST#c1/A".into(), 3)));
+        let key_a = vec!["CUST#c1".to_string(), "A".to_string()];
+        let version = match store.item(&["CUST#c1", "A"]).and_then(|i| i.get(&ledger.version_attribute()).cloned()) {
+            Some(MemValue::Num(v)) => v.to_string(),
+            other => panic!("A has a version: {other:?}"),
+        };
+        assert!(store.delete_if(&key_a, &ledger.version_attribute(), &version));
+        assert_eq!(hottest(&store), Some(("CUST#c1/A".into(), 3)), "deleted, still the most written");
+        for seq in 6..=7 {
+            let delta = TargetDelta { contributions: vec![contribution(seq, "orders")], ..Default::default() };
+            write_target(&store, &names, &target("B"), &delta, &ctx).await.unwrap();
+        }
+        assert_eq!(hottest(&store), Some(("CUST#c1/B".into(), 4)), "overtaken by a live item");
+    }
+
     /// With a partition limit the memory store throttles a write that would take its
     /// partition key over it within one second, as DynamoDB does; the writer retries until
     /// the next second, where the write lands once, and another partition key is not held

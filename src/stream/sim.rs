@@ -152,6 +152,7 @@ impl SimStream {
             s.shards.iter().filter(|(_, sh)| sh.closed_at.is_some_and(|c| c < cutoff_ms)).map(|(id, _)| id.clone()).collect();
         for id in &gone {
             s.shards.remove(id);
+            s.empty_on.remove(id);
         }
         gone
     }
@@ -196,7 +197,9 @@ impl SimStream {
 
     /// Removes a shard from the listing (DescribeStream forgets shards after 24 h).
     pub fn forget(&self, shard: &str) {
-        lock(&self.state).shards.remove(shard);
+        let mut s = lock(&self.state);
+        s.shards.remove(shard);
+        s.empty_on.remove(shard);
     }
 
     /// From now on GetRecords on a shard without records fails with TrimmedDataAccess, as
