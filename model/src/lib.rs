@@ -38,11 +38,15 @@
 //!
 //! Correcting a target written all the time (a hold its writers log under) is a third:
 //! [`hold`].
+//!
+//! Helper measures packed in the target, written by a compare-and-swap on a cached image, is a
+//! fourth: [`packed`].
 
 use stateright::{Model, Property};
 
 pub mod definitions;
 pub mod hold;
+pub mod packed;
 
 /// Shards: P = 0, C1 = 1, C2 = 2.
 pub const SHARDS: usize = 3;
