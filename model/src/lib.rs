@@ -40,13 +40,15 @@
 //! [`hold`].
 //!
 //! Helper measures packed in the target, written by a compare-and-swap on a cached image, is a
-//! fourth: [`packed`].
+//! fourth: [`packed`]; the counts moving out of the target into helper items, and targets
+//! written before packing existed, a fifth: [`spill`].
 
 use stateright::{Model, Property};
 
 pub mod definitions;
 pub mod hold;
 pub mod packed;
+pub mod spill;
 
 /// Shards: P = 0, C1 = 1, C2 = 2.
 pub const SHARDS: usize = 3;
