@@ -751,17 +751,18 @@ mod tests {
     #[tokio::test]
     async fn the_memory_store_reports_the_hottest_item_after_it_is_deleted() {
         let store = MemoryAggregates::new();
-        let names = vec!["PK".to_string(), "SK".to_string()];
         let ledger = Ledger::new("t");
         let ctx = ShardContext::new(&ledger, "shardId-00000001700000000001-aaaaaaaa");
-        let target = |sk: &str| TargetKey(vec![Box::from("CUST#c1"), Box::from(sk)].into_boxed_slice());
-        for seq in 1..=3 {
+        async fn write(store: &MemoryAggregates, ctx: &ShardContext, sk: &str, seq: u64) {
+            let key = TargetKey(vec![Box::from("CUST#c1"), Box::from(sk)].into_boxed_slice());
             let delta = TargetDelta { contributions: vec![contribution(seq, "orders")], ..Default::default() };
-            write_target(&store, &names, &target("A"), &delta, &ctx).await.unwrap();
+            write_target(store, &["PK".to_string(), "SK".to_string()], &key, &delta, ctx).await.unwrap();
+        }
+        for seq in 1..=3 {
+            write(&store, &ctx, "A", seq).await;
         }
         for seq in 4..=5 {
-            let delta = TargetDelta { contributions: vec![contribution(seq, "orders")], ..Default::default() };
-            write_target(&store, &names, &target("B"), &delta, &ctx).await.unwrap();
+            write(&store, &ctx, "B", seq).await;
         }
         let hottest = |store: &MemoryAggregates| store.hottest().map(|(k, n, _)| (k.join("/"), n));
         assert_eq!(hottest(&store), Some(("CUST#c1/A".into(), 3)));
@@ -773,8 +774,7 @@ mod tests {
         assert!(store.delete_if(&key_a, &ledger.version_attribute(), &version));
         assert_eq!(hottest(&store), Some(("CUST#c1/A".into(), 3)), "deleted, still the most written");
         for seq in 6..=7 {
-            let delta = TargetDelta { contributions: vec![contribution(seq, "orders")], ..Default::default() };
-            write_target(&store, &names, &target("B"), &delta, &ctx).await.unwrap();
+            write(&store, &ctx, "B", seq).await;
         }
         assert_eq!(hottest(&store), Some(("CUST#c1/B".into(), 4)), "overtaken by a live item");
     }
