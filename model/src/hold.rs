@@ -36,6 +36,8 @@
 
 use stateright::{Model, Property};
 
+pub use crate::check::{check_all, find_counterexample, Summary};
+
 /// Source items.
 pub const ITEMS: usize = 2;
 pub const A: usize = 0;
@@ -369,41 +371,4 @@ pub fn describe(st: &State) -> String {
         st.phase,
         applied_sum(st)
     )
-}
-
-/// What an exhaustive run found.
-#[derive(Debug)]
-pub struct Summary {
-    pub unique_states: usize,
-    pub seconds: f64,
-    /// `always` properties violated, and `sometimes` properties never met.
-    pub failures: Vec<&'static str>,
-}
-
-/// Runs the BFS checker over every reachable state.
-pub fn check_all(model: HoldModel) -> Summary {
-    use stateright::{Checker, Expectation};
-    let properties = model.properties();
-    let start = std::time::Instant::now();
-    let checker = model.checker().spawn_bfs().join();
-    let seconds = start.elapsed().as_secs_f64();
-    let found: Vec<&'static str> = checker.discoveries().into_keys().collect();
-    let failures = properties
-        .iter()
-        .filter(|p| match p.expectation {
-            Expectation::Sometimes => !found.contains(&p.name),
-            _ => found.contains(&p.name),
-        })
-        .map(|p| p.name)
-        .collect();
-    Summary { unique_states: checker.unique_state_count(), seconds, failures }
-}
-
-/// A shortest counterexample to `property`, as (action, state after it) steps.
-pub fn find_counterexample(model: HoldModel, property: &'static str) -> Option<Vec<(Action, State)>> {
-    use stateright::{Checker, HasDiscoveries};
-    let path =
-        model.checker().finish_when(HasDiscoveries::AnyOf([property].into_iter().collect())).spawn_bfs().join().discovery(property)?;
-    let steps = path.into_vec();
-    Some(steps.windows(2).map(|w| (w[0].1.expect("an action between states"), w[1].0.clone())).collect())
 }

@@ -45,6 +45,7 @@
 
 use stateright::{Model, Property};
 
+pub mod check;
 pub mod definitions;
 pub mod hold;
 pub mod packed;

@@ -2,7 +2,8 @@
 //! (src/spill.rs): the exhaustive check and the seeded bugs (each must be found; the shortest
 //! counterexample is printed with --nocapture).
 
-use protocol_model::spill::{check_all, describe, find_counterexample, names, SpillBugs, SpillModel};
+use protocol_model::check::expect_found;
+use protocol_model::spill::{check_all, describe, names, SpillBugs, SpillModel};
 
 #[test]
 fn spilled_and_legacy_counts_stay_exact() {
@@ -15,22 +16,12 @@ fn spilled_and_legacy_counts_stay_exact() {
     }
 }
 
-fn expect_found(label: &str, model: SpillModel, property: &'static str) -> usize {
-    let start = std::time::Instant::now();
-    let trace = find_counterexample(model, property).unwrap_or_else(|| panic!("[{label}] no counterexample"));
-    println!("[{label}] '{property}' violated after {} steps (shortest; found in {:.1} s):", trace.len(), start.elapsed().as_secs_f64());
-    for (i, (action, state)) in trace.iter().enumerate() {
-        println!("[{label}]   {:>2}. {action:?}\n[{label}]         {}", i + 1, describe(state));
-    }
-    trace.len()
-}
-
 /// (x) The spill does not copy the target's ledger entries to the helpers: a replay of a
 /// record the target applied is applied again by a helper.
 #[test]
 fn x_spill_without_the_ledger_copy() {
     let bugs = SpillBugs { no_entry_copy: true, ..SpillBugs::default() };
-    expect_found("x", SpillModel { crashes: 1, legacy: false, bugs }, names::EXACT);
+    expect_found("x", SpillModel { crashes: 1, legacy: false, bugs }, names::EXACT, describe);
 }
 
 /// (y) A writer without an image writes packed deltas without the place condition: they land
@@ -38,7 +29,7 @@ fn x_spill_without_the_ledger_copy() {
 #[test]
 fn y_packed_write_without_the_place_condition() {
     let bugs = SpillBugs { no_place_condition: true, ..SpillBugs::default() };
-    expect_found("y", SpillModel { crashes: 1, legacy: false, bugs }, names::PACKED_EMPTY);
+    expect_found("y", SpillModel { crashes: 1, legacy: false, bugs }, names::PACKED_EMPTY, describe);
 }
 
 /// (z) A target the older release wrote starts packed because no helper exists yet: the
@@ -46,5 +37,5 @@ fn y_packed_write_without_the_place_condition() {
 #[test]
 fn z_written_target_without_a_place_starts_packed() {
     let bugs = SpillBugs { unknown_is_packed: true, ..SpillBugs::default() };
-    expect_found("z", SpillModel { crashes: 1, legacy: true, bugs }, names::EXACT);
+    expect_found("z", SpillModel { crashes: 1, legacy: true, bugs }, names::EXACT, describe);
 }
